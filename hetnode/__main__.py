@@ -1,0 +1,3 @@
+from hetnode.cli import main
+
+raise SystemExit(main())
