@@ -153,7 +153,9 @@ class Leave(_Msg, tag="leave", kw_only=True):
     reason: Text = ""
 
 
-CtlMessage = Join | Welcome | Refuse | Heartbeat | Members | LinkReport | Assignment | AssignmentStatus | Leave | ErrorReply
+CtlMessage = (
+    Join | Welcome | Refuse | Heartbeat | Members | LinkReport | Assignment | AssignmentStatus | Leave | ErrorReply
+)
 ctl_decoder = msgspec.msgpack.Decoder(CtlMessage)
 
 

@@ -1,0 +1,244 @@
+"""The coordinator daemon: admits nodes, tracks their liveness and links, and serves the REST API.
+
+Each admitted node keeps one long-lived control stream (/hetnode/ctl/1) open: heartbeats, link reports and
+assignment status flow up it, membership updates and assignments flow down. The stream closing, or a
+heartbeat deadline passing, marks the node down; a node that comes back is admitted again.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import trio
+
+from hetnode.coordinator.registry import Registry
+from hetnode.errors import ProtocolError, StreamClosed
+from hetnode.ids import NodeId
+from hetnode.protocol.framing import FramedStream
+from hetnode.protocol.messages import (
+    CTL_PROTOCOL,
+    DISCOVER_PROTOCOL,
+    PROBE_PROTOCOL,
+    AssignmentStatus,
+    DiscoverReply,
+    DiscoverRequest,
+    ErrorReply,
+    Heartbeat,
+    Join,
+    Leave,
+    LinkReport,
+    Members,
+    Refuse,
+    Welcome,
+    ctl_decoder,
+    discover_decoder,
+)
+from hetnode.protocol.probe import serve_probe
+from hetnode.protocol.transport import Stream, Transport
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CoordinatorConfig:
+    token: str
+    """Admission token every joining node must present."""
+    heartbeat_interval_s: float = 1.0
+    """How often nodes send heartbeats (told to them in Welcome)."""
+    heartbeat_deadline_s: float = 5.0
+    """A node with no heartbeat for this long is marked down."""
+    probe_interval_s: float = 60.0
+    """How often nodes re-measure their links when membership is stable."""
+
+    def __post_init__(self) -> None:
+        if not self.token:
+            raise ValueError("the admission token must not be empty")
+        if not 0 < self.heartbeat_interval_s < self.heartbeat_deadline_s:
+            raise ValueError("need 0 < heartbeat interval < heartbeat deadline")
+        if self.probe_interval_s <= 0:
+            raise ValueError("probe interval must be positive")
+
+
+class _Session:
+    """One admitted node's control stream."""
+
+    def __init__(self, peer: NodeId, framed: FramedStream) -> None:
+        self.peer = peer
+        self.framed = framed
+        self.closed = trio.Event()
+
+
+class Coordinator:
+    def __init__(self, config: CoordinatorConfig, transport: Transport) -> None:
+        self.config = config
+        self.transport = transport
+        self.registry = Registry(token=config.token, heartbeat_deadline_s=config.heartbeat_deadline_s)
+        self._sessions: dict[NodeId, _Session] = {}
+        self._changed = trio.Event()  # membership or deadlines changed: the liveness watcher re-arms
+        self._nursery: trio.Nursery | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------------------------
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            self.transport.set_handler(CTL_PROTOCOL, self._handle_ctl)
+            self.transport.set_handler(PROBE_PROTOCOL, self._handle_probe)
+            self.transport.set_handler(DISCOVER_PROTOCOL, self._handle_discover)
+            nursery.start_soon(self._watch_liveness)
+            task_status.started()
+
+    def _poke(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+    async def _watch_liveness(self) -> None:
+        """Sleep until the earliest heartbeat deadline (or a change), then mark the late nodes down."""
+        while True:
+            deadline = self.registry.next_deadline()
+            changed = self._changed
+            with trio.move_on_at(deadline if deadline is not None else float("inf")):
+                await changed.wait()
+            expired = self.registry.expire(now=trio.current_time())
+            for peer in expired:
+                log.warning("node %s marked down: missed heartbeat deadline", self._name(peer))
+                await self._drop_session(peer)
+            if expired:
+                await self._push_members()
+
+    def _name(self, peer: NodeId) -> str:
+        record = self.registry.nodes.get(peer)
+        return f"{record.name} ({peer})" if record else str(peer)
+
+    # -- handlers ----------------------------------------------------------------------------------------
+
+    async def _handle_discover(self, stream: Stream) -> None:
+        framed = FramedStream(stream)
+        try:
+            msg = await framed.expect_msg(discover_decoder)
+        except ProtocolError as exc:
+            await framed.reject("bad_message", str(exc))
+            return
+        if not isinstance(msg, DiscoverRequest):
+            await framed.reject("bad_message", f"unexpected {type(msg).__name__}")
+            return
+        await framed.send_msg(DiscoverReply(coordinator=self.transport.peer_id,
+                                            addrs=self.transport.listen_addrs()))
+        await framed.aclose()
+
+    async def _handle_probe(self, stream: Stream) -> None:
+        await serve_probe(stream, self.registry.is_member)
+
+    async def _handle_ctl(self, stream: Stream) -> None:
+        peer = stream.remote_peer
+        framed = FramedStream(stream)
+        try:
+            first = await framed.expect_msg(ctl_decoder)
+        except ProtocolError as exc:
+            await framed.reject("bad_message", str(exc))
+            return
+        if not isinstance(first, Join):
+            # Anything but a join from a peer without a session: it is not (yet) a member here.
+            await framed.reject("not_member", f"{type(first).__name__} before join; send join first")
+            return
+        admission = self.registry.admit(peer, first, now=trio.current_time(), wall=time.time())
+        if not admission.admitted:
+            log.warning("refused %s (%s): %s", first.name, peer, admission.reason)
+            await framed.send_msg(Refuse(reason=admission.reason))
+            await framed.aclose()
+            return
+        log.info("%s %s (%s, %s)", "re-admitted" if admission.rejoined else "admitted",
+                 first.name, peer, first.profile.device)
+        if first.listen_addrs:
+            self.transport.add_peer_addrs(peer, list(first.listen_addrs))
+        old = self._sessions.pop(peer, None)
+        if old is not None:
+            await old.framed.reject("superseded", "a newer control stream from the same peer replaced this one")
+        session = _Session(peer, framed)
+        self._sessions[peer] = session
+        try:
+            await framed.send_msg(Welcome(
+                peer_id=peer,
+                heartbeat_interval_s=self.config.heartbeat_interval_s,
+                heartbeat_deadline_s=self.config.heartbeat_deadline_s,
+                probe_interval_s=self.config.probe_interval_s,
+                members=[r.member_info() for r in self.registry.up_members()],
+            ))
+            self._poke()
+            await self._push_members(skip=peer)
+            await self._serve_session(session)
+        finally:
+            if self._sessions.get(peer) is session:
+                del self._sessions[peer]
+                if self.registry.mark(peer, "down", "control stream closed"):
+                    log.warning("node %s marked down: control stream closed", self._name(peer))
+                    self._poke()
+                    with trio.CancelScope(shield=True), trio.move_on_after(2):
+                        await self._push_members()
+            session.closed.set()
+
+    async def _serve_session(self, session: _Session) -> None:
+        peer, framed = session.peer, session.framed
+        while True:
+            try:
+                msg = await framed.receive_msg(ctl_decoder)
+            except ProtocolError as exc:
+                await framed.reject("bad_message", str(exc))
+                return
+            except StreamClosed:
+                return
+            if msg is None:
+                return
+            # The session's peer was admitted, but it may have been marked down since (late heartbeat):
+            # a down node must join again before anything else it says counts.
+            if not self.registry.is_member(peer):
+                await framed.reject("not_member", "membership lapsed; join again")
+                return
+            if isinstance(msg, Heartbeat):
+                self.registry.heartbeat(peer, msg.load, now=trio.current_time(), wall=time.time())
+                self._poke()
+            elif isinstance(msg, LinkReport):
+                stored = self.registry.report_links(peer, msg.links)
+                log.debug("%d link measurements from %s", stored, self._name(peer))
+            elif isinstance(msg, AssignmentStatus):
+                record = self.registry.nodes[peer]
+                if record.assignment and record.assignment.plan_version == msg.plan_version:
+                    record.assignment_state = msg.state
+            elif isinstance(msg, Leave):
+                self.registry.mark(peer, "left", msg.reason or "left")
+                log.info("node %s left: %s", self._name(peer), msg.reason or "no reason given")
+                self._poke()
+                await self._push_members(skip=peer)
+                await framed.aclose()
+                return
+            elif isinstance(msg, ErrorReply):
+                log.warning("node %s reported an error: %s: %s", self._name(peer), msg.code, msg.message)
+            else:
+                await framed.reject("bad_message", f"unexpected {type(msg).__name__} from a node")
+                return
+
+    async def _drop_session(self, peer: NodeId) -> None:
+        session = self._sessions.pop(peer, None)
+        if session is not None:
+            await session.framed.reject("marked_down", "missed the heartbeat deadline; join again")
+
+    async def _push_members(self, skip: NodeId | None = None) -> None:
+        members = Members(version=self.registry.version,
+                          members=[r.member_info() for r in self.registry.up_members()])
+        for peer, session in list(self._sessions.items()):
+            if peer == skip:
+                continue
+            try:
+                with trio.move_on_after(5):
+                    await session.framed.send_msg(members)
+            except (StreamClosed, OSError) as exc:
+                log.info("could not push membership to %s: %s", self._name(peer), exc)
+
+    # -- views -------------------------------------------------------------------------------------------
+
+    def cluster_view(self) -> dict[str, object]:
+        view = self.registry.snapshot(now=trio.current_time())
+        view["coordinator"] = {"peer_id": self.transport.peer_id, "addrs": self.transport.listen_addrs()}
+        return view

@@ -1,0 +1,310 @@
+"""The node daemon: join through a bootstrap peer, keep a control stream to the coordinator, probe links.
+
+Life of a node: dial a bootstrap address, ask it where the coordinator is (/hetnode/discover/1), open the
+control stream and join with the admission token and the hardware profile. While admitted it sends heartbeats,
+probes every other member's link (when membership changes, and periodically) and reports the results. If the
+control stream breaks it rejoins with exponential backoff; a refusal or an exhausted retry budget ends the run.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import trio
+
+from hetnode.errors import (
+    ConfigError,
+    HetnodeError,
+    PeerUnreachable,
+    ProtocolError,
+    Refused,
+    StreamClosed,
+)
+from hetnode.ids import NodeId
+from hetnode.protocol.framing import FramedStream
+from hetnode.protocol.messages import (
+    CTL_PROTOCOL,
+    DISCOVER_PROTOCOL,
+    PROBE_PROTOCOL,
+    Assignment,
+    DiscoverReply,
+    DiscoverRequest,
+    ErrorReply,
+    HardwareProfile,
+    Heartbeat,
+    Join,
+    Leave,
+    LinkMeasurement,
+    LinkReport,
+    Load,
+    MemberInfo,
+    Members,
+    Refuse,
+    Welcome,
+    ctl_decoder,
+    discover_decoder,
+)
+from hetnode.protocol.probe import ProbeSettings, probe_link, serve_probe
+from hetnode.protocol.transport import Stream, Transport
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    bootstrap: tuple[str, ...]
+    """Multiaddrs (with /p2p/) of any member or of the coordinator itself."""
+    token: str
+    """Admission token, as given to the coordinator."""
+    name: str
+    """Human-readable, unique among up members."""
+    profile: HardwareProfile
+    region: str = ""
+    retry_budget_s: float = 60.0
+    """Give up when no bootstrap address has answered for this long (exit 1)."""
+    backoff_initial_s: float = 0.25
+    backoff_max_s: float = 8.0
+    probe: ProbeSettings = field(default_factory=ProbeSettings)
+    probe_debounce_s: float = 0.5
+    """Membership changes within this window trigger one probe round, not one each."""
+    probe_concurrency: int = 2
+
+
+class NodeDaemon:
+    def __init__(self, config: NodeConfig, transport: Transport) -> None:
+        if not config.bootstrap:
+            raise ConfigError("at least one --bootstrap address is needed")
+        self.config = config
+        self.transport = transport
+        self.coordinator: NodeId | None = None
+        self.coordinator_addrs: list[str] = []
+        self.members: dict[NodeId, MemberInfo] = {}
+        self.members_version = -1
+        self.links: dict[NodeId, LinkMeasurement] = {}
+        self.assignment: Assignment | None = None
+        self.joined = trio.Event()  # set on every successful join; replaced when the session ends
+        self.joins = 0
+        self._membership_changed = trio.Event()
+        self._heartbeat_seq = 0
+        self._framed: FramedStream | None = None
+
+    # -- membership checks for our own handlers ----------------------------------------------------------
+
+    def is_member(self, peer: NodeId) -> bool:
+        return peer == self.coordinator or peer in self.members
+
+    async def _handle_probe(self, stream: Stream) -> None:
+        await serve_probe(stream, self.is_member)
+
+    async def _handle_discover(self, stream: Stream) -> None:
+        framed = FramedStream(stream)
+        try:
+            msg = await framed.expect_msg(discover_decoder)
+        except ProtocolError as exc:
+            await framed.reject("bad_message", str(exc))
+            return
+        if not isinstance(msg, DiscoverRequest):
+            await framed.reject("bad_message", f"unexpected {type(msg).__name__}")
+            return
+        if self.coordinator is None:
+            await framed.reject("unknown", "this node has not found the coordinator yet")
+            return
+        await framed.send_msg(DiscoverReply(coordinator=self.coordinator, addrs=self.coordinator_addrs))
+        await framed.aclose()
+
+    # -- main loop ---------------------------------------------------------------------------------------
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Join and stay joined until cancelled. `task_status.started()` fires after the first welcome.
+
+        Raises Refused when the coordinator refuses us and PeerUnreachable when the retry budget runs out."""
+        self.transport.set_handler(PROBE_PROTOCOL, self._handle_probe)
+        self.transport.set_handler(DISCOVER_PROTOCOL, self._handle_discover)
+        backoff = self.config.backoff_initial_s
+        failing_since = trio.current_time()
+        started = False
+        while True:
+            try:
+                framed, welcome = await self._join()
+            except (PeerUnreachable, StreamClosed, ProtocolError, OSError) as exc:
+                waited = trio.current_time() - failing_since
+                if waited >= self.config.retry_budget_s:
+                    raise PeerUnreachable(
+                        f"could not join through {', '.join(self.config.bootstrap)} "
+                        f"for {waited:.0f} s (last error: {exc})") from exc
+                delay = min(backoff, self.config.retry_budget_s - waited) * (0.75 + random.random() / 2)
+                log.warning("join failed (%s); retrying in %.1f s", exc, delay)
+                await trio.sleep(delay)
+                backoff = min(backoff * 2, self.config.backoff_max_s)
+                continue
+            backoff = self.config.backoff_initial_s
+            self.joins += 1
+            self.joined.set()
+            if not started:
+                started = True
+                task_status.started()
+            try:
+                await self._session(framed, welcome)
+            finally:
+                self.joined = trio.Event()
+            log.warning("control stream to the coordinator ended; rejoining")
+            failing_since = trio.current_time()
+
+    async def _discover(self) -> tuple[NodeId, list[str]]:
+        last: Exception | None = None
+        for addr in self.config.bootstrap:
+            try:
+                peer = await self.transport.connect(addr)
+                stream = await self.transport.open_stream(peer, DISCOVER_PROTOCOL)
+                framed = FramedStream(stream)
+                await framed.send_msg(DiscoverRequest())
+                reply = await framed.expect_msg(discover_decoder)
+                if isinstance(reply, ErrorReply):
+                    raise PeerUnreachable(f"{addr} does not know the coordinator: {reply.message}")
+                if not isinstance(reply, DiscoverReply):
+                    raise ProtocolError(f"unexpected {type(reply).__name__} from {addr}")
+                return NodeId(reply.coordinator), list(reply.addrs)
+            except ConfigError:
+                raise
+            except (HetnodeError, OSError) as exc:
+                last = exc
+        raise PeerUnreachable(str(last) if last else "no bootstrap address")
+
+    async def _join(self) -> tuple[FramedStream, Welcome]:
+        coordinator, addrs = await self._discover()
+        self.coordinator, self.coordinator_addrs = coordinator, addrs
+        self.transport.add_peer_addrs(coordinator, addrs)
+        stream = await self.transport.open_stream(coordinator, CTL_PROTOCOL)
+        framed = FramedStream(stream)
+        await framed.send_msg(Join(
+            token=self.config.token, name=self.config.name, region=self.config.region,
+            profile=self.config.profile, listen_addrs=self.transport.listen_addrs(),
+            software="hetnode/0.1"))
+        reply = await framed.expect_msg(ctl_decoder)
+        if isinstance(reply, Refuse):
+            raise Refused(reply.reason)
+        if isinstance(reply, ErrorReply):
+            raise ProtocolError(f"coordinator answered join with {reply.code}: {reply.message}")
+        if not isinstance(reply, Welcome):
+            raise ProtocolError(f"coordinator answered join with {type(reply).__name__}")
+        log.info("joined as %s; %d members", self.config.name, len(reply.members))
+        self._set_members(-1, reply.members)
+        return framed, reply
+
+    def _set_members(self, version: int, members: list[MemberInfo]) -> None:
+        me = self.transport.peer_id
+        self.members = {NodeId(m.peer_id): m for m in members if m.peer_id != me}
+        self.members_version = version
+        for m in self.members.values():
+            self.transport.add_peer_addrs(NodeId(m.peer_id), list(m.addrs))
+        self._membership_changed.set()
+        self._membership_changed = trio.Event()
+
+    async def _session(self, framed: FramedStream, welcome: Welcome) -> None:
+        """Serve one membership until the control stream ends or fails."""
+        self._framed = framed
+        try:
+            async with trio.open_nursery() as nursery:
+
+                async def until_failure(fn: Callable[[FramedStream, float], Awaitable[None]],
+                                        arg: float) -> None:
+                    # Errors end the session here rather than escaping as an exception group.
+                    try:
+                        await fn(framed, arg)
+                    except (StreamClosed, ProtocolError, OSError) as exc:
+                        log.warning("control session failed: %s", exc)
+                    nursery.cancel_scope.cancel()
+
+                nursery.start_soon(until_failure, self._heartbeats, welcome.heartbeat_interval_s)
+                nursery.start_soon(until_failure, self._probe_loop, welcome.probe_interval_s)
+                nursery.start_soon(until_failure, self._read_ctl, 0.0)
+        finally:
+            self._framed = None
+
+    async def leave(self, reason: str = "shutting down") -> None:
+        """Tell the coordinator we are going, so that it need not wait for a heartbeat deadline."""
+        framed = self._framed
+        if framed is None:
+            return
+        with trio.move_on_after(2):
+            try:
+                await framed.send_msg(Leave(reason=reason))
+                await framed.aclose()
+                log.info("left the cluster: %s", reason)
+            except (HetnodeError, OSError) as exc:
+                log.info("could not say goodbye to the coordinator: %s", exc)
+
+    async def _read_ctl(self, framed: FramedStream, _unused: float) -> None:
+        while True:
+            try:
+                msg = await framed.receive_msg(ctl_decoder)
+            except ProtocolError as exc:
+                await framed.reject("bad_message", str(exc))
+                return
+            if msg is None:
+                return
+            if isinstance(msg, Members):
+                if msg.version > self.members_version:
+                    self._set_members(msg.version, msg.members)
+            elif isinstance(msg, Assignment):
+                self.assignment = msg
+            elif isinstance(msg, ErrorReply):
+                log.warning("coordinator: %s: %s", msg.code, msg.message)
+                return
+            else:
+                await framed.reject("bad_message", f"unexpected {type(msg).__name__} from the coordinator")
+                return
+
+    def load(self) -> Load:
+        return Load()
+
+    async def _heartbeats(self, framed: FramedStream, interval: float) -> None:
+        while True:
+            self._heartbeat_seq += 1
+            await framed.send_msg(Heartbeat(seq=self._heartbeat_seq, load=self.load()))
+            await trio.sleep(interval)
+
+    async def _probe_loop(self, framed: FramedStream, interval: float) -> None:
+        """Probe every member (and the coordinator) now, after membership changes, and every interval."""
+        while True:
+            changed = self._membership_changed
+            await self._probe_round(framed)
+            with trio.move_on_after(interval):
+                await changed.wait()
+            # Joins come in bursts (a testnet starting): let the burst settle into one round.
+            await trio.sleep(self.config.probe_debounce_s)
+
+    async def _probe_round(self, framed: FramedStream) -> None:
+        targets = [p for p in self.members if p != self.transport.peer_id]
+        if self.coordinator is not None:
+            targets.append(self.coordinator)
+        results: list[LinkMeasurement] = []
+        limiter = trio.CapacityLimiter(self.config.probe_concurrency)
+
+        async def one(peer: NodeId) -> None:
+            async with limiter:
+                try:
+                    results.append(await probe_link(self.transport, peer, self.config.probe))
+                except (HetnodeError, OSError, trio.TooSlowError) as exc:
+                    log.info("probe of %s failed: %s", peer, exc)
+
+        async with trio.open_nursery() as nursery:
+            for peer in targets:
+                nursery.start_soon(one, peer)
+        for m in results:
+            self.links[NodeId(m.dst)] = m
+        if results:
+            await framed.send_msg(LinkReport(links=results))
+            log.info("reported %d links: %s", len(results), ", ".join(
+                f"{self._peer_name(NodeId(m.dst))} {m.bandwidth_mbps:.0f} Mbit/s {m.rtt_ms:.2f} ms"
+                for m in results))
+
+    def _peer_name(self, peer: NodeId) -> str:
+        if peer == self.coordinator:
+            return "coordinator"
+        m = self.members.get(peer)
+        return m.name if m else str(peer)[:12]
+
