@@ -90,6 +90,7 @@ class NodeDaemon:
         self._membership_changed = trio.Event()
         self._heartbeat_seq = 0
         self._framed: FramedStream | None = None
+        self._leaving = False
 
     # -- membership checks for our own handlers ----------------------------------------------------------
 
@@ -118,7 +119,7 @@ class NodeDaemon:
     # -- main loop ---------------------------------------------------------------------------------------
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Join and stay joined until cancelled. `task_status.started()` fires after the first welcome.
+        """Join and stay joined until cancelled or `leave()`. `task_status.started()` fires after the first welcome.
 
         Raises Refused when the coordinator refuses us and PeerUnreachable when the retry budget runs out."""
         self.transport.set_handler(PROBE_PROTOCOL, self._handle_probe)
@@ -150,6 +151,8 @@ class NodeDaemon:
                 await self._session(framed, welcome)
             finally:
                 self.joined = trio.Event()
+            if self._leaving:
+                return
             log.warning("control stream to the coordinator ended; rejoining")
             failing_since = trio.current_time()
 
@@ -226,6 +229,7 @@ class NodeDaemon:
 
     async def leave(self, reason: str = "shutting down") -> None:
         """Tell the coordinator we are going, so that it need not wait for a heartbeat deadline."""
+        self._leaving = True
         framed = self._framed
         if framed is None:
             return

@@ -31,6 +31,8 @@ DEFAULT_MAX_FRAME = 1 << 20
 # Activation and KV frames: a 4096-token prefill of a 8192-wide model in fp16 is 64 MiB.
 DEFAULT_MAX_TENSOR_FRAME = 256 << 20
 _RECV_CHUNK = 1 << 16
+# How much a rejected peer may still send while we wait for it to read our error reply.
+_LINGER_DRAIN_BYTES = 1 << 20
 
 _encoder = msgspec.msgpack.Encoder()
 
@@ -138,13 +140,23 @@ class FramedStream:
 
     # -- failure ----------------------------------------------------------------------------------------
 
-    async def reject(self, code: str, message: str) -> None:
-        """Tell the peer what was wrong, then reset the stream. Never raises."""
+    async def reject(self, code: str, message: str, *, linger_s: float = 1.0) -> None:
+        """Tell the peer what was wrong, then reset the stream. Never raises.
+
+        A reset discards data the peer has not read yet (yamux does this too), so after the reply we close our
+        side and wait, bounded in time and bytes, for the peer to read it and close or reset its own side."""
         try:
-            with trio.move_on_after(2):
+            with trio.move_on_after(linger_s):
                 await self.send_msg(ErrorReply(code=code, message=message[:1000]))
+                await self.stream.close()
+                drained = 0
+                while drained < _LINGER_DRAIN_BYTES:
+                    chunk = await self.stream.receive_some(_RECV_CHUNK)
+                    if not chunk:
+                        break
+                    drained += len(chunk)
         except Exception:  # the peer may be gone already; the reset below is what matters
-            log.debug("could not send error reply", exc_info=True)
+            log.debug("could not deliver error reply", exc_info=True)
         try:
             await self.stream.reset()
         except Exception:
