@@ -1,0 +1,242 @@
+"""The `hetnode` command: join, coordinator, testnet.
+
+Exit codes: 0 success, 2 usage or configuration error (bad flag, bad file, refused admission), 1 runtime
+failure (unreachable bootstrap after the retry budget, a crash).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import secrets
+import socket
+import sys
+from pathlib import Path
+
+import trio
+
+from hetnode.errors import ConfigError, HetnodeError, PeerUnreachable, Refused
+
+log = logging.getLogger("hetnode")
+
+DEFAULT_HOME = Path(os.environ.get("HETNODE_HOME", Path.home() / ".hetnode"))
+
+
+def _positive(value: str) -> float:
+    try:
+        x = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {value!r}") from None
+    if not x > 0:
+        raise argparse.ArgumentTypeError(f"must be positive: {value!r}")
+    return x
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--log-level", default=os.environ.get("HETNODE_LOG_LEVEL", "info"),
+                   choices=["debug", "info", "warning", "error"], help="log verbosity (default: info)")
+    # Internal: the testnet passes a pipe fd here and waits for one JSON readiness line on it.
+    p.add_argument("--ready-fd", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--emulate-links", metavar="FILE", default=None,
+                   help="link-emulation file written by the testnet (shapes bandwidth/latency to each peer)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hetnode",
+        description="Serve LLMs on heterogeneous GPUs across regions, peer to peer.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    c = sub.add_parser("coordinator", help="run the coordinator: admits nodes, plans, serves the REST API",
+                       description="Run the coordinator peer and its REST API.")
+    c.add_argument("--listen", action="append", default=None, metavar="MULTIADDR",
+                   help="libp2p listen address, repeatable (default: /ip4/0.0.0.0/tcp/4001)")
+    c.add_argument("--api", default="127.0.0.1:8000", metavar="HOST:PORT",
+                   help="REST API bind address (default: 127.0.0.1:8000; port 0 picks a free port)")
+    c.add_argument("--token", default=os.environ.get("HETNODE_TOKEN"),
+                   help="admission token nodes must present (env HETNODE_TOKEN; default: a random one, printed)")
+    c.add_argument("--api-key", default=os.environ.get("HETNODE_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on the REST API (env HETNODE_API_KEY)")
+    c.add_argument("--identity", type=Path, default=DEFAULT_HOME / "coordinator.key", metavar="PATH",
+                   help="Ed25519 identity key file, created on first run (default: ~/.hetnode/coordinator.key)")
+    c.add_argument("--heartbeat-interval", type=_positive, default=1.0, metavar="S",
+                   help="seconds between node heartbeats (default: 1)")
+    c.add_argument("--heartbeat-deadline", type=_positive, default=5.0, metavar="S",
+                   help="mark a node down after this many seconds without a heartbeat (default: 5)")
+    c.add_argument("--probe-interval", type=_positive, default=60.0, metavar="S",
+                   help="seconds between link re-probes while membership is stable (default: 60)")
+    _common(c)
+
+    j = sub.add_parser("join", help="run a node daemon and join a network through a bootstrap peer",
+                       description="Run a node: join through a bootstrap peer, report hardware and links.")
+    j.add_argument("--bootstrap", action="append", required=True, metavar="MULTIADDR",
+                   help="address of the coordinator or any member, with /p2p/<peer id>; repeatable")
+    j.add_argument("--token", default=os.environ.get("HETNODE_TOKEN"),
+                   help="admission token (env HETNODE_TOKEN)")
+    j.add_argument("--listen", action="append", default=None, metavar="MULTIADDR",
+                   help="libp2p listen address, repeatable (default: /ip4/0.0.0.0/tcp/0)")
+    j.add_argument("--identity", type=Path, default=DEFAULT_HOME / "node.key", metavar="PATH",
+                   help="Ed25519 identity key file, created on first run (default: ~/.hetnode/node.key)")
+    j.add_argument("--name", default=None, help="node name shown in the cluster (default: host name)")
+    j.add_argument("--region", default="", help="region label used by the planner (default: none)")
+    j.add_argument("--emulate", default=None, metavar="DEVICE",
+                   help="report an emulated GPU from the papers' tables: t4, l4, a100, h100, v100, a6000, "
+                        "a5000, a40, 3090ti, or a multi-GPU form such as 2xl4, 4xt4")
+    j.add_argument("--device", default="cpu", help="compute device to profile: cpu or cuda[:N] (default: cpu)")
+    j.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="serving dtype (default: float32)")
+    j.add_argument("--retry-budget", type=_positive, default=60.0, metavar="S",
+                   help="give up (exit 1) when no bootstrap peer answers for this long (default: 60)")
+    _common(j)
+
+    t = sub.add_parser("testnet", help="run a local multi-process testnet on 127.0.0.1",
+                       description="Start, inspect and stop a local testnet of a coordinator and N nodes.")
+    tsub = t.add_subparsers(dest="testnet_command", required=True, metavar="ACTION")
+    up = tsub.add_parser("up", help="start a coordinator and nodes as separate processes",
+                         description="Start a coordinator and nodes on 127.0.0.1 with free ports.")
+    which = up.add_mutually_exclusive_group()
+    which.add_argument("--nodes", type=int, default=None, metavar="N",
+                       help="N unshaped CPU nodes (default: 3 when no --cluster)")
+    which.add_argument("--cluster", default=None, metavar="FILE",
+                       help="cluster file (TOML): devices, regions, link conditions; or a shipped name: "
+                            "demo, local3")
+    up.add_argument("--detach", action="store_true", help="start in the background and return")
+    up.add_argument("--state-dir", type=Path, default=DEFAULT_HOME / "testnet", metavar="DIR",
+                    help="where keys, logs and the state file live (default: ~/.hetnode/testnet)")
+    up.add_argument("--api", default="127.0.0.1:0", metavar="HOST:PORT",
+                    help="coordinator REST API bind (default: a free port on 127.0.0.1)")
+    up.add_argument("--api-key", default=os.environ.get("HETNODE_API_KEY"), help="REST API key")
+    up.add_argument("--token", default=None, help="admission token (default: random)")
+    up.add_argument("--heartbeat-deadline", type=_positive, default=5.0, metavar="S",
+                    help="seconds without heartbeat before a node is marked down (default: 5)")
+    up.add_argument("--ready-timeout", type=_positive, default=120.0, metavar="S",
+                    help="fail if a process is not ready within this many seconds (default: 120)")
+    up.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    for name, help_ in (("down", "stop a detached testnet"), ("status", "show a detached testnet")):
+        p = tsub.add_parser(name, help=help_, description=help_.capitalize() + ".")
+        p.add_argument("--state-dir", type=Path, default=DEFAULT_HOME / "testnet", metavar="DIR",
+                       help="state directory of the testnet (default: ~/.hetnode/testnet)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    from hetnode.runtime import setup_logging
+
+    setup_logging(getattr(args, "log_level", "info"))
+    try:
+        if args.command == "coordinator":
+            trio.run(_run_coordinator, args)
+        elif args.command == "join":
+            _validate_bootstrap(args.bootstrap)
+            if not args.token:
+                raise ConfigError("an admission token is needed: --token or HETNODE_TOKEN")
+            trio.run(_run_node, args)
+        elif args.command == "testnet":
+            from hetnode.testnet import launcher
+
+            return launcher.main(args)
+        return 0
+    except BaseException as exc:  # mapped to an exit code when it is ours, re-raised otherwise
+        leaf = _hetnode_error(exc)
+        if leaf is None:
+            raise
+        return report_error(leaf)
+
+
+def _hetnode_error(exc: BaseException) -> HetnodeError | None:
+    """The HetnodeError inside exc, looking through trio's exception groups."""
+    if isinstance(exc, HetnodeError):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        for sub in exc.exceptions:
+            found = _hetnode_error(sub)
+            if found is not None:
+                return found
+    return None
+
+
+def report_error(exc: HetnodeError) -> int:
+    """Print the error for a person and return the exit code it maps to."""
+    if isinstance(exc, (ConfigError, Refused)):
+        what = "refused by the coordinator" if isinstance(exc, Refused) else "error"
+        print(f"hetnode: {what}: {exc}", file=sys.stderr)
+        return 2
+    if isinstance(exc, PeerUnreachable):
+        print(f"hetnode: unreachable: {exc}", file=sys.stderr)
+        return 1
+    print(f"hetnode: {exc}", file=sys.stderr)
+    return 1
+
+
+def _validate_bootstrap(addrs: list[str]) -> None:
+    from multiaddr import Multiaddr
+
+    for addr in addrs:
+        try:
+            ma = Multiaddr(addr)
+            if "p2p" not in [p.name for p in ma.protocols()]:
+                raise ValueError("it has no /p2p/<peer id> part")
+        except Exception as exc:  # multiaddr raises several unrelated types for bad input
+            raise ConfigError(f"malformed bootstrap address {addr!r}: {exc}", key="--bootstrap") from exc
+
+
+async def _run_coordinator(args: argparse.Namespace) -> None:
+    from hetnode.coordinator.api import build_app, serve_api
+    from hetnode.coordinator.daemon import Coordinator, CoordinatorConfig
+    from hetnode.protocol.identity import load_or_create_identity
+    from hetnode.protocol.libp2p_transport import open_libp2p_transport
+    from hetnode.runtime import announce_ready, cancel_on_signal, maybe_shaped, parse_hostport
+
+    host, port = parse_hostport(args.api, "--api")
+    token = args.token
+    if not token:
+        token = secrets.token_urlsafe(16)
+        print(f"no --token given; nodes must join with --token {token}", flush=True)
+    try:
+        config = CoordinatorConfig(token=token, heartbeat_interval_s=min(args.heartbeat_interval,
+                                                                          args.heartbeat_deadline / 3),
+                                   heartbeat_deadline_s=args.heartbeat_deadline,
+                                   probe_interval_s=args.probe_interval)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
+    key = load_or_create_identity(args.identity)
+    listen = args.listen or ["/ip4/0.0.0.0/tcp/4001"]
+    async with open_libp2p_transport(key, listen) as raw, maybe_shaped(raw, args.emulate_links) as transport:
+        coordinator = Coordinator(config, transport)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(cancel_on_signal, nursery.cancel_scope)
+            await nursery.start(coordinator.run)
+            url = await nursery.start(serve_api, build_app(coordinator, api_key=args.api_key), host, port)
+            log.info("coordinator %s listening on %s; API at %s", transport.peer_id,
+                     " ".join(transport.listen_addrs()), url)
+            announce_ready(args.ready_fd, role="coordinator", peer_id=transport.peer_id,
+                           addrs=transport.listen_addrs(), api=url)
+
+
+async def _run_node(args: argparse.Namespace) -> None:
+    from hetnode.node.daemon import NodeConfig, NodeDaemon
+    from hetnode.node.profile import emulated_profile, measure_profile
+    from hetnode.protocol.identity import load_or_create_identity
+    from hetnode.protocol.libp2p_transport import open_libp2p_transport
+    from hetnode.runtime import announce_ready, cancel_on_signal, maybe_shaped
+
+    profile = (emulated_profile(args.emulate, args.dtype) if args.emulate
+               else await trio.to_thread.run_sync(measure_profile, args.device, args.dtype))
+    key = load_or_create_identity(args.identity)
+    listen = args.listen or ["/ip4/0.0.0.0/tcp/0"]
+    async with open_libp2p_transport(key, listen) as raw, maybe_shaped(raw, args.emulate_links) as transport:
+        name = args.name or f"{socket.gethostname()}-{str(transport.peer_id)[-6:]}"
+        config = NodeConfig(bootstrap=tuple(args.bootstrap), token=args.token, name=name, region=args.region,
+                            profile=profile, retry_budget_s=args.retry_budget)
+        daemon = NodeDaemon(config, transport)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(cancel_on_signal, nursery.cancel_scope, daemon.leave)
+            await nursery.start(daemon.run)
+            log.info("node %s (%s, %s) joined; coordinator %s", name, transport.peer_id, profile.device,
+                     daemon.coordinator)
+            announce_ready(args.ready_fd, role="node", name=name, peer_id=transport.peer_id,
+                           addrs=transport.listen_addrs(), device=profile.device)

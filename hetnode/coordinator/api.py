@@ -1,0 +1,138 @@
+"""The coordinator's REST API: an ASGI app (Starlette) served by hypercorn's trio worker in the daemon's nursery.
+
+Errors use OpenAI's error JSON shape, `{"error": {"message", "type", "code"}}`, everywhere, so that OpenAI
+clients show our reasons. With an API key configured every route but /healthz needs `Authorization: Bearer KEY`.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from typing import Any
+
+import trio
+from hypercorn.config import Config as HypercornConfig
+from hypercorn.trio import serve
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from hetnode.coordinator.daemon import Coordinator
+
+log = logging.getLogger(__name__)
+
+# Request bodies above this are refused before they are read whole (prompts are text; 8 MiB is generous).
+MAX_BODY_BYTES = 8 << 20
+
+
+def error_response(status: int, message: str, *, type_: str = "invalid_request_error",
+                   code: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": type_, "code": code, "param": None}},
+                        status_code=status, headers=headers)
+
+
+class ApiKeyMiddleware:
+    """Bearer-token check in front of every route except the open ones."""
+
+    OPEN_PATHS = frozenset({"/healthz"})
+
+    def __init__(self, app: ASGIApp, api_key: str | None) -> None:
+        self.app = app
+        self.api_key = api_key.encode() if api_key else None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or self.api_key is None or scope["path"] in self.OPEN_PATHS:
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope["headers"])
+        auth = headers.get(b"authorization", b"")
+        scheme, _, key = auth.partition(b" ")
+        if scheme.lower() != b"bearer" or not hmac.compare_digest(key.strip(), self.api_key):
+            reason = "missing API key" if not auth else "invalid API key"
+            response = error_response(401, f"{reason}: send 'Authorization: Bearer <key>'",
+                                      type_="authentication_error", code="invalid_api_key",
+                                      headers={"WWW-Authenticate": "Bearer"})
+            await response(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
+class BodyLimitMiddleware:
+    """413 for bodies over the limit, judged by Content-Length and by the bytes actually received."""
+
+    def __init__(self, app: ASGIApp, limit: int = MAX_BODY_BYTES) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.limit):
+            await error_response(413, f"request body over {self.limit} bytes")(scope, receive, send)
+            return
+        seen = 0
+
+        async def limited_receive() -> Any:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:
+                    raise HTTPException(413, f"request body over {self.limit} bytes")
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+
+def build_app(coordinator: Coordinator, *, api_key: str | None = None,
+              extra_routes: list[Route] | None = None) -> Starlette:
+    async def healthz(request: Request) -> Response:
+        view = coordinator.registry
+        return JSONResponse({"status": "ok", "peer_id": coordinator.transport.peer_id,
+                             "up_nodes": len(view.up_members())})
+
+    async def cluster(request: Request) -> Response:
+        return JSONResponse(coordinator.cluster_view())
+
+    async def http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        return error_response(exc.status_code, str(exc.detail),
+                              type_="not_found_error" if exc.status_code == 404 else "invalid_request_error")
+
+    async def server_error(request: Request, exc: Exception) -> Response:
+        log.exception("unhandled error in %s %s", request.method, request.url.path)
+        return error_response(500, f"internal error: {type(exc).__name__}", type_="server_error")
+
+    routes = [
+        Route("/healthz", healthz, methods=["GET"]),
+        Route("/v1/cluster", cluster, methods=["GET"]),
+        *(extra_routes or []),
+    ]
+    return Starlette(
+        routes=routes,
+        middleware=[Middleware(BodyLimitMiddleware), Middleware(ApiKeyMiddleware, api_key=api_key)],
+        exception_handlers={HTTPException: http_error, Exception: server_error},
+    )
+
+
+async def serve_api(app: Starlette, host: str, port: int, *,
+                    task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
+    """Serve until cancelled; `task_status.started(url)` reports the bound URL (port 0 picks a free one)."""
+    config = HypercornConfig()
+    config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
+    config.accesslog = None
+    config.errorlog = logging.getLogger("hetnode.api")
+    config.graceful_timeout = 2.0
+
+    async def run(*, task_status: trio.TaskStatus[list[str]]) -> None:
+        await serve(app, config, task_status=task_status)  # type: ignore[arg-type]
+
+    async with trio.open_nursery() as nursery:
+        binds = await nursery.start(run)
+        task_status.started(binds[0] if binds else f"http://{host}:{port}")

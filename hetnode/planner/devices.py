@@ -1,0 +1,124 @@
+"""GPU device types from the papers' tables, and multi-GPU nodes built from them ("2xl4", "4xt4").
+
+The numbers are the ones the papers print, so that a cost model built on them reproduces the papers'
+setups; they are not always like for like, and a cost model should know where they differ:
+
+- Helix, Table 3 (NVIDIA data sheets; SXM parts for H100 and A100): h100, a100 (40 GB), l4, t4.
+  The H100 (1979) and L4 (242) FP16 figures are NVIDIA's "with 2:4 sparsity" numbers; the dense tensor-core
+  figures are half of that (989.5 and 121). A100 (312) and T4 (65) are dense.
+- ThunderServe, Table 1: a100-80g, a6000, a5000, a40, 3090ti. The A6000 (38.7) and A5000 (27.8) figures are
+  the non-tensor FP32 peaks; A40 (149.7) is the dense FP16 tensor-core peak.
+- v100 is not in either paper's table; its numbers come from the NVIDIA Tesla V100 data sheet (SXM2 16 GB,
+  the part Google Compute Engine offers): 125 TFLOP/s tensor-core FP16, 900 GB/s HBM2.
+
+Memory sizes are the marketed "GB", which for these parts are GiB of device memory (an "80 GB" H100 reports
+81559 MiB); `DeviceSpec.memory_bytes` converts with 2**30.
+
+A multi-GPU node ("2xl4") is modelled as one device whose FLOP/s, memory and memory bandwidth are the sums
+over its GPUs: that is what tensor parallelism inside the node gives, less its communication overhead.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, replace
+
+from hetnode.errors import ConfigError
+
+MAX_COUNT = 64  # the most GPUs one node may report (HardwareProfile.num_devices has the same bound)
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """One node's accelerator: a device type from the tables, `count` of them, with aggregate numbers."""
+
+    name: str  # canonical name: "a100", "2xl4"
+    kind: str  # the single-device type: "l4" for "2xl4"
+    count: int  # GPUs in the node
+    fp16_tflops: float  # peak FP16 TFLOP/s, summed over the node's GPUs
+    memory_gb: float  # device memory in GiB, summed over the node's GPUs
+    mem_bandwidth_gbps: float  # device memory bandwidth in GB/s (bytes, as in HardwareProfile), summed
+    source: str  # where the single-device numbers come from
+    # True for "cpu": its numbers are nominal, so a node of this type must measure itself.
+    needs_measurement: bool = False
+
+    @property
+    def memory_bytes(self) -> int:
+        return int(self.memory_gb * 2**30)
+
+    def per_device(self) -> DeviceSpec:
+        """The spec of one of this node's GPUs."""
+        return DEVICES[self.kind]
+
+    def times(self, count: int) -> DeviceSpec:
+        """`count` of this node's GPUs (this must be a single-device spec)."""
+        if self.count != 1:
+            raise ValueError(f"{self.name} is already a multi-device spec")
+        if not 1 <= count <= MAX_COUNT:
+            raise ValueError(f"count must be in 1..{MAX_COUNT}, not {count}")
+        if count == 1:
+            return self
+        return replace(
+            self,
+            name=f"{count}x{self.kind}",
+            count=count,
+            fp16_tflops=self.fp16_tflops * count,
+            memory_gb=self.memory_gb * count,
+            mem_bandwidth_gbps=self.mem_bandwidth_gbps * count,
+        )
+
+
+_HELIX = "Helix Table 3 (NVIDIA data sheet)"
+_THUNDERSERVE = "ThunderServe Table 1"
+
+
+def _spec(name: str, tflops: float, memory_gb: float, bandwidth: float, source: str,
+          needs_measurement: bool = False) -> DeviceSpec:
+    return DeviceSpec(name=name, kind=name, count=1, fp16_tflops=tflops, memory_gb=memory_gb,
+                      mem_bandwidth_gbps=bandwidth, source=source, needs_measurement=needs_measurement)
+
+
+DEVICES: dict[str, DeviceSpec] = {
+    spec.name: spec
+    for spec in (
+        _spec("h100", 1979.0, 80.0, 3350.0, _HELIX + "; FP16 figure is with sparsity"),
+        _spec("a100", 312.0, 40.0, 1555.0, _HELIX + "; A100 SXM 40 GB"),
+        _spec("l4", 242.0, 24.0, 300.0, _HELIX + "; FP16 figure is with sparsity"),
+        _spec("t4", 65.0, 16.0, 300.0, _HELIX),
+        _spec("a100-80g", 312.0, 80.0, 2000.0, _THUNDERSERVE + "; A100 80 GB"),
+        _spec("a6000", 38.7, 48.0, 768.0, _THUNDERSERVE + "; FP16 figure is the FP32 non-tensor peak"),
+        _spec("a5000", 27.8, 24.0, 626.8, _THUNDERSERVE + "; FP16 figure is the FP32 non-tensor peak"),
+        _spec("a40", 149.7, 48.0, 696.0, _THUNDERSERVE),
+        _spec("3090ti", 71.0, 24.0, 1008.0, _THUNDERSERVE),
+        _spec("v100", 125.0, 16.0, 900.0, "NVIDIA Tesla V100 data sheet (SXM2 16 GB)"),
+        # Nominal numbers (a few server cores with AVX2), so that a planner can still run over a CPU cluster
+        # before any profile arrives; a cpu node always reports measured numbers (node/profile.py).
+        _spec("cpu", 0.5, 16.0, 20.0, "nominal; measured on the host", needs_measurement=True),
+    )
+}
+
+_NAME = re.compile(r"(?:(?P<count>\d+)x)?(?P<kind>[a-z0-9-]+)")
+
+
+def known_devices() -> list[str]:
+    return sorted(DEVICES)
+
+
+def parse_device(name: str) -> DeviceSpec:
+    """"a100", "L4", "2xl4", "4xT4" -> its DeviceSpec; raises ConfigError naming the known types."""
+    text = name.strip().lower()
+    match = _NAME.fullmatch(text)
+    spec = DEVICES.get(match.group("kind")) if match else None
+    if match is None or spec is None:
+        raise ConfigError(
+            f"unknown device {name!r}; known: {', '.join(known_devices())} "
+            f"(optionally prefixed with a count, as in 2xl4)"
+        )
+    if match.group("count") is None:
+        return spec
+    count = int(match.group("count"))
+    if spec.needs_measurement:
+        raise ConfigError(f"device {name!r}: a count applies to GPU types only, not {spec.kind}")
+    if not 1 <= count <= MAX_COUNT:
+        raise ConfigError(f"device {name!r}: the count must be in 1..{MAX_COUNT}")
+    return spec.times(count)

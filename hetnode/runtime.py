@@ -1,0 +1,76 @@
+"""Process-level plumbing shared by the daemons: logging, signals, readiness lines, link emulation setup."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import trio
+
+from hetnode.errors import ConfigError
+from hetnode.protocol.transport import Transport
+
+log = logging.getLogger(__name__)
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO),
+        format="%(asctime)s %(levelname)-7s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    # py-libp2p logs every stream hiccup at INFO or WARNING; its own errors still show.
+    for noisy in ("libp2p", "multiaddr", "hypercorn.error", "async_service"):
+        logging.getLogger(noisy).setLevel(max(logging.ERROR, logging.getLogger().level))
+
+
+def announce_ready(ready_fd: int | None, **fields: Any) -> None:
+    """Tell whoever started us that we are serving: one JSON line on the readiness fd (the testnet reads it),
+    and a human line on stdout."""
+    line = json.dumps({"event": "ready", **fields})
+    if ready_fd is not None:
+        try:
+            with os.fdopen(ready_fd, "w", closefd=True) as f:
+                f.write(line + "\n")
+        except OSError as exc:
+            log.warning("could not write the readiness line to fd %d: %s", ready_fd, exc)
+    print(f"READY {line}", flush=True)
+
+
+async def cancel_on_signal(scope: trio.CancelScope, before_cancel: Callable[[], Any] | None = None) -> None:
+    """SIGINT or SIGTERM: run the graceful step (bounded), then cancel the daemon's root scope."""
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async for signum in signals:
+            log.info("received %s; shutting down", signal.Signals(signum).name)
+            if before_cancel is not None:
+                with trio.move_on_after(3):
+                    await before_cancel()
+            scope.cancel()
+            return
+
+
+@asynccontextmanager
+async def maybe_shaped(transport: Transport, emulate_links: str | None) -> AsyncIterator[Transport]:
+    """Wrap the transport in link emulation when the testnet asked for it."""
+    if not emulate_links:
+        yield transport
+        return
+    from hetnode.protocol.shaping import shaped_transport
+    from hetnode.testnet.emulation import load_link_emulation
+
+    link_for = load_link_emulation(emulate_links)
+    async with shaped_transport(transport, link_for) as shaped:
+        yield shaped
+
+
+def parse_hostport(value: str, flag: str) -> tuple[str, int]:
+    host, sep, port = value.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ConfigError(f"expected HOST:PORT, got {value!r}", key=flag)
+    return host.strip("[]") or "127.0.0.1", int(port)

@@ -1,0 +1,36 @@
+"""The link-emulation file the testnet hands each process: who is who, and which cluster file shapes links.
+
+JSON: {"cluster_file": "PATH.toml", "names": {"<peer id>": "<node name or 'coordinator'>", ...}}.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+from hetnode.errors import ConfigError
+from hetnode.ids import NodeId
+from hetnode.planner.cluster import LinkSpec, load_cluster
+
+
+def write_link_emulation(path: Path, cluster_file: Path, names: dict[str, str]) -> None:
+    path.write_text(json.dumps({"cluster_file": str(cluster_file), "names": names}, indent=2))
+
+
+def load_link_emulation(path: str) -> Callable[[NodeId, NodeId], LinkSpec | None]:
+    try:
+        data = json.loads(Path(path).read_text())
+        cluster_file = data["cluster_file"]
+        names = {str(k): str(v) for k, v in data["names"].items()}
+    except (OSError, ValueError, KeyError, AttributeError, TypeError) as exc:
+        raise ConfigError(f"not a link emulation file: {exc}", file=path) from exc
+    cluster = load_cluster(cluster_file)
+
+    def link_for(local: NodeId, remote: NodeId) -> LinkSpec | None:
+        a, b = names.get(local), names.get(remote)
+        if a is None or b is None:
+            return None
+        return cluster.link(a, b)
+
+    return link_for
