@@ -1,0 +1,247 @@
+"""Per-session block tables on one stage, and the pool that leases them out.
+
+A session's KV on a stage is a lease: a block table (the blocks that hold its tokens, in order) and a token
+count. It grows as prefill chunks and decode tokens arrive, shrinks when a caller rewinds it, and ends with
+`release`, which is idempotent so that every exit path (EOS, client gone, error, re-plan) may call it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+
+from hetnode.ids import SessionId
+from hetnode.kv.blocks import BlockAllocator, BlockId, KVCacheFull
+
+
+class SessionKV:
+    """One session's lease on KV blocks: its block table and how many tokens those blocks hold."""
+
+    def __init__(self, allocator: BlockAllocator, session: SessionId) -> None:
+        self.session = session
+        self._allocator = allocator
+        self._blocks: list[BlockId] = []
+        self._num_tokens = 0
+        self._released = False
+
+    @property
+    def blocks(self) -> tuple[BlockId, ...]:
+        """The block table: block i holds positions [i * block_size, (i + 1) * block_size)."""
+        return tuple(self._blocks)
+
+    @property
+    def num_tokens(self) -> int:
+        return self._num_tokens
+
+    @property
+    def capacity(self) -> int:
+        return len(self._blocks) * self._allocator.block_size
+
+    @property
+    def released(self) -> bool:
+        return self._released
+
+    def blocks_needed(self, total_tokens: int) -> int:
+        """Blocks to add so that the table holds `total_tokens` tokens (0 when it already does)."""
+        return max(0, self._allocator.blocks_for_tokens(total_tokens) - len(self._blocks))
+
+    def extend(self, count: int) -> list[int]:
+        """Make room for `count` more tokens and return their slots; all or nothing (`KVCacheFull`)."""
+        self._check_live()
+        if count < 0:
+            raise ValueError(f"token count must be >= 0, got {count}")
+        start = self._num_tokens
+        self._blocks.extend(self._allocator.allocate(self.blocks_needed(start + count)))
+        self._num_tokens = start + count
+        return self.slots(start, count)
+
+    def truncate(self, num_tokens: int) -> None:
+        """Forget every token at position >= num_tokens, freeing the blocks that no longer hold any."""
+        self._check_live()
+        if not 0 <= num_tokens <= self._num_tokens:
+            raise ValueError(f"cannot truncate {self.session} from {self._num_tokens} to {num_tokens} tokens")
+        keep = self._allocator.blocks_for_tokens(num_tokens)
+        self._allocator.free(self._blocks[keep:])
+        del self._blocks[keep:]
+        self._num_tokens = num_tokens
+
+    def slot(self, position: int) -> int:
+        """The cache slot (block * block_size + offset) that holds `position`."""
+        if not 0 <= position < self.capacity:
+            raise IndexError(f"position {position} outside {self.session}'s {self.capacity} reserved slots")
+        size = self._allocator.block_size
+        return self._blocks[position // size] * size + position % size
+
+    def slots(self, start: int, count: int) -> list[int]:
+        size = self._allocator.block_size
+        if count and not (start >= 0 and start + count <= self.capacity):
+            raise IndexError(f"positions [{start}, {start + count}) outside {self.capacity} reserved slots")
+        blocks = self._blocks
+        return [blocks[p // size] * size + p % size for p in range(start, start + count)]
+
+    def release(self) -> int:
+        """Give every block back; returns how many were held. Calling it again does nothing."""
+        if self._released:
+            return 0
+        self._released = True
+        held = len(self._blocks)
+        self._allocator.free(self._blocks)
+        self._blocks.clear()
+        self._num_tokens = 0
+        return held
+
+    def __enter__(self) -> SessionKV:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.release()
+
+    def __repr__(self) -> str:
+        state = "released" if self._released else f"{self._num_tokens} tokens in {len(self._blocks)} blocks"
+        return f"SessionKV({self.session!r}, {state})"
+
+    def _check_live(self) -> None:
+        if self._released:
+            raise ValueError(f"KV of {self.session} was already released")
+
+
+@dataclass(frozen=True, slots=True)
+class KVUsage:
+    """A snapshot of a stage's KV memory, in the units heartbeats and the scheduler speak."""
+
+    block_size: int  # tokens per block
+    total_blocks: int
+    used_blocks: int
+    free_blocks: int
+    sessions: int
+    tokens: int  # tokens held by all sessions together (<= used_blocks * block_size)
+
+
+@dataclass(frozen=True, slots=True)
+class Span:
+    """`count` new tokens of `session` at positions [start, start + count)."""
+
+    session: SessionId
+    start: int
+    count: int
+
+
+class Growth:
+    """The slots a `KVPool.grow` call handed out, and how to take it back if the step using them fails."""
+
+    def __init__(self, pool: KVPool, spans: Sequence[Span], created: set[SessionId], slots: list[list[int]]):
+        self.slots = slots  # slots[i]: the cache slots of spans[i]'s tokens, in position order
+        self._pool = pool
+        self._spans = spans
+        self._created = created
+
+    def rollback(self) -> None:
+        """Undo the growth: sessions this call created are released; the others end at their span's start."""
+        for span in self._spans:
+            if span.session in self._created:
+                self._pool.release(span.session)
+            else:
+                lease = self._pool.get(span.session)
+                if lease is not None and lease.num_tokens > span.start:
+                    lease.truncate(span.start)
+
+
+class KVPool:
+    """All KV leases of one stage over one block allocator."""
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.allocator = BlockAllocator(num_blocks, block_size)
+        self._leases: dict[SessionId, SessionKV] = {}
+
+    @property
+    def block_size(self) -> int:
+        return self.allocator.block_size
+
+    def lease(self, session: SessionId) -> SessionKV:
+        """The session's lease, created empty on first use."""
+        lease = self._leases.get(session)
+        if lease is None:
+            lease = self._leases[session] = SessionKV(self.allocator, session)
+        return lease
+
+    def get(self, session: SessionId) -> SessionKV | None:
+        return self._leases.get(session)
+
+    def __contains__(self, session: object) -> bool:
+        return session in self._leases
+
+    def __len__(self) -> int:
+        return len(self._leases)
+
+    def __iter__(self) -> Iterator[SessionKV]:
+        return iter(list(self._leases.values()))
+
+    def release(self, session: SessionId) -> int:
+        """Free the session's blocks and forget it; returns the blocks freed (0 for an unknown session)."""
+        lease = self._leases.pop(session, None)
+        return lease.release() if lease is not None else 0
+
+    def release_all(self) -> int:
+        return sum(self.release(session) for session in list(self._leases))
+
+    def blocks_needed(self, spans: Sequence[Span]) -> int:
+        """Net new blocks `grow(spans)` would take, after what rewinding the spans' sessions gives back."""
+        need = 0
+        for span in self._check(spans):
+            lease = self._leases.get(span.session)
+            held = len(lease.blocks) if lease is not None else 0
+            keep = self.allocator.blocks_for_tokens(span.start)
+            need += self.allocator.blocks_for_tokens(span.start + span.count) - keep
+            if lease is not None:
+                # Only blocks that nobody else holds come back to the free list.
+                need -= sum(1 for b in lease.blocks[keep:held] if self.allocator.refcount(b) == 1)
+        return need
+
+    def grow(self, spans: Sequence[Span]) -> Growth:
+        """Reserve room for every span at once, rewinding sessions whose span starts before their end.
+
+        All or nothing: `KVCacheFull` (or `ValueError` for a malformed span) leaves the pool unchanged.
+        """
+        need = self.blocks_needed(spans)
+        if need > self.allocator.num_free:
+            raise KVCacheFull(need, self.allocator.num_free, self.block_size)
+        created: set[SessionId] = set()
+        slots: list[list[int]] = []
+        for span in spans:
+            if span.session not in self._leases:
+                created.add(span.session)
+            lease = self.lease(span.session)
+            if lease.num_tokens > span.start:
+                lease.truncate(span.start)
+            slots.append(lease.extend(span.count))
+        return Growth(self, spans, created, slots)
+
+    def usage(self) -> KVUsage:
+        return KVUsage(
+            block_size=self.block_size,
+            total_blocks=self.allocator.num_blocks,
+            used_blocks=self.allocator.num_used,
+            free_blocks=self.allocator.num_free,
+            sessions=len(self._leases),
+            tokens=sum(lease.num_tokens for lease in self._leases.values()),
+        )
+
+    def _check(self, spans: Sequence[Span]) -> Sequence[Span]:
+        seen: set[SessionId] = set()
+        for span in spans:
+            if span.session in seen:
+                raise ValueError(f"session {span.session} appears twice in one step")
+            seen.add(span.session)
+            if span.count < 0 or span.start < 0:
+                raise ValueError(f"bad span for {span.session}: start {span.start}, count {span.count}")
+            lease = self._leases.get(span.session)
+            held = lease.num_tokens if lease is not None else 0
+            if span.start > held:
+                raise ValueError(
+                    f"session {span.session} holds {held} tokens on this stage; a span cannot start at "
+                    f"position {span.start} (every earlier position must pass through this stage first)"
+                )
+        return spans

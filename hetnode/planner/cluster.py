@@ -1,0 +1,361 @@
+"""Cluster files: the nodes, their device types and regions, and the links between them.
+
+One model serves the testnet (which emulates the devices and links) and the planner (which plans over them).
+Parsing is pure and strict: every mistake raises ConfigError naming the file, the key (`nodes[2].device`,
+`links.regions[0].bandwidth_mbps`) and the problem, because a silently ignored typo in a link table makes an
+experiment measure something other than what its author meant.
+
+The format (TOML; docs/cluster-files.md has the long version)::
+
+    name = "demo"
+    description = "optional free text"
+
+    [coordinator]                 # optional; region defaults to the first node's region
+    region = "us"                 # links to the coordinator follow the region rules
+
+    [[nodes]]
+    name = "a100-0"               # unique; lowercase letters, digits, "-" and "_"; not "coordinator"
+    device = "a100"               # a planner.devices name, optionally with a count: "2xl4"
+    region = "us"                 # same character set as node names
+    memory_gb = 40                # optional; overrides the device's memory (GiB)
+
+    [links.default]               # optional; where nothing more specific applies
+    bandwidth_mbps = 1000         # megabits per second, > 0
+    latency_ms = 0.5              # one way, >= 0 (the round trip is twice this)
+    loss = 0.0                    # optional, in [0, 1): the probability that a packet is lost
+
+    [links.intra_region]          # optional; between two endpoints in the same region
+    bandwidth_mbps = 10000
+    latency_ms = 0.1
+
+    [[links.regions]]             # per region pair, symmetric; a == b sets one region's own links
+    a = "us"
+    b = "eu"
+    bandwidth_mbps = 100
+    latency_ms = 25
+
+    [[links.pairs]]               # per endpoint pair, symmetric; "coordinator" names the coordinator
+    a = "a100-0"
+    b = "t4-1"
+    bandwidth_mbps = 200
+    latency_ms = 5
+
+`ClusterSpec.link(a, b)` picks the most specific rule: pair > region pair > intra_region (same region) >
+default; with no rule at all the link is `UNLIMITED` (not emulated).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hetnode.errors import ConfigError
+from hetnode.planner.devices import DeviceSpec, parse_device
+
+COORDINATOR = "coordinator"  # the name that links.pairs uses for the coordinator
+_NAME = re.compile(r"[a-z0-9_-]{1,64}")
+
+
+@dataclass(frozen=True)
+class LinkSpec:
+    """One link's emulated or planned properties, the same in both directions."""
+
+    bandwidth_mbps: float  # megabits per second; math.inf for an unlimited link
+    latency_ms: float  # one way
+    loss: float = 0.0  # probability that one packet is lost (and retransmitted)
+
+    def __post_init__(self) -> None:
+        if not self.bandwidth_mbps > 0:
+            raise ValueError(f"bandwidth_mbps must be > 0, not {self.bandwidth_mbps}")
+        if not 0 <= self.latency_ms < math.inf:
+            raise ValueError(f"latency_ms must be finite and >= 0, not {self.latency_ms}")
+        if not 0 <= self.loss < 1:
+            raise ValueError(f"loss must be in [0, 1), not {self.loss}")
+
+    @property
+    def bytes_per_s(self) -> float:
+        return self.bandwidth_mbps * 1e6 / 8
+
+    @property
+    def latency_s(self) -> float:
+        return self.latency_ms / 1e3
+
+    @property
+    def unlimited(self) -> bool:
+        """True when emulating this link would change nothing."""
+        return math.isinf(self.bandwidth_mbps) and self.latency_ms == 0 and self.loss == 0
+
+
+UNLIMITED = LinkSpec(bandwidth_mbps=math.inf, latency_ms=0.0)
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    name: str
+    device: DeviceSpec
+    region: str
+    memory_gb: float  # the device's memory, or the file's override
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    name: str
+    nodes: tuple[NodeSpec, ...]
+    coordinator_region: str
+    default_link: LinkSpec | None = None
+    intra_region_link: LinkSpec | None = None
+    # Keyed by the unordered pair; a one-element set is a region's links to itself.
+    region_links: Mapping[frozenset[str], LinkSpec] = field(default_factory=dict, hash=False)
+    pair_links: Mapping[frozenset[str], LinkSpec] = field(default_factory=dict, hash=False)
+    description: str = ""
+
+    def node(self, name: str) -> NodeSpec:
+        for node in self.nodes:
+            if node.name == name:
+                return node
+        raise KeyError(f"cluster {self.name} has no node {name!r}")
+
+    def region_of(self, name: str) -> str:
+        """The region of a node, or of the coordinator when name is "coordinator"."""
+        return self.coordinator_region if name == COORDINATOR else self.node(name).region
+
+    @property
+    def regions(self) -> tuple[str, ...]:
+        return tuple(sorted({n.region for n in self.nodes} | {self.coordinator_region}))
+
+    def link(self, a: str, b: str) -> LinkSpec:
+        """The link between two endpoints (node names or "coordinator"); symmetric.
+
+        An endpoint's link to itself is UNLIMITED; so is any link that no rule covers."""
+        ra, rb = self.region_of(a), self.region_of(b)
+        if a == b:
+            return UNLIMITED
+        found = self.pair_links.get(frozenset((a, b))) or self.region_links.get(frozenset((ra, rb)))
+        if found is None and ra == rb:
+            found = self.intra_region_link
+        return found or self.default_link or UNLIMITED
+
+    def to_dict(self) -> dict[str, Any]:
+        """The cluster as a TOML-ready dict; `parse_cluster(spec.to_dict(), ...)` gives back an equal spec."""
+        links: dict[str, Any] = {}
+        if self.default_link is not None:
+            links["default"] = _link_dict(self.default_link)
+        if self.intra_region_link is not None:
+            links["intra_region"] = _link_dict(self.intra_region_link)
+        if self.region_links:
+            links["regions"] = [_pair_dict(k, v) for k, v in self.region_links.items()]
+        if self.pair_links:
+            links["pairs"] = [_pair_dict(k, v) for k, v in self.pair_links.items()]
+        out: dict[str, Any] = {"name": self.name}
+        if self.description:
+            out["description"] = self.description
+        out["coordinator"] = {"region": self.coordinator_region}
+        out["nodes"] = [
+            {"name": n.name, "device": n.device.name, "region": n.region, "memory_gb": n.memory_gb}
+            for n in self.nodes
+        ]
+        if links:
+            out["links"] = links
+        return out
+
+
+def _link_dict(link: LinkSpec) -> dict[str, Any]:
+    return {"bandwidth_mbps": link.bandwidth_mbps, "latency_ms": link.latency_ms, "loss": link.loss}
+
+
+def _pair_dict(key: frozenset[str], link: LinkSpec) -> dict[str, Any]:
+    ends = sorted(key)
+    return {"a": ends[0], "b": ends[-1], **_link_dict(link)}
+
+
+def uniform_cluster(n: int, device: str = "cpu", *, region: str = "local", link: LinkSpec | None = None,
+                    name: str | None = None) -> ClusterSpec:
+    """n identical nodes "node-0".."node-{n-1}" in one region (what `--nodes N` means)."""
+    if n < 1:
+        raise ConfigError(f"need at least one node, not {n}", key="nodes")
+    spec = parse_device(device)
+    nodes = tuple(NodeSpec(f"node-{i}", spec, region, spec.memory_gb) for i in range(n))
+    return ClusterSpec(name=name or f"uniform-{n}x{spec.name}", nodes=nodes, coordinator_region=region,
+                       default_link=link)
+
+
+def load_cluster(path: str | Path) -> ClusterSpec:
+    source = str(path)
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except OSError as exc:
+        raise ConfigError(f"cannot read cluster file: {exc.strerror or exc}", file=source) from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"invalid TOML: {exc}", file=source) from exc
+    return parse_cluster(data, source)
+
+
+def parse_cluster(data: Mapping[str, Any], source: str) -> ClusterSpec:
+    """Validate a decoded cluster file; `source` names it in errors."""
+    return _Parser(source).cluster(data)
+
+
+_LINK_KEYS = {"bandwidth_mbps", "latency_ms", "loss"}
+
+
+class _Parser:
+    def __init__(self, source: str) -> None:
+        self.source = source
+
+    def error(self, key: str, problem: str) -> ConfigError:
+        return ConfigError(problem, file=self.source, key=key or None)
+
+    # -- typed getters ------------------------------------------------------------------------------------
+
+    def table(self, value: object, key: str, allowed: set[str], required: set[str]) -> Mapping[str, Any]:
+        if not isinstance(value, Mapping):
+            raise self.error(key, f"must be a table, not {_kind(value)}")
+        for k in value:
+            if k not in allowed:
+                raise self.error(_join(key, k), f"unknown key (allowed here: {', '.join(sorted(allowed))})")
+        for k in sorted(required):
+            if k not in value:
+                raise self.error(_join(key, k), "missing required key")
+        return value
+
+    def array_of_tables(self, value: object, key: str) -> list[Any]:
+        if not isinstance(value, list) or not all(isinstance(v, Mapping) for v in value):
+            raise self.error(key, f"must be an array of tables ([[{key}]]), not {_kind(value)}")
+        return value
+
+    def string(self, value: object, key: str) -> str:
+        if not isinstance(value, str):
+            raise self.error(key, f"must be a string, not {_kind(value)}")
+        return value
+
+    def ident(self, value: object, key: str) -> str:
+        text = self.string(value, key)
+        if not _NAME.fullmatch(text):
+            raise self.error(key, f"{text!r} must be 1-64 of lowercase letters, digits, '-' and '_'")
+        return text
+
+    def number(self, value: object, key: str) -> float:
+        # bool is an int subclass in Python; `bandwidth_mbps = true` is a mistake, not 1.
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise self.error(key, f"must be a number, not {_kind(value)}")
+        if not math.isfinite(value):
+            raise self.error(key, f"must be finite, not {value}")
+        return float(value)
+
+    def positive(self, value: object, key: str) -> float:
+        x = self.number(value, key)
+        if x <= 0:
+            raise self.error(key, f"must be > 0, not {value}")
+        return x
+
+    # -- sections -----------------------------------------------------------------------------------------
+
+    def cluster(self, data: Mapping[str, Any]) -> ClusterSpec:
+        top = self.table(data, "", {"name", "description", "coordinator", "nodes", "links"}, {"name", "nodes"})
+        name = self.string(top["name"], "name")
+        description = self.string(top.get("description", ""), "description")
+        nodes = self.nodes(top["nodes"])
+        coordinator_region = nodes[0].region
+        if "coordinator" in top:
+            coord = self.table(top["coordinator"], "coordinator", {"region"}, {"region"})
+            coordinator_region = self.ident(coord["region"], "coordinator.region")
+        regions = {n.region for n in nodes} | {coordinator_region}
+        endpoints = {n.name for n in nodes} | {COORDINATOR}
+
+        default = intra = None
+        region_links: dict[frozenset[str], LinkSpec] = {}
+        pair_links: dict[frozenset[str], LinkSpec] = {}
+        if "links" in top:
+            links = self.table(top["links"], "links", {"default", "intra_region", "regions", "pairs"}, set())
+            if "default" in links:
+                default = self.link(links["default"], "links.default", set())
+            if "intra_region" in links:
+                intra = self.link(links["intra_region"], "links.intra_region", set())
+            if "regions" in links:
+                region_links = self.pairs(links["regions"], "links.regions", regions, "region",
+                                          allow_same=True)
+            if "pairs" in links:
+                pair_links = self.pairs(links["pairs"], "links.pairs", endpoints, "node", allow_same=False)
+        return ClusterSpec(name=name, nodes=nodes, coordinator_region=coordinator_region,
+                           default_link=default, intra_region_link=intra, region_links=region_links,
+                           pair_links=pair_links, description=description)
+
+    def nodes(self, value: object) -> tuple[NodeSpec, ...]:
+        entries = self.array_of_tables(value, "nodes")
+        if not entries:
+            raise self.error("nodes", "a cluster needs at least one node")
+        out: list[NodeSpec] = []
+        seen: dict[str, int] = {}
+        for i, entry in enumerate(entries):
+            key = f"nodes[{i}]"
+            t = self.table(entry, key, {"name", "device", "region", "memory_gb"}, {"name", "device", "region"})
+            name = self.ident(t["name"], f"{key}.name")
+            if name == COORDINATOR:
+                raise self.error(f"{key}.name", f"{COORDINATOR!r} is reserved for the coordinator")
+            if name in seen:
+                raise self.error(f"{key}.name", f"duplicate node name {name!r} (also nodes[{seen[name]}])")
+            seen[name] = i
+            device_name = self.string(t["device"], f"{key}.device")
+            try:
+                device = parse_device(device_name)
+            except ConfigError as exc:
+                raise self.error(f"{key}.device", exc.problem) from None
+            region = self.ident(t["region"], f"{key}.region")
+            memory = device.memory_gb
+            if "memory_gb" in t:
+                memory = self.positive(t["memory_gb"], f"{key}.memory_gb")
+            out.append(NodeSpec(name=name, device=device, region=region, memory_gb=memory))
+        return tuple(out)
+
+    def link(self, value: object, key: str, extra: set[str]) -> LinkSpec:
+        t = self.table(value, key, _LINK_KEYS | extra, {"bandwidth_mbps", "latency_ms"} | extra)
+        bandwidth = self.positive(t["bandwidth_mbps"], f"{key}.bandwidth_mbps")
+        latency = self.number(t["latency_ms"], f"{key}.latency_ms")
+        if latency < 0:
+            raise self.error(f"{key}.latency_ms", f"must be >= 0, not {t['latency_ms']}")
+        loss = self.number(t.get("loss", 0.0), f"{key}.loss")
+        if not 0 <= loss < 1:
+            raise self.error(f"{key}.loss", f"must be in [0, 1), not {t['loss']}")
+        return LinkSpec(bandwidth_mbps=bandwidth, latency_ms=latency, loss=loss)
+
+    def pairs(self, value: object, key: str, known: set[str], what: str,
+              allow_same: bool) -> dict[frozenset[str], LinkSpec]:
+        out: dict[frozenset[str], LinkSpec] = {}
+        where: dict[frozenset[str], int] = {}
+        for i, entry in enumerate(self.array_of_tables(value, key)):
+            k = f"{key}[{i}]"
+            link = self.link(entry, k, {"a", "b"})
+            ends = []
+            for side in ("a", "b"):
+                end = self.string(entry[side], f"{k}.{side}")
+                if end not in known:
+                    raise self.error(f"{k}.{side}",
+                                     f"unknown {what} {end!r}; known: {', '.join(sorted(known))}")
+                ends.append(end)
+            if ends[0] == ends[1] and not allow_same:
+                raise self.error(k, f"a link needs two different endpoints, not {ends[0]!r} twice")
+            pair = frozenset(ends)
+            if pair in out:
+                raise self.error(k, f"duplicate link {ends[0]}-{ends[1]} (also {key}[{where[pair]}])")
+            out[pair] = link
+            where[pair] = i
+        return out
+
+
+def _join(prefix: str, key: str) -> str:
+    return f"{prefix}.{key}" if prefix else key
+
+
+def _kind(value: object) -> str:
+    if isinstance(value, Mapping):
+        return "a table"
+    if isinstance(value, list):
+        return "an array"
+    return {bool: "a boolean", int: "an integer", float: "a float", str: "a string"}.get(
+        type(value), type(value).__name__)

@@ -1,0 +1,359 @@
+"""`hetnode testnet up|down|status`: a coordinator and N node processes on 127.0.0.1.
+
+Every child gets a pipe on which it writes one JSON readiness line once it serves (the coordinator once its API
+is up, a node once it is admitted); the launcher waits on those lines, never on a timer. Keys, logs and the state
+file live in the state directory. Attached children die with the launcher (PR_SET_PDEATHSIG); detached ones are
+stopped by `testnet down`, which waits on their pidfds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from hetnode.errors import ConfigError, HetnodeError
+from hetnode.planner.cluster import ClusterSpec, load_cluster, uniform_cluster
+from hetnode.protocol.identity import load_or_create_identity, peer_id_of
+from hetnode.testnet.emulation import write_link_emulation
+
+SHIPPED = ("demo", "local3")
+STOP_GRACE_S = 10.0
+
+
+@dataclass
+class Proc:
+    name: str
+    role: str
+    pid: int
+    log: str
+    peer_id: str = ""
+
+
+@dataclass
+class TestnetState:
+    api: str
+    bootstrap: str
+    token: str
+    api_key: str | None
+    state_dir: str
+    started_at: float
+    detached: bool
+    cluster: str
+    procs: list[Proc]
+
+    def save(self, path: Path) -> None:
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(asdict(self), indent=2))
+        os.chmod(tmp, 0o600)
+        tmp.replace(path)
+
+    @staticmethod
+    def load(path: Path) -> TestnetState:
+        try:
+            data = json.loads(path.read_text())
+            data["procs"] = [Proc(**p) for p in data["procs"]]
+            return TestnetState(**data)
+        except FileNotFoundError:
+            raise ConfigError("no testnet state here; start one with 'hetnode testnet up --detach'",
+                              file=str(path)) from None
+        except (ValueError, TypeError, KeyError) as exc:
+            raise ConfigError(f"unreadable state file: {exc}", file=str(path)) from exc
+
+
+def resolve_cluster_file(value: str) -> Path:
+    if value in SHIPPED:
+        return Path(str(resources.files("hetnode.testnet") / "clusters" / f"{value}.toml"))
+    path = Path(value)
+    if not path.exists():
+        raise ConfigError(f"no such cluster file (shipped ones: {', '.join(SHIPPED)})", file=value)
+    return path
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.testnet_command == "up":
+        return trio.run(up, args)
+    if args.testnet_command == "down":
+        return trio.run(down, args.state_dir)
+    return status(args.state_dir)
+
+
+# -- up ---------------------------------------------------------------------------------------------------
+
+
+def _die_with_parent() -> None:
+    # PR_SET_PDEATHSIG: the kernel sends SIGTERM to the child when the launcher dies, even by SIGKILL.
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(1, signal.SIGTERM, 0, 0, 0)
+
+
+async def _spawn(cmd: list[str], log_path: Path, env: dict[str, str], *, detach: bool,
+                 ready_timeout_s: float, name: str) -> tuple[trio.Process, dict[str, Any]]:
+    """Start one child and wait for its readiness line."""
+    r, w = os.pipe()
+    # A local append-open is instant; the child keeps its own copy of the descriptor after the fork.
+    log_file = open(log_path, "ab")  # noqa: ASYNC230, SIM115
+    try:
+        proc = await trio.lowlevel.open_process(
+            [*cmd, "--ready-fd", str(w)], stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
+            pass_fds=(w,), env=env, start_new_session=True,
+            preexec_fn=None if detach else _die_with_parent,
+        )
+    finally:
+        os.close(w)
+        log_file.close()
+    line = b""
+    async with trio.lowlevel.FdStream(r) as pipe:
+        with trio.move_on_after(ready_timeout_s) as scope:
+            while not line.endswith(b"\n"):
+                chunk = await pipe.receive_some(4096)
+                if not chunk:
+                    break
+                line += chunk
+    if scope.cancelled_caught or not line.endswith(b"\n"):
+        why = f"not ready after {ready_timeout_s:g} s" if scope.cancelled_caught else "exited before it was ready"
+        if proc.returncode is None and scope.cancelled_caught:
+            proc.kill()
+        tail = _tail(log_path)
+        raise HetnodeError(f"{name} {why}; last lines of {log_path}:\n{tail}")
+    return proc, json.loads(line)
+
+
+def _tail(path: Path, lines: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+    return b"hetnode" in cmdline and Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+
+
+async def up(args: argparse.Namespace) -> int:
+    state_dir: Path = args.state_dir
+    state_path = state_dir / "state.json"
+    if state_path.exists():
+        try:
+            old = TestnetState.load(state_path)
+            if any(_alive(p.pid) for p in old.procs):
+                raise ConfigError("a testnet is already running from this state directory; "
+                                  "stop it with 'hetnode testnet down' or use --state-dir", file=str(state_path))
+        except ConfigError as exc:
+            if "already running" in str(exc):
+                raise
+        state_path.unlink(missing_ok=True)
+
+    if args.cluster:
+        cluster_file: Path | None = resolve_cluster_file(args.cluster)
+        cluster = load_cluster(cluster_file)
+    else:
+        cluster_file = None
+        n = 3 if args.nodes is None else args.nodes
+        if not 1 <= n <= 64:
+            raise ConfigError("must be between 1 and 64", key="--nodes")
+        cluster = uniform_cluster(n)
+
+    (state_dir / "keys").mkdir(parents=True, exist_ok=True)
+    log_dir = state_dir / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    for old_log in log_dir.glob("*.log"):
+        old_log.unlink()
+
+    names = ["coordinator", *[n.name for n in cluster.nodes]]
+    peer_ids = {name: str(peer_id_of(load_or_create_identity(state_dir / "keys" / f"{name}.key")))
+                for name in names}
+    emulate: list[str] = []
+    if cluster_file is not None:
+        links_file = state_dir / "links.json"
+        write_link_emulation(links_file, cluster_file.resolve(), {pid: name for name, pid in peer_ids.items()})
+        emulate = ["--emulate-links", str(links_file)]
+
+    token = args.token or secrets.token_urlsafe(16)
+    env = dict(os.environ, HETNODE_TOKEN=token, PYTHONUNBUFFERED="1")
+    if args.api_key:
+        env["HETNODE_API_KEY"] = args.api_key
+    else:
+        env.pop("HETNODE_API_KEY", None)
+    base = [sys.executable, "-m", "hetnode"]
+    t0 = time.monotonic()
+    procs: list[tuple[Proc, trio.Process]] = []
+    try:
+        coord_log = log_dir / "coordinator.log"
+        cproc, ready = await _spawn(
+            [*base, "coordinator", "--listen", "/ip4/127.0.0.1/tcp/0", "--api", args.api,
+             "--identity", str(state_dir / "keys" / "coordinator.key"),
+             "--heartbeat-deadline", str(args.heartbeat_deadline), "--log-level", args.log_level, *emulate],
+            coord_log, env, detach=args.detach, ready_timeout_s=args.ready_timeout, name="coordinator")
+        procs.append((Proc("coordinator", "coordinator", cproc.pid, str(coord_log), ready["peer_id"]), cproc))
+        api, bootstrap = ready["api"], ready["addrs"][0]
+
+        async def start_node(spec_index: int) -> None:
+            spec = cluster.nodes[spec_index]
+            log_path = log_dir / f"{spec.name}.log"
+            cmd = [*base, "join", "--bootstrap", bootstrap, "--listen", "/ip4/127.0.0.1/tcp/0",
+                   "--identity", str(state_dir / "keys" / f"{spec.name}.key"), "--name", spec.name,
+                   "--region", spec.region, "--log-level", args.log_level, "--retry-budget", "30", *emulate]
+            if spec.device != "cpu":
+                cmd += ["--emulate", spec.device]
+            proc, node_ready = await _spawn(cmd, log_path, env, detach=args.detach,
+                                            ready_timeout_s=args.ready_timeout, name=f"node {spec.name}")
+            procs.append((Proc(spec.name, "node", proc.pid, str(log_path), node_ready["peer_id"]), proc))
+
+        async with trio.open_nursery() as nursery:
+            for i in range(len(cluster.nodes)):
+                nursery.start_soon(start_node, i)
+    except BaseException:
+        with trio.CancelScope(shield=True):
+            await _stop([p for _, p in procs])
+        raise
+    elapsed = time.monotonic() - t0
+
+    state = TestnetState(api=api, bootstrap=bootstrap, token=token, api_key=args.api_key,
+                         state_dir=str(state_dir), started_at=time.time(), detached=args.detach,
+                         cluster=str(cluster_file) if cluster_file else f"{len(cluster.nodes)} cpu nodes",
+                         procs=[p for p, _ in procs])
+    state.save(state_path)
+    _print_summary(state, cluster, elapsed)
+    if args.detach:
+        print("detached; stop it with: hetnode testnet down" +
+              ("" if args.state_dir == _default_state_dir() else f" --state-dir {state_dir}"), flush=True)
+        return 0
+    print("press Ctrl-C to stop the testnet", flush=True)
+    try:
+        await _supervise([(p, proc) for p, proc in procs])
+    finally:
+        with trio.CancelScope(shield=True):
+            print("stopping the testnet...", flush=True)
+            await _stop([proc for _, proc in procs])
+            state_path.unlink(missing_ok=True)
+            print("stopped", flush=True)
+    return 0
+
+
+def _default_state_dir() -> Path:
+    from hetnode.cli import DEFAULT_HOME
+
+    return DEFAULT_HOME / "testnet"
+
+
+def _print_summary(state: TestnetState, cluster: ClusterSpec, elapsed: float) -> None:
+    print(f"testnet up in {elapsed:.1f} s: coordinator + {len(cluster.nodes)} nodes ({state.cluster})")
+    for spec in cluster.nodes:
+        print(f"  {spec.name:<14} {spec.device:<8} region {spec.region or '-'}")
+    auth = f" -H 'Authorization: Bearer {state.api_key}'" if state.api_key else ""
+    print(f"API:       {state.api}")
+    print(f"bootstrap: {state.bootstrap}")
+    print(f"token:     {state.token}")
+    print(f"logs:      {Path(state.state_dir) / 'logs'}")
+    print(f"try:       curl -s{auth} {state.api}/v1/cluster")
+    print(f"join more: hetnode join --bootstrap {state.bootstrap} --token {state.token} --name extra-1", flush=True)
+
+
+async def _supervise(procs: list[tuple[Proc, trio.Process]]) -> None:
+    """Until SIGINT/SIGTERM; report children that die on their own."""
+    async with trio.open_nursery() as nursery:
+
+        async def watch(p: Proc, proc: trio.Process) -> None:
+            code = await proc.wait()
+            print(f"{p.role} {p.name} exited with code {code}; see {p.log}", flush=True)
+
+        for p, proc in procs:
+            nursery.start_soon(watch, p, proc)
+        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            async for _ in signals:
+                nursery.cancel_scope.cancel()
+                return
+
+
+async def _stop(procs: list[trio.Process]) -> None:
+    """Nodes first (they leave gracefully), then the coordinator; SIGKILL after the grace period."""
+    nodes, coordinator = procs[1:], procs[:1]
+    for group in (nodes, coordinator):
+        for proc in group:
+            if proc.returncode is None:
+                proc.send_signal(signal.SIGTERM)
+        with trio.move_on_after(STOP_GRACE_S):
+            for proc in group:
+                await proc.wait()
+        for proc in group:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+
+
+# -- down / status ----------------------------------------------------------------------------------------
+
+
+async def _wait_pid(pid: int, grace_s: float) -> bool:
+    """Wait for a process that is not our child to exit, on its pidfd; True if it did."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True
+    try:
+        with trio.move_on_after(grace_s):
+            await trio.lowlevel.wait_readable(fd)
+            return True
+        return not _alive(pid)
+    finally:
+        os.close(fd)
+
+
+async def down(state_dir: Path) -> int:
+    state_path = state_dir / "state.json"
+    state = TestnetState.load(state_path)
+    nodes = [p for p in state.procs if p.role == "node"]
+    coordinator = [p for p in state.procs if p.role == "coordinator"]
+    for group in (nodes, coordinator):
+        live = [p for p in group if _alive(p.pid)]
+        for p in live:
+            os.kill(p.pid, signal.SIGTERM)
+        for p in live:
+            if not await _wait_pid(p.pid, STOP_GRACE_S):
+                os.kill(p.pid, signal.SIGKILL)
+                await _wait_pid(p.pid, 5)
+    state_path.unlink(missing_ok=True)
+    print(f"stopped {len(state.procs)} processes")
+    return 0
+
+
+def status(state_dir: Path) -> int:
+    import httpx
+
+    state = TestnetState.load(state_dir / "state.json")
+    print(f"testnet from {state_dir} ({state.cluster}), started {time.ctime(state.started_at)}")
+    print(f"API: {state.api}   bootstrap: {state.bootstrap}")
+    for p in state.procs:
+        print(f"  {p.role:<12} {p.name:<14} pid {p.pid:<8} {'running' if _alive(p.pid) else 'NOT RUNNING'}")
+    headers = {"Authorization": f"Bearer {state.api_key}"} if state.api_key else {}
+    try:
+        view = httpx.get(f"{state.api}/v1/cluster", headers=headers, timeout=5).json()
+    except (httpx.HTTPError, ValueError) as exc:
+        print(f"coordinator API not answering: {exc}")
+        return 1
+    print(f"{view['up']} nodes up")
+    for n in view["nodes"]:
+        prof = n["profile"]
+        print(f"  {n['name']:<14} {n['state']:<5} {prof['device']:<10} region {n['region'] or '-':<6} "
+              f"{prof['matmul_tflops']:.1f} TFLOP/s {prof['mem_bandwidth_gbps']:.0f} GB/s")
+    for lk in view["links"]:
+        print(f"  link {lk['src_name']:>12} -> {lk['dst_name']:<12} {lk['bandwidth_mbps']:9.1f} Mbit/s "
+              f"{lk['rtt_ms']:8.2f} ms RTT")
+    return 0
