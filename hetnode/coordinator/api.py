@@ -98,7 +98,30 @@ def build_app(coordinator: Coordinator, *, api_key: str | None = None,
                              "up_nodes": len(view.up_members())})
 
     async def cluster(request: Request) -> Response:
-        return JSONResponse(coordinator.cluster_view())
+        """With min_up / max_up / min_links and timeout (seconds, at most 60), wait until the view matches."""
+        q = request.query_params
+        try:
+            min_up = int(q["min_up"]) if "min_up" in q else None
+            max_up = int(q["max_up"]) if "max_up" in q else None
+            min_links = int(q["min_links"]) if "min_links" in q else None
+            timeout = float(q.get("timeout", "10"))
+        except ValueError as exc:
+            return error_response(400, f"bad query parameter: {exc}")
+        if not 0 <= timeout <= 60:
+            return error_response(400, "timeout must be between 0 and 60 seconds")
+        reg = coordinator.registry
+
+        def matches() -> bool:
+            up = len(reg.up_members())
+            return ((min_up is None or up >= min_up) and (max_up is None or up <= max_up)
+                    and (min_links is None or len(reg.links) >= min_links))
+
+        satisfied = True
+        if min_up is not None or max_up is not None or min_links is not None:
+            satisfied = await coordinator.wait_until(matches, timeout)
+        view = coordinator.cluster_view()
+        view["satisfied"] = satisfied
+        return JSONResponse(view)
 
     async def http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import trio
@@ -202,6 +203,7 @@ class Coordinator:
             elif isinstance(msg, LinkReport):
                 stored = self.registry.report_links(peer, msg.links)
                 log.debug("%d link measurements from %s", stored, self._name(peer))
+                self._poke()
             elif isinstance(msg, AssignmentStatus):
                 record = self.registry.nodes[peer]
                 if record.assignment and record.assignment.plan_version == msg.plan_version:
@@ -237,6 +239,13 @@ class Coordinator:
                 log.info("could not push membership to %s: %s", self._name(peer), exc)
 
     # -- views -------------------------------------------------------------------------------------------
+
+    async def wait_until(self, predicate: Callable[[], bool], timeout_s: float) -> bool:
+        """Wait (bounded) until predicate() holds, re-checking on every registry change; its final value."""
+        with trio.move_on_after(timeout_s):
+            while not predicate():
+                await self._changed.wait()
+        return predicate()
 
     def cluster_view(self) -> dict[str, object]:
         view = self.registry.snapshot(now=trio.current_time())

@@ -1,0 +1,59 @@
+"""The REST API in process: API key, error shape, body limits, the cluster view and its long-poll."""
+
+from __future__ import annotations
+
+import httpx
+import trio
+
+from hetnode.coordinator.api import build_app
+from hetnode.coordinator.daemon import Coordinator, CoordinatorConfig
+from hetnode.node.daemon import NodeConfig, NodeDaemon
+from hetnode.protocol.memory import MemoryNetwork
+from hetnode.protocol.messages import HardwareProfile
+from hetnode.protocol.probe import ProbeSettings
+
+PROFILE = HardwareProfile(device="l4", device_type="l4", memory_bytes=24 << 30, matmul_tflops=242,
+                          mem_bandwidth_gbps=300, dtype="float16", emulated=True)
+
+
+async def test_api_key_error_shape_and_cluster_view() -> None:
+    net = MemoryNetwork()
+    async with trio.open_nursery() as nursery, net.transport("coord") as ct, net.transport("n1") as nt:
+        coord = Coordinator(CoordinatorConfig(token="t"), ct)
+        await nursery.start(coord.run)
+        app = build_app(coord, api_key="k3y")
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://api") as client:
+            assert (await client.get("/healthz")).status_code == 200  # open, for load balancers
+            r = await client.get("/v1/cluster")
+            assert r.status_code == 401
+            assert r.json()["error"]["code"] == "invalid_api_key"
+            assert "missing API key" in r.json()["error"]["message"]
+            r = await client.get("/v1/cluster", headers={"Authorization": "Bearer wrong"})
+            assert r.status_code == 401 and "invalid API key" in r.json()["error"]["message"]
+            auth = {"Authorization": "Bearer k3y"}
+            r = await client.get("/v1/nope", headers=auth)
+            assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+            r = await client.post("/v1/cluster", headers=auth)
+            assert r.status_code == 405 and "error" in r.json()
+            r = await client.get("/v1/cluster?min_up=x", headers=auth)
+            assert r.status_code == 400 and "bad query parameter" in r.json()["error"]["message"]
+            r = await client.post("/v1/cluster", headers={**auth, "Content-Length": str(64 << 20)}, content=b"")
+            assert r.status_code == 413
+
+            node = NodeDaemon(NodeConfig(bootstrap=("/memory/coord/p2p/coord",), token="t", name="n1",
+                                         profile=PROFILE, region="eu",
+                                         probe=ProbeSettings(first_bytes=1024, max_bytes=2048)), nt)
+            await nursery.start(node.run)
+            # Long-poll: returns once the node's link to the coordinator is measured, no sleeping here.
+            r = await client.get("/v1/cluster?min_up=1&min_links=1&timeout=30", headers=auth)
+            view = r.json()
+            assert r.status_code == 200 and view["satisfied"] is True
+            (n,) = view["nodes"]
+            assert n["name"] == "n1" and n["state"] == "up" and n["region"] == "eu"
+            assert n["profile"]["device"] == "l4" and n["profile"]["emulated"] is True
+            (link,) = view["links"]
+            assert link["src_name"] == "n1" and link["dst_name"] == "coordinator"
+            assert link["bandwidth_mbps"] > 0 and link["rtt_ms"] >= 0
+            r = await client.get("/v1/cluster?max_up=0&timeout=0.2", headers=auth)
+            assert r.json()["satisfied"] is False
+        nursery.cancel_scope.cancel()
