@@ -146,19 +146,31 @@ def _alive(pid: int) -> bool:
     return b"hetnode" in cmdline and Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
 
 
-async def up(args: argparse.Namespace) -> int:
+@dataclass
+class Running:
+    state: TestnetState
+    cluster: ClusterSpec
+    procs: list[tuple[Proc, trio.Process]]
+    elapsed_s: float
+
+    @property
+    def state_path(self) -> Path:
+        return Path(self.state.state_dir) / "state.json"
+
+
+async def start(args: argparse.Namespace) -> Running:
+    """Start the coordinator, then every node concurrently; returns once all are ready."""
     state_dir: Path = args.state_dir
     state_path = state_dir / "state.json"
     if state_path.exists():
         try:
-            old = TestnetState.load(state_path)
-            if any(_alive(p.pid) for p in old.procs):
-                raise ConfigError("a testnet is already running from this state directory; "
-                                  "stop it with 'hetnode testnet down' or use --state-dir", file=str(state_path))
-        except ConfigError as exc:
-            if "already running" in str(exc):
-                raise
-        state_path.unlink(missing_ok=True)
+            running = any(_alive(p.pid) for p in TestnetState.load(state_path).procs)
+        except ConfigError:
+            running = False  # an unreadable leftover is replaced
+        if running:
+            raise ConfigError("a testnet is already running from this state directory; "
+                              "stop it with 'hetnode testnet down' or use --state-dir", file=str(state_path))
+        state_path.unlink()
 
     if args.cluster:
         cluster_file: Path | None = resolve_cluster_file(args.cluster)
@@ -223,27 +235,34 @@ async def up(args: argparse.Namespace) -> int:
         with trio.CancelScope(shield=True):
             await _stop([p for _, p in procs])
         raise
-    elapsed = time.monotonic() - t0
-
     state = TestnetState(api=api, bootstrap=bootstrap, token=token, api_key=args.api_key,
                          state_dir=str(state_dir), started_at=time.time(), detached=args.detach,
                          cluster=str(cluster_file) if cluster_file else f"{len(cluster.nodes)} cpu nodes",
                          procs=[p for p, _ in procs])
     state.save(state_path)
-    _print_summary(state, cluster, elapsed)
+    return Running(state, cluster, procs, time.monotonic() - t0)
+
+
+async def stop(running: Running) -> None:
+    with trio.CancelScope(shield=True):
+        await _stop([proc for _, proc in running.procs])
+        running.state_path.unlink(missing_ok=True)
+
+
+async def up(args: argparse.Namespace) -> int:
+    running = await start(args)
+    print_summary(running.state, running.cluster, running.elapsed_s)
     if args.detach:
         print("detached; stop it with: hetnode testnet down" +
-              ("" if args.state_dir == _default_state_dir() else f" --state-dir {state_dir}"), flush=True)
+              ("" if args.state_dir == _default_state_dir() else f" --state-dir {args.state_dir}"), flush=True)
         return 0
     print("press Ctrl-C to stop the testnet", flush=True)
     try:
-        await _supervise([(p, proc) for p, proc in procs])
+        await supervise(running)
     finally:
-        with trio.CancelScope(shield=True):
-            print("stopping the testnet...", flush=True)
-            await _stop([proc for _, proc in procs])
-            state_path.unlink(missing_ok=True)
-            print("stopped", flush=True)
+        print("stopping the testnet...", flush=True)
+        await stop(running)
+        print("stopped", flush=True)
     return 0
 
 
@@ -253,7 +272,7 @@ def _default_state_dir() -> Path:
     return DEFAULT_HOME / "testnet"
 
 
-def _print_summary(state: TestnetState, cluster: ClusterSpec, elapsed: float) -> None:
+def print_summary(state: TestnetState, cluster: ClusterSpec, elapsed: float) -> None:
     print(f"testnet up in {elapsed:.1f} s: coordinator + {len(cluster.nodes)} nodes ({state.cluster})")
     for spec in cluster.nodes:
         print(f"  {spec.name:<14} {spec.device:<8} region {spec.region or '-'}")
@@ -266,8 +285,9 @@ def _print_summary(state: TestnetState, cluster: ClusterSpec, elapsed: float) ->
     print(f"join more: hetnode join --bootstrap {state.bootstrap} --token {state.token} --name extra-1", flush=True)
 
 
-async def _supervise(procs: list[tuple[Proc, trio.Process]]) -> None:
+async def supervise(running: Running) -> None:
     """Until SIGINT/SIGTERM; report children that die on their own."""
+    procs = running.procs
     async with trio.open_nursery() as nursery:
 
         async def watch(p: Proc, proc: trio.Process) -> None:

@@ -1,0 +1,109 @@
+"""The real thing: `hetnode testnet up` starts separate processes over libp2p on 127.0.0.1.
+
+Waits use the coordinator's long-poll (/v1/cluster?min_up=...) and process exits, never fixed sleeps.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.slow
+
+HETNODE = [sys.executable, "-m", "hetnode"]
+API_KEY = "test-key"
+
+
+def run(*args: str, timeout: float = 120, **kw: object) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*HETNODE, *args], capture_output=True, text=True, timeout=timeout, **kw)  # type: ignore[call-overload]
+
+
+@pytest.fixture
+def testnet(tmp_path: Path) -> Iterator[dict[str, object]]:
+    state_dir = tmp_path / "tn"
+    r = run("testnet", "up", "--nodes", "3", "--detach", "--state-dir", str(state_dir),
+            "--api-key", API_KEY, "--heartbeat-deadline", "3")
+    assert r.returncode == 0, r.stdout + r.stderr
+    state = json.loads((state_dir / "state.json").read_text())
+    state["dir"] = state_dir
+    try:
+        yield state
+    finally:
+        down = run("testnet", "down", "--state-dir", str(state_dir))
+        assert down.returncode == 0, down.stderr
+        for p in state["procs"]:  # type: ignore[union-attr]
+            assert not _running(p["pid"]), f"{p['name']} still running after testnet down"
+
+
+def _running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+def cluster(state: dict[str, object], **params: object) -> dict[str, object]:
+    r = httpx.get(f"{state['api']}/v1/cluster", params=params,
+                  headers={"Authorization": f"Bearer {API_KEY}"}, timeout=70)
+    assert r.status_code == 200, r.text
+    return r.json()  # type: ignore[no-any-return]
+
+
+def test_testnet_membership_links_liveness_admission_and_auth(testnet: dict[str, object]) -> None:
+    api = testnet["api"]
+    # API key enforced.
+    assert httpx.get(f"{api}/v1/cluster", timeout=10).status_code == 401
+    assert httpx.get(f"{api}/healthz", timeout=10).status_code == 200
+
+    # 3 nodes up, each with links measured to the 2 others and to the coordinator.
+    view = cluster(testnet, min_up=3, min_links=9, timeout=60)
+    assert view["satisfied"], view
+    nodes = {n["name"]: n for n in view["nodes"]}  # type: ignore[attr-defined]
+    assert sorted(nodes) == ["node-0", "node-1", "node-2"]
+    assert all(n["state"] == "up" and n["profile"]["matmul_tflops"] > 0 for n in nodes.values())
+    for link in view["links"]:  # type: ignore[attr-defined]
+        assert link["bandwidth_mbps"] > 10 and 0 < link["rtt_ms"] < 100, link
+
+    status = run("testnet", "status", "--state-dir", str(testnet["dir"]))
+    assert status.returncode == 0 and "3 nodes up" in status.stdout, status.stdout + status.stderr
+
+    # SIGKILL one node: marked down within the heartbeat deadline (3 s), here as soon as its connection drops.
+    victim = next(p for p in testnet["procs"] if p["name"] == "node-1")  # type: ignore[attr-defined]
+    t0 = time.monotonic()
+    os.kill(victim["pid"], signal.SIGKILL)
+    view = cluster(testnet, max_up=2, timeout=10)
+    assert view["satisfied"] and time.monotonic() - t0 < 3 + 1
+    down = {n["name"]: n for n in view["nodes"]}["node-1"]  # type: ignore[attr-defined]
+    assert down["state"] == "down" and down["state_reason"]
+
+    # A node with a wrong token is refused, with the reason, and exit code 2.
+    bad = run("join", "--bootstrap", str(testnet["bootstrap"]), "--token", "wrong", "--name", "intruder",
+              "--listen", "/ip4/127.0.0.1/tcp/0", "--identity", str(Path(str(testnet["dir"])) / "intruder.key"),
+              "--retry-budget", "5", timeout=60)
+    assert bad.returncode == 2, bad.stdout + bad.stderr
+    assert "invalid admission token" in bad.stderr
+    assert "intruder" not in {n["name"] for n in cluster(testnet)["nodes"]}  # type: ignore[attr-defined]
+
+
+def test_join_rejects_malformed_and_unreachable_bootstrap(tmp_path: Path) -> None:
+    r = run("join", "--bootstrap", "not-a-multiaddr", "--token", "t")
+    assert r.returncode == 2 and "malformed bootstrap address" in r.stderr
+    r = run("join", "--bootstrap", "/ip4/127.0.0.1/tcp/4001", "--token", "t")
+    assert r.returncode == 2 and "/p2p/" in r.stderr
+    # A well-formed address where nobody listens: exit 1 once the retry budget is spent.
+    from hetnode.protocol.identity import load_or_create_identity, peer_id_of
+
+    ghost = peer_id_of(load_or_create_identity(tmp_path / "ghost.key"))
+    r = run("join", "--bootstrap", f"/ip4/127.0.0.1/tcp/9/p2p/{ghost}", "--token", "t", "--retry-budget", "2",
+            "--listen", "/ip4/127.0.0.1/tcp/0", "--identity", str(tmp_path / "n.key"), timeout=60)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "could not join" in r.stderr
