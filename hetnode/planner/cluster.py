@@ -97,9 +97,13 @@ UNLIMITED = LinkSpec(bandwidth_mbps=math.inf, latency_ms=0.0)
 @dataclass(frozen=True)
 class NodeSpec:
     name: str
-    device: DeviceSpec
+    device: str  # canonical device name ("a100", "2xl4"): what `hetnode join --emulate` takes
     region: str
     memory_gb: float  # the device's memory, or the file's override
+
+    @property
+    def device_spec(self) -> DeviceSpec:
+        return parse_device(self.device)
 
 
 @dataclass(frozen=True)
@@ -156,7 +160,7 @@ class ClusterSpec:
             out["description"] = self.description
         out["coordinator"] = {"region": self.coordinator_region}
         out["nodes"] = [
-            {"name": n.name, "device": n.device.name, "region": n.region, "memory_gb": n.memory_gb}
+            {"name": n.name, "device": n.device, "region": n.region, "memory_gb": n.memory_gb}
             for n in self.nodes
         ]
         if links:
@@ -179,7 +183,7 @@ def uniform_cluster(n: int, device: str = "cpu", *, region: str = "local", link:
     if n < 1:
         raise ConfigError(f"need at least one node, not {n}", key="nodes")
     spec = parse_device(device)
-    nodes = tuple(NodeSpec(f"node-{i}", spec, region, spec.memory_gb) for i in range(n))
+    nodes = tuple(NodeSpec(f"node-{i}", spec.name, region, spec.memory_gb) for i in range(n))
     return ClusterSpec(name=name or f"uniform-{n}x{spec.name}", nodes=nodes, coordinator_region=region,
                        default_link=link)
 
@@ -310,7 +314,7 @@ class _Parser:
             memory = device.memory_gb
             if "memory_gb" in t:
                 memory = self.positive(t["memory_gb"], f"{key}.memory_gb")
-            out.append(NodeSpec(name=name, device=device, region=region, memory_gb=memory))
+            out.append(NodeSpec(name=name, device=device.name, region=region, memory_gb=memory))
         return tuple(out)
 
     def link(self, value: object, key: str, extra: set[str]) -> LinkSpec:

@@ -39,7 +39,7 @@ class _Msg(msgspec.Struct, frozen=True, tag_field="t", kw_only=True):
 # -- shared pieces ------------------------------------------------------------------------------------------
 
 
-class ErrorReply(_Msg, tag="error", kw_only=True):
+class ErrorReply(_Msg, tag="error", frozen=True, kw_only=True):
     """Sent before a stream is reset because of something the peer did wrong."""
 
     code: Name
@@ -96,7 +96,7 @@ class LinkMeasurement(msgspec.Struct, frozen=True, kw_only=True):
 # -- /hetnode/ctl/1: node <-> coordinator, one long-lived stream per membership ---------------------------
 
 
-class Join(_Msg, tag="join", kw_only=True):
+class Join(_Msg, tag="join", frozen=True, kw_only=True):
     token: Annotated[str, msgspec.Meta(max_length=256)]
     name: Name
     region: Name = ""
@@ -105,7 +105,7 @@ class Join(_Msg, tag="join", kw_only=True):
     software: Name = ""
 
 
-class Welcome(_Msg, tag="welcome", kw_only=True):
+class Welcome(_Msg, tag="welcome", frozen=True, kw_only=True):
     peer_id: PeerStr  # the id the coordinator saw on the connection
     heartbeat_interval_s: Annotated[float, msgspec.Meta(gt=0)]
     heartbeat_deadline_s: Annotated[float, msgspec.Meta(gt=0)]
@@ -113,27 +113,27 @@ class Welcome(_Msg, tag="welcome", kw_only=True):
     members: Annotated[list[MemberInfo], msgspec.Meta(max_length=4096)]
 
 
-class Refuse(_Msg, tag="refuse", kw_only=True):
+class Refuse(_Msg, tag="refuse", frozen=True, kw_only=True):
     reason: Text
 
 
-class Heartbeat(_Msg, tag="heartbeat", kw_only=True):
+class Heartbeat(_Msg, tag="heartbeat", frozen=True, kw_only=True):
     seq: Count
     load: Load
 
 
-class Members(_Msg, tag="members", kw_only=True):
+class Members(_Msg, tag="members", frozen=True, kw_only=True):
     """The full membership, pushed whenever it changes (nodes check probe and data streams against it)."""
 
     version: Count
     members: Annotated[list[MemberInfo], msgspec.Meta(max_length=4096)]
 
 
-class LinkReport(_Msg, tag="links", kw_only=True):
+class LinkReport(_Msg, tag="links", frozen=True, kw_only=True):
     links: Annotated[list[LinkMeasurement], msgspec.Meta(max_length=4096)]
 
 
-class Assignment(_Msg, tag="assign", kw_only=True):
+class Assignment(_Msg, tag="assign", frozen=True, kw_only=True):
     """The layers and role a node serves under a plan version (the data path fills these in)."""
 
     plan_version: Count
@@ -143,13 +143,13 @@ class Assignment(_Msg, tag="assign", kw_only=True):
     role: Literal["idle", "mixed", "prefill", "decode"] = "idle"
 
 
-class AssignmentStatus(_Msg, tag="assign_status", kw_only=True):
+class AssignmentStatus(_Msg, tag="assign_status", frozen=True, kw_only=True):
     plan_version: Count
     state: Literal["loading", "ready", "failed"]
     detail: Text = ""
 
 
-class Leave(_Msg, tag="leave", kw_only=True):
+class Leave(_Msg, tag="leave", frozen=True, kw_only=True):
     reason: Text = ""
 
 
@@ -162,24 +162,24 @@ ctl_decoder = msgspec.msgpack.Decoder(CtlMessage)
 # -- /hetnode/probe/1: node <-> node (and node -> coordinator) link measurement ---------------------------
 
 
-class Ping(_Msg, tag="ping", kw_only=True):
+class Ping(_Msg, tag="ping", frozen=True, kw_only=True):
     seq: Count
     pad: Annotated[bytes, msgspec.Meta(max_length=4096)] = b""
 
 
-class Pong(_Msg, tag="pong", kw_only=True):
+class Pong(_Msg, tag="pong", frozen=True, kw_only=True):
     seq: Count
     pad: Annotated[bytes, msgspec.Meta(max_length=4096)] = b""
 
 
-class BulkStart(_Msg, tag="bulk", kw_only=True):
+class BulkStart(_Msg, tag="bulk", frozen=True, kw_only=True):
     """Raw frames of `chunk_bytes` (the last may be shorter) follow, `total_bytes` in all."""
 
     total_bytes: Annotated[int, msgspec.Meta(ge=1, le=64 << 20)]
     chunk_bytes: Annotated[int, msgspec.Meta(ge=1, le=1 << 20)]
 
 
-class BulkDone(_Msg, tag="bulk_done", kw_only=True):
+class BulkDone(_Msg, tag="bulk_done", frozen=True, kw_only=True):
     received_bytes: Count
 
 
@@ -190,11 +190,11 @@ probe_decoder = msgspec.msgpack.Decoder(ProbeMessage)
 # -- /hetnode/discover/1: anyone may ask any member where the coordinator is ------------------------------
 
 
-class DiscoverRequest(_Msg, tag="discover", kw_only=True):
+class DiscoverRequest(_Msg, tag="discover", frozen=True, kw_only=True):
     pass
 
 
-class DiscoverReply(_Msg, tag="discover_reply", kw_only=True):
+class DiscoverReply(_Msg, tag="discover_reply", frozen=True, kw_only=True):
     coordinator: PeerStr
     addrs: Addrs
 
