@@ -10,10 +10,11 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import trio
 
+from hetnode.coordinator.probes import ProbeScheduler
 from hetnode.coordinator.registry import Registry
 from hetnode.errors import ProtocolError, StreamClosed
 from hetnode.ids import NodeId
@@ -31,12 +32,13 @@ from hetnode.protocol.messages import (
     Leave,
     LinkReport,
     Members,
+    ProbeOrder,
     Refuse,
     Welcome,
     ctl_decoder,
     discover_decoder,
 )
-from hetnode.protocol.probe import serve_probe
+from hetnode.protocol.probe import ProbeSettings, serve_probe
 from hetnode.protocol.transport import Stream, Transport
 
 log = logging.getLogger(__name__)
@@ -51,7 +53,9 @@ class CoordinatorConfig:
     heartbeat_deadline_s: float = 5.0
     """A node with no heartbeat for this long is marked down."""
     probe_interval_s: float = 60.0
-    """How often nodes re-measure their links when membership is stable."""
+    """How often every link is measured again while membership is stable."""
+    probe: ProbeSettings = field(default_factory=ProbeSettings)
+    """Cost bounds of one link measurement."""
 
     def __post_init__(self) -> None:
         if not self.token:
@@ -78,17 +82,18 @@ class Coordinator:
         self.registry = Registry(token=config.token, heartbeat_deadline_s=config.heartbeat_deadline_s)
         self._sessions: dict[NodeId, _Session] = {}
         self._changed = trio.Event()  # membership or deadlines changed: the liveness watcher re-arms
-        self._nursery: trio.Nursery | None = None
+        self.probes = ProbeScheduler(self.registry, transport, self._send_probe_order,
+                                     interval_s=config.probe_interval_s, settings=config.probe)
 
     # -- lifecycle ---------------------------------------------------------------------------------------
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
-            self._nursery = nursery
             self.transport.set_handler(CTL_PROTOCOL, self._handle_ctl)
             self.transport.set_handler(PROBE_PROTOCOL, self._handle_probe)
             self.transport.set_handler(DISCOVER_PROTOCOL, self._handle_discover)
             nursery.start_soon(self._watch_liveness)
+            nursery.start_soon(self.probes.run)
             task_status.started()
 
     def _poke(self) -> None:
@@ -105,6 +110,7 @@ class Coordinator:
             expired = self.registry.expire(now=trio.current_time())
             for peer in expired:
                 log.warning("node %s marked down: missed heartbeat deadline", self._name(peer))
+                self.probes.member_gone(peer)
                 await self._drop_session(peer)
             if expired:
                 await self._push_members()
@@ -164,15 +170,16 @@ class Coordinator:
                 peer_id=peer,
                 heartbeat_interval_s=self.config.heartbeat_interval_s,
                 heartbeat_deadline_s=self.config.heartbeat_deadline_s,
-                probe_interval_s=self.config.probe_interval_s,
                 members=[r.member_info() for r in self.registry.up_members()],
             ))
             self._poke()
             await self._push_members(skip=peer)
+            self.probes.member_joined(peer)
             await self._serve_session(session)
         finally:
             if self._sessions.get(peer) is session:
                 del self._sessions[peer]
+                self.probes.member_gone(peer)
                 if self.registry.mark(peer, "down", "control stream closed"):
                     log.warning("node %s marked down: control stream closed", self._name(peer))
                     self._poke()
@@ -203,6 +210,7 @@ class Coordinator:
             elif isinstance(msg, LinkReport):
                 stored = self.registry.report_links(peer, msg.links)
                 log.debug("%d link measurements from %s", stored, self._name(peer))
+                self.probes.on_report(peer, msg)
                 self._poke()
             elif isinstance(msg, AssignmentStatus):
                 record = self.registry.nodes[peer]
@@ -210,6 +218,7 @@ class Coordinator:
                     record.assignment_state = msg.state
             elif isinstance(msg, Leave):
                 self.registry.mark(peer, "left", msg.reason or "left")
+                self.probes.member_gone(peer)
                 log.info("node %s left: %s", self._name(peer), msg.reason or "no reason given")
                 self._poke()
                 await self._push_members(skip=peer)
@@ -220,6 +229,18 @@ class Coordinator:
             else:
                 await framed.reject("bad_message", f"unexpected {type(msg).__name__} from a node")
                 return
+
+    async def _send_probe_order(self, peer: NodeId, order: ProbeOrder) -> bool:
+        session = self._sessions.get(peer)
+        if session is None:
+            return False
+        try:
+            with trio.move_on_after(5):
+                await session.framed.send_msg(order)
+                return True
+        except (StreamClosed, OSError) as exc:
+            log.info("could not send a probe order to %s: %s", self._name(peer), exc)
+        return False
 
     async def _drop_session(self, peer: NodeId) -> None:
         session = self._sessions.pop(peer, None)

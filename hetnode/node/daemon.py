@@ -42,6 +42,7 @@ from hetnode.protocol.messages import (
     Load,
     MemberInfo,
     Members,
+    ProbeOrder,
     Refuse,
     Welcome,
     ctl_decoder,
@@ -68,9 +69,6 @@ class NodeConfig:
     backoff_initial_s: float = 0.25
     backoff_max_s: float = 8.0
     probe: ProbeSettings = field(default_factory=ProbeSettings)
-    probe_debounce_s: float = 0.5
-    """Membership changes within this window trigger one probe round, not one each."""
-    probe_concurrency: int = 2
 
 
 class NodeDaemon:
@@ -87,10 +85,10 @@ class NodeDaemon:
         self.assignment: Assignment | None = None
         self.joined = trio.Event()  # set on every successful join; replaced when the session ends
         self.joins = 0
-        self._membership_changed = trio.Event()
         self._heartbeat_seq = 0
         self._framed: FramedStream | None = None
         self._leaving = False
+        self._session_nursery: trio.Nursery | None = None
 
     # -- membership checks for our own handlers ----------------------------------------------------------
 
@@ -203,8 +201,6 @@ class NodeDaemon:
         self.members_version = version
         for m in self.members.values():
             self.transport.add_peer_addrs(NodeId(m.peer_id), list(m.addrs))
-        self._membership_changed.set()
-        self._membership_changed = trio.Event()
 
     async def _session(self, framed: FramedStream, welcome: Welcome) -> None:
         """Serve one membership until the control stream ends or fails."""
@@ -221,11 +217,12 @@ class NodeDaemon:
                         log.warning("control session failed: %s", exc)
                     nursery.cancel_scope.cancel()
 
+                self._session_nursery = nursery
                 nursery.start_soon(until_failure, self._heartbeats, welcome.heartbeat_interval_s)
-                nursery.start_soon(until_failure, self._probe_loop, welcome.probe_interval_s)
                 nursery.start_soon(until_failure, self._read_ctl, 0.0)
         finally:
             self._framed = None
+            self._session_nursery = None
 
     async def leave(self, reason: str = "shutting down") -> None:
         """Tell the coordinator we are going, so that it need not wait for a heartbeat deadline."""
@@ -255,6 +252,9 @@ class NodeDaemon:
                     self._set_members(msg.version, msg.members)
             elif isinstance(msg, Assignment):
                 self.assignment = msg
+            elif isinstance(msg, ProbeOrder):
+                if self._session_nursery is not None:
+                    self._session_nursery.start_soon(self._run_probe_order, framed, msg)
             elif isinstance(msg, ErrorReply):
                 log.warning("coordinator: %s: %s", msg.code, msg.message)
                 return
@@ -271,38 +271,30 @@ class NodeDaemon:
             await framed.send_msg(Heartbeat(seq=self._heartbeat_seq, load=self.load()))
             await trio.sleep(interval)
 
-    async def _probe_loop(self, framed: FramedStream, interval: float) -> None:
-        """Probe every member (and the coordinator) now, after membership changes, and every interval."""
-        while True:
-            changed = self._membership_changed
-            await self._probe_round(framed)
-            with trio.move_on_after(interval):
-                await changed.wait()
-            # Joins come in bursts (a testnet starting): let the burst settle into one round.
-            await trio.sleep(self.config.probe_debounce_s)
-
-    async def _probe_round(self, framed: FramedStream) -> None:
-        targets = [p for p in self.members if p != self.transport.peer_id]
-        if self.coordinator is not None:
-            targets.append(self.coordinator)
+    async def _run_probe_order(self, framed: FramedStream, order: ProbeOrder) -> None:
+        """Measure the ordered links one after another (concurrent probes would measure each other)."""
         results: list[LinkMeasurement] = []
-        limiter = trio.CapacityLimiter(self.config.probe_concurrency)
-
-        async def one(peer: NodeId) -> None:
-            async with limiter:
-                try:
-                    results.append(await probe_link(self.transport, peer, self.config.probe))
-                except (HetnodeError, OSError, trio.TooSlowError) as exc:
-                    log.info("probe of %s failed: %s", peer, exc)
-
-        async with trio.open_nursery() as nursery:
-            for peer in targets:
-                nursery.start_soon(one, peer)
+        failed: list[str] = []
+        for target in order.targets:
+            peer = NodeId(target)
+            if peer == self.transport.peer_id or not self.is_member(peer):
+                failed.append(target)
+                continue
+            try:
+                results.append(await probe_link(self.transport, peer, self.config.probe))
+            except (HetnodeError, OSError, trio.TooSlowError) as exc:
+                log.info("probe of %s failed: %s", self._peer_name(peer), exc)
+                failed.append(target)
         for m in results:
             self.links[NodeId(m.dst)] = m
+        try:
+            await framed.send_msg(LinkReport(order=order.order, links=results, failed=failed))
+        except (StreamClosed, OSError) as exc:
+            # The session is ending; its reader notices and the node rejoins. Nothing to report to.
+            log.info("could not report links: %s", exc)
+            return
         if results:
-            await framed.send_msg(LinkReport(links=results))
-            log.info("reported %d links: %s", len(results), ", ".join(
+            log.info("measured %s", ", ".join(
                 f"{self._peer_name(NodeId(m.dst))} {m.bandwidth_mbps:.0f} Mbit/s {m.rtt_ms:.2f} ms"
                 for m in results))
 

@@ -109,7 +109,6 @@ class Welcome(_Msg, tag="welcome", frozen=True, kw_only=True):
     peer_id: PeerStr  # the id the coordinator saw on the connection
     heartbeat_interval_s: Annotated[float, msgspec.Meta(gt=0)]
     heartbeat_deadline_s: Annotated[float, msgspec.Meta(gt=0)]
-    probe_interval_s: Annotated[float, msgspec.Meta(gt=0)]
     members: Annotated[list[MemberInfo], msgspec.Meta(max_length=4096)]
 
 
@@ -129,8 +128,17 @@ class Members(_Msg, tag="members", frozen=True, kw_only=True):
     members: Annotated[list[MemberInfo], msgspec.Meta(max_length=4096)]
 
 
+class ProbeOrder(_Msg, tag="probe_order", frozen=True, kw_only=True):
+    """Measure the links from this node to `targets`, one after another, and answer with a LinkReport."""
+
+    order: Count
+    targets: Annotated[list[PeerStr], msgspec.Meta(max_length=4096)]
+
+
 class LinkReport(_Msg, tag="links", frozen=True, kw_only=True):
+    order: Count = 0  # the ProbeOrder this answers
     links: Annotated[list[LinkMeasurement], msgspec.Meta(max_length=4096)]
+    failed: Annotated[list[PeerStr], msgspec.Meta(max_length=4096)] = []
 
 
 class Assignment(_Msg, tag="assign", frozen=True, kw_only=True):
@@ -154,7 +162,8 @@ class Leave(_Msg, tag="leave", frozen=True, kw_only=True):
 
 
 CtlMessage = (
-    Join | Welcome | Refuse | Heartbeat | Members | LinkReport | Assignment | AssignmentStatus | Leave | ErrorReply
+    Join | Welcome | Refuse | Heartbeat | Members | ProbeOrder | LinkReport | Assignment | AssignmentStatus | Leave
+    | ErrorReply
 )
 ctl_decoder = msgspec.msgpack.Decoder(CtlMessage)
 
@@ -203,6 +212,6 @@ DiscoverMessage = DiscoverRequest | DiscoverReply | ErrorReply
 discover_decoder = msgspec.msgpack.Decoder(DiscoverMessage)
 
 ALL_MESSAGE_TYPES: tuple[type[msgspec.Struct], ...] = (
-    ErrorReply, Join, Welcome, Refuse, Heartbeat, Members, LinkReport, Assignment, AssignmentStatus, Leave,
+    ErrorReply, Join, Welcome, Refuse, Heartbeat, Members, ProbeOrder, LinkReport, Assignment, AssignmentStatus, Leave,
     Ping, Pong, BulkStart, BulkDone, DiscoverRequest, DiscoverReply,
 )

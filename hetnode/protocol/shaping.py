@@ -49,6 +49,7 @@ from contextlib import asynccontextmanager
 from typing import Literal
 
 import trio
+import trio.testing
 
 from hetnode.errors import StreamClosed, StreamReset
 from hetnode.ids import NodeId, ProtocolId
@@ -66,6 +67,14 @@ MAX_QUEUE = 512
 # the remote discards what it had not read anyway. The grace lets chunks that arrive together with the reset
 # go first, as they would on the wire.
 STUCK_GRACE_S = 0.05
+# CPython rounds epoll timeouts up to whole milliseconds, so a trio sleep on the real clock wakes about 1 ms
+# late (measured here: median 1.0 ms). Each shaped direction would add that to its latency; deliveries wake
+# this much early instead. MockClock has exact time and gets none.
+REAL_CLOCK_LATENESS_S = 0.001
+
+
+def _timer_lateness() -> float:
+    return 0.0 if isinstance(trio.lowlevel.current_clock(), trio.testing.MockClock) else REAL_CLOCK_LATENESS_S
 
 LinkFor = Callable[[NodeId, NodeId], LinkSpec | None]
 
@@ -245,7 +254,7 @@ class ShapedStream:
             with self._delivery_scope:
                 stuck = False
                 async for arrive, chunk in self._queued:
-                    await trio.sleep_until(arrive)
+                    await trio.sleep_until(arrive - _timer_lateness())
                     with trio.CancelScope(deadline=self._reset_at + STUCK_GRACE_S) as scope:
                         self._send_scope = scope
                         await self._inner.send_all(chunk)

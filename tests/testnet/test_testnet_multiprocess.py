@@ -107,3 +107,29 @@ def test_join_rejects_malformed_and_unreachable_bootstrap(tmp_path: Path) -> Non
             "--listen", "/ip4/127.0.0.1/tcp/0", "--identity", str(tmp_path / "n.key"), timeout=60)
     assert r.returncode == 1, r.stdout + r.stderr
     assert "could not join" in r.stderr
+
+
+def test_emulated_links_measure_as_configured(tmp_path: Path) -> None:
+    """The shipped demo cluster: every probe within 15% of the configured bandwidth and round trip."""
+    from hetnode.planner.cluster import load_cluster
+    from hetnode.testnet.launcher import resolve_cluster_file
+
+    spec = load_cluster(resolve_cluster_file("demo"))
+    state_dir = tmp_path / "tn"
+    r = run("testnet", "up", "--cluster", "demo", "--detach", "--state-dir", str(state_dir))
+    assert r.returncode == 0, r.stdout + r.stderr
+    try:
+        state = json.loads((state_dir / "state.json").read_text())
+        n = len(spec.nodes)
+        view = httpx.get(f"{state['api']}/v1/cluster", params={"min_up": n, "min_links": n * (n + 1), "timeout": 60},
+                         timeout=70).json()
+        assert view["satisfied"], view
+        nodes = {nd["name"]: nd for nd in view["nodes"]}
+        assert {nd["profile"]["device"] for nd in nodes.values()} == {"a100", "l4", "t4"}
+        assert all(nd["profile"]["emulated"] for nd in nodes.values())
+        for link in view["links"]:
+            want = spec.link(link["src_name"], link["dst_name"])
+            assert abs(link["bandwidth_mbps"] / want.bandwidth_mbps - 1) <= 0.15, (link, want)
+            assert abs(link["rtt_ms"] / (2 * want.latency_ms) - 1) <= 0.15, (link, want)
+    finally:
+        assert run("testnet", "down", "--state-dir", str(state_dir)).returncode == 0
