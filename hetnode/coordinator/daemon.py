@@ -13,16 +13,21 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import trio
+from transformers import PreTrainedTokenizerBase
 
+from hetnode.coordinator.deployment import Deployment
 from hetnode.coordinator.probes import ProbeScheduler
 from hetnode.coordinator.registry import Registry
+from hetnode.coordinator.sessions import PipelineGenerator
 from hetnode.errors import ProtocolError, StreamClosed
 from hetnode.ids import NodeId
+from hetnode.models.config import ModelConfig
 from hetnode.protocol.framing import FramedStream
 from hetnode.protocol.messages import (
     CTL_PROTOCOL,
     DISCOVER_PROTOCOL,
     PROBE_PROTOCOL,
+    Assignment,
     AssignmentStatus,
     DiscoverReply,
     DiscoverRequest,
@@ -82,8 +87,20 @@ class Coordinator:
         self.registry = Registry(token=config.token, heartbeat_deadline_s=config.heartbeat_deadline_s)
         self._sessions: dict[NodeId, _Session] = {}
         self._changed = trio.Event()  # membership or deadlines changed: the liveness watcher re-arms
-        self.probes = ProbeScheduler(self.registry, transport, self._send_probe_order,
+        self.probes = ProbeScheduler(self.registry, transport, self._send_ctl,
                                      interval_s=config.probe_interval_s, settings=config.probe)
+        self.deployment: Deployment | None = None
+        self.generator: PipelineGenerator | None = None
+
+    def enable_serving(self, *, model: str, model_config: ModelConfig, tokenizer: PreTrainedTokenizerBase,
+                       home_region: str = "", ready_timeout_s: float = 30.0) -> PipelineGenerator:
+        """Plan layers over the members and serve requests through them (call before run)."""
+        self.deployment = Deployment(self.registry, self._send_ctl, model=model, model_config=model_config,
+                                     home_region=home_region)
+        self.generator = PipelineGenerator(self.transport, self.registry, self.deployment, model_name=model,
+                                           model_config=model_config, tokenizer=tokenizer,
+                                           ready_timeout_s=ready_timeout_s)
+        return self.generator
 
     # -- lifecycle ---------------------------------------------------------------------------------------
 
@@ -94,6 +111,9 @@ class Coordinator:
             self.transport.set_handler(DISCOVER_PROTOCOL, self._handle_discover)
             nursery.start_soon(self._watch_liveness)
             nursery.start_soon(self.probes.run)
+            if self.deployment is not None and self.generator is not None:
+                nursery.start_soon(self.deployment.run)
+                await nursery.start(self.generator.run)
             task_status.started()
 
     def _poke(self) -> None:
@@ -110,7 +130,7 @@ class Coordinator:
             expired = self.registry.expire(now=trio.current_time())
             for peer in expired:
                 log.warning("node %s marked down: missed heartbeat deadline", self._name(peer))
-                self.probes.member_gone(peer)
+                self._member_gone(peer, "missed the heartbeat deadline")
                 await self._drop_session(peer)
             if expired:
                 await self._push_members()
@@ -175,12 +195,14 @@ class Coordinator:
             self._poke()
             await self._push_members(skip=peer)
             self.probes.member_joined(peer)
+            if self.deployment is not None:
+                self.deployment.membership_changed(f"{first.name} joined")
             await self._serve_session(session)
         finally:
             if self._sessions.get(peer) is session:
                 del self._sessions[peer]
-                self.probes.member_gone(peer)
                 if self.registry.mark(peer, "down", "control stream closed"):
+                    self._member_gone(peer, "lost its control stream")
                     log.warning("node %s marked down: control stream closed", self._name(peer))
                     self._poke()
                     with trio.CancelScope(shield=True), trio.move_on_after(2):
@@ -216,9 +238,11 @@ class Coordinator:
                 record = self.registry.nodes[peer]
                 if record.assignment and record.assignment.plan_version == msg.plan_version:
                     record.assignment_state = msg.state
+                if self.deployment is not None:
+                    self.deployment.on_status(peer, msg)
             elif isinstance(msg, Leave):
                 self.registry.mark(peer, "left", msg.reason or "left")
-                self.probes.member_gone(peer)
+                self._member_gone(peer, "left")
                 log.info("node %s left: %s", self._name(peer), msg.reason or "no reason given")
                 self._poke()
                 await self._push_members(skip=peer)
@@ -230,16 +254,23 @@ class Coordinator:
                 await framed.reject("bad_message", f"unexpected {type(msg).__name__} from a node")
                 return
 
-    async def _send_probe_order(self, peer: NodeId, order: ProbeOrder) -> bool:
+    def _member_gone(self, peer: NodeId, reason: str) -> None:
+        self.probes.member_gone(peer)
+        if self.generator is not None:
+            self.generator.node_down(peer, reason)
+        if self.deployment is not None:
+            self.deployment.membership_changed(f"{self._name(peer)} {reason}")
+
+    async def _send_ctl(self, peer: NodeId, msg: ProbeOrder | Assignment) -> bool:
         session = self._sessions.get(peer)
         if session is None:
             return False
         try:
             with trio.move_on_after(5):
-                await session.framed.send_msg(order)
+                await session.framed.send_msg(msg)
                 return True
         except (StreamClosed, OSError) as exc:
-            log.info("could not send a probe order to %s: %s", self._name(peer), exc)
+            log.info("could not send %s to %s: %s", type(msg).__name__, self._name(peer), exc)
         return False
 
     async def _drop_session(self, peer: NodeId) -> None:

@@ -24,12 +24,14 @@ from hetnode.errors import (
     StreamClosed,
 )
 from hetnode.ids import NodeId
+from hetnode.node.stage import StageServer
 from hetnode.protocol.framing import FramedStream
 from hetnode.protocol.messages import (
     CTL_PROTOCOL,
     DISCOVER_PROTOCOL,
     PROBE_PROTOCOL,
     Assignment,
+    AssignmentStatus,
     DiscoverReply,
     DiscoverRequest,
     ErrorReply,
@@ -72,11 +74,12 @@ class NodeConfig:
 
 
 class NodeDaemon:
-    def __init__(self, config: NodeConfig, transport: Transport) -> None:
+    def __init__(self, config: NodeConfig, transport: Transport, stage: StageServer | None = None) -> None:
         if not config.bootstrap:
             raise ConfigError("at least one --bootstrap address is needed")
         self.config = config
         self.transport = transport
+        self.stage = stage
         self.coordinator: NodeId | None = None
         self.coordinator_addrs: list[str] = []
         self.members: dict[NodeId, MemberInfo] = {}
@@ -252,6 +255,8 @@ class NodeDaemon:
                     self._set_members(msg.version, msg.members)
             elif isinstance(msg, Assignment):
                 self.assignment = msg
+                if self.stage is not None:
+                    self.stage.start_assign(msg, self._report_assignment)
             elif isinstance(msg, ProbeOrder):
                 if self._session_nursery is not None:
                     self._session_nursery.start_soon(self._run_probe_order, framed, msg)
@@ -263,7 +268,16 @@ class NodeDaemon:
                 return
 
     def load(self) -> Load:
-        return Load()
+        return self.stage.load() if self.stage is not None else Load()
+
+    async def _report_assignment(self, status: AssignmentStatus) -> None:
+        framed = self._framed
+        if framed is None:
+            return  # the session ended; the next join gets a fresh assignment
+        try:
+            await framed.send_msg(status)
+        except (StreamClosed, OSError) as exc:
+            log.info("could not report assignment status: %s", exc)
 
     async def _heartbeats(self, framed: FramedStream, interval: float) -> None:
         while True:

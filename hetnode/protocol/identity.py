@@ -98,7 +98,9 @@ def decode_identity(data: bytes) -> KeyPair:
 def _read_identity(path: Path) -> KeyPair:
     """Raises FileNotFoundError if there is no file, ConfigError if there is one we cannot use."""
     try:
-        with path.open("rb") as f:
+        # O_NONBLOCK: opening a FIFO put at the path must fail below, not wait for a writer forever.
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+        with os.fdopen(fd, "rb") as f:
             st = os.fstat(f.fileno())
             if not stat.S_ISREG(st.st_mode):
                 raise ConfigError("the identity key path is not a regular file", file=str(path))

@@ -24,8 +24,11 @@ for a serving network, and this module works around each one (the tests in tests
   delay applied even to the last address), retry failed dials with back-off, then refuse to dial the peer
   for 60 s (a negative cache), and store addresses with a TTL that other subsystems overwrite.
   We keep our own address book and dial through `Swarm.dial_addr` with retries off and our own deadline.
-- The connection manager's auto-connector redials peers we hang up on; it is turned off
-  (`min_connections = low_watermark = 0`): the daemon decides whom to talk to.
+- The swarm's auto-connector dials every peer in the peerstore (identify fills it) until it has 150
+  connections, and redials peers we hung up on. It is stopped once the swarm runs: the daemon decides whom
+  to talk to. (No ConnectionConfig setting disables it: its target is the midpoint of the watermarks.)
+- Its TCP listener sets SO_REUSEPORT, so a second daemon started on a taken port shares it silently;
+  `open_libp2p_transport` checks that a fixed listen port is free first.
 - Leaving `host.run()` cancels the swarm without closing its connections (sockets leak, with a
   ResourceWarning); we close every connection, concurrently, then the host, under a bounded shielded scope.
 
@@ -37,6 +40,7 @@ data), so a handler that forgets to close cannot leave the remote waiting.
 from __future__ import annotations
 
 import logging
+import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import cast
@@ -52,6 +56,7 @@ from libp2p.exceptions import BaseLibp2pError
 from libp2p.network.config import ConnectionConfig, RetryConfig
 from libp2p.network.connection.swarm_connection import SwarmConn
 from libp2p.network.stream.exceptions import StreamEOF as _Libp2pEOF
+from libp2p.network.stream.net_stream import NetStream
 from libp2p.network.swarm import Swarm
 from libp2p.peer.id import ID
 from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
@@ -115,6 +120,27 @@ def _check_tcp(maddr: multiaddr.Multiaddr, text: str) -> None:
         raise ConfigError(f"{text!r}: only TCP addresses are supported (/ip4|ip6|dns/HOST/tcp/PORT)")
 
 
+def _check_port_free(maddr: multiaddr.Multiaddr, text: str) -> None:
+    """ConfigError if something already listens on this fixed port.
+
+    py-libp2p listens with SO_REUSEPORT (for hole punching), so a second daemon on a taken port would
+    silently share it with the first, each getting some of the incoming connections. A plain bind (with
+    SO_REUSEADDR, so that connections of a previous run in TIME_WAIT do not count) finds the conflict."""
+    family_name = next(iter(maddr.protocols())).name
+    if family_name not in ("ip4", "ip6"):
+        return
+    port = int(maddr.value_for_protocol("tcp"))
+    if port == 0:
+        return
+    family = socket.AF_INET if family_name == "ip4" else socket.AF_INET6
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((str(maddr.value_for_protocol(family_name)), port))
+        except OSError as exc:
+            raise ConfigError(f"cannot listen on {text}: {exc.strerror or exc}") from exc
+
+
 def _node_id(peer: ID) -> NodeId:
     return NodeId(peer.to_base58())
 
@@ -128,7 +154,7 @@ def _peer_from_node_id(peer: NodeId) -> ID:
 
 def _describe(exc: BaseException) -> str:
     """A one-line reason: py-libp2p wraps the interesting error (refused, handshake) a few levels down."""
-    parts = []
+    parts: list[str] = []
     seen: set[int] = set()
     cur: BaseException | None = exc
     while cur is not None and id(cur) not in seen and len(parts) < 4:
@@ -144,11 +170,15 @@ def _describe(exc: BaseException) -> str:
 
 
 class Libp2pStream:
-    """One yamux stream, with the semantics of `hetnode.protocol.transport.Stream`."""
+    """One yamux stream, with the semantics of `hetnode.protocol.transport.Stream`.
+
+    Finish every stream, as the interface asks anyway: close it and read to EOF, or reset it. An abandoned
+    outbound stream keeps a slot of the swarm's stream limit (10000) until its connection closes."""
 
     def __init__(self, net_stream: INetStream, remote: NodeId, protocol_id: ProtocolId) -> None:
-        self._ns = net_stream
-        muxed = net_stream.muxed_stream
+        # Swarm streams are NetStreams; the interface type lacks the half-close and release methods we need.
+        self._ns = cast(NetStream, net_stream)
+        muxed = self._ns.muxed_stream
         if not isinstance(muxed, YamuxStream):  # only yamux is configured; anything else is a bug here
             raise TypeError(f"expected a yamux stream, got {type(muxed).__name__}")
         self._muxed = muxed
@@ -176,7 +206,9 @@ class Libp2pStream:
     async def receive_some(self, max_bytes: int = 65536) -> bytes:
         if max_bytes < 1:
             raise ValueError("max_bytes must be at least 1")
-        if self._reset:
+        if self._reset or (self._eof and self._remote_gone()):
+            # A reset after a clean EOF still counts, as in the memory transport: the stream is gone.
+            self._reset = True
             await trio.lowlevel.checkpoint()
             raise StreamReset("stream was reset")
         if self._eof:
@@ -314,6 +346,8 @@ class Libp2pTransport:
         return self._host
 
     def listen_addrs(self) -> list[str]:
+        # The bound addresses, real port included. A wildcard (0.0.0.0) comes back as is: it is not
+        # dialable from elsewhere, so a daemon listening on one must announce a concrete address itself.
         return [f"{a}/p2p/{self._peer_id}" for a in self._host.get_transport_addrs()]
 
     def set_handler(self, protocol_id: ProtocolId, handler: Handler) -> None:
@@ -405,8 +439,9 @@ class Libp2pTransport:
         except Exception:
             await trio.lowlevel.checkpoint()
             return
-        await self._close_connections(list(self._swarm.get_connections(peer_id)))
-        self._swarm.connections.pop(peer_id, None)
+        # Each closed connection removes itself from the swarm's table; popping the peer's entry here could
+        # drop a connection that arrived meanwhile without closing it.
+        await self._close_connections(cast(list[SwarmConn], self._swarm.get_connections(peer_id)))
 
     # -- lifetime ---------------------------------------------------------------------------------------
 
@@ -436,6 +471,7 @@ def _new_host(key_pair: KeyPair) -> IHost:
         sec_opt={NOISE_PROTOCOL_ID: noise},
         muxer_opt={TProtocol(YAMUX_PROTOCOL_ID): Yamux},
         transports=[TCP()],
+        # Below min_connections the auto-connector polls every 10 s; with 0 it never counts as "critical".
         connection_config=ConnectionConfig(min_connections=0, low_watermark=0),
     )
     # Dial retries belong to the caller (a node retries its bootstrap with its own back-off); inside the
@@ -455,12 +491,16 @@ async def open_libp2p_transport(key_pair: KeyPair, listen_addrs: list[str]) -> A
         if peer is not None:
             raise ConfigError(f"listen address {text!r} must not name a peer id")
         _check_tcp(maddr, text)
+        _check_port_free(maddr, text)
         maddrs.append(maddr)
     host = _new_host(key_pair)
     transport = Libp2pTransport(host)
     async with host.run(listen_addrs=maddrs):
         try:
-            listening = cast(Swarm, host.get_network()).listeners
+            swarm = cast(Swarm, host.get_network())
+            # Swarm.run starts the auto-connector before listening completes; stopping it here is final.
+            await swarm.auto_connector.stop()
+            listening = swarm.listeners
             failed = [str(m) for m in maddrs if str(m) not in listening]
             if failed:  # py-libp2p logs and carries on when a listen fails; a daemon must not
                 raise ConfigError(f"cannot listen on {', '.join(failed)} (address in use or not local?)")

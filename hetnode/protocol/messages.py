@@ -17,6 +17,7 @@ from hetnode.ids import ProtocolId
 CTL_PROTOCOL = ProtocolId("/hetnode/ctl/1")
 PROBE_PROTOCOL = ProtocolId("/hetnode/probe/1")
 DISCOVER_PROTOCOL = ProtocolId("/hetnode/discover/1")
+INFER_PROTOCOL = ProtocolId("/hetnode/infer/1")
 
 Name = Annotated[str, msgspec.Meta(max_length=128)]
 Text = Annotated[str, msgspec.Meta(max_length=4096)]
@@ -211,7 +212,77 @@ class DiscoverReply(_Msg, tag="discover_reply", frozen=True, kw_only=True):
 DiscoverMessage = DiscoverRequest | DiscoverReply | ErrorReply
 discover_decoder = msgspec.msgpack.Decoder(DiscoverMessage)
 
+# -- /hetnode/infer/1: the data path (coordinator -> stage 1 -> ... -> last stage -> coordinator) ---------
+# Each peer keeps one outbound stream per destination and sends messages down it in order; a Forward is
+# followed by one raw frame with its tensor (token ids for the first stage, hidden states after it).
+
+SessionStr = Annotated[str, msgspec.Meta(max_length=128)]
+MAX_STAGES = 256
+
+
+class Stage(msgspec.Struct, frozen=True, kw_only=True):
+    peer: PeerStr
+    first_layer: Count
+    last_layer: Count  # exclusive
+
+
+class Sampling(msgspec.Struct, frozen=True, kw_only=True):
+    """The wire form of the last stage's sampling parameters."""
+
+    temperature: Annotated[float, msgspec.Meta(ge=0, le=100)] = 0.0
+    top_k: Annotated[int, msgspec.Meta(ge=0, le=1 << 22)] = 0
+    top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] = 1.0
+    seed: Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)] | None = None
+    stop_token_ids: Annotated[list[Count], msgspec.Meta(max_length=64)] = []
+    logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None
+
+
+class Forward(_Msg, tag="forward", frozen=True, kw_only=True):
+    """Run `tensor` (positions [start, start + n)) of `session` through route[stage] and pass it on."""
+
+    session: SessionStr
+    start: Count
+    route: Annotated[list[Stage], msgspec.Meta(min_length=1, max_length=MAX_STAGES)]
+    stage: Count
+    reply_to: PeerStr  # who gets TokenOut / StageFailed: the coordinator
+    sampling: Sampling | None = None  # only on items that sample (the last prefill chunk, every decode)
+    tensor: TensorMeta
+
+
+class TokenOut(_Msg, tag="token", frozen=True, kw_only=True):
+    session: SessionStr
+    start: Count  # the item this token came out of
+    token: Count
+    logprob: float | None = None
+    top_logprobs: Annotated[list[tuple[Count, float]], msgspec.Meta(max_length=20)] | None = None
+    stopped: bool = False
+
+
+class ChunkDone(_Msg, tag="chunk_done", frozen=True, kw_only=True):
+    """The last stage finished a prefill chunk that does not sample."""
+
+    session: SessionStr
+    start: Count
+
+
+class StageFailed(_Msg, tag="stage_failed", frozen=True, kw_only=True):
+    session: SessionStr
+    start: Count
+    stage_peer: PeerStr
+    reason: Text
+
+
+class Release(_Msg, tag="release", frozen=True, kw_only=True):
+    """Free the session's KV on this stage (sent to every stage of the route)."""
+
+    session: SessionStr
+
+
+InferMessage = Forward | TokenOut | ChunkDone | StageFailed | Release | ErrorReply
+infer_decoder = msgspec.msgpack.Decoder(InferMessage)
+
 ALL_MESSAGE_TYPES: tuple[type[msgspec.Struct], ...] = (
     ErrorReply, Join, Welcome, Refuse, Heartbeat, Members, ProbeOrder, LinkReport, Assignment, AssignmentStatus, Leave,
     Ping, Pong, BulkStart, BulkDone, DiscoverRequest, DiscoverReply,
+    Forward, TokenOut, ChunkDone, StageFailed, Release,
 )

@@ -1,0 +1,310 @@
+"""OpenAI-compatible endpoints over a `Generator`: /v1/models, /v1/completions, /v1/chat/completions.
+
+    app = build_app(coordinator, api_key=key, extra_routes=openai_routes(generator, metrics=metrics))
+
+Answers follow OpenAI's shapes, so the official clients work unchanged. Streaming answers are server-sent
+events, `data: {chunk}` each, ending with `data: [DONE]`.
+
+A generation answers with an HTTP error (GenerationError's status and message) if it fails before its first
+token, and with an SSE `{"error": ...}` event (then `[DONE]`) if it fails mid-stream, since by then the status
+line is sent. Streaming answers wait for the first token before sending their headers for that reason.
+
+Every answer watches for the client going away: then the generation is cancelled, which leaves the generator's
+context and so frees the session's KV at once, streaming or not.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import trio
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from hetnode.coordinator.generation import GenerationError, Generator
+from hetnode.coordinator.openai_output import (
+    Generation,
+    Sink,
+    TokenLogprob,
+    TokenPieces,
+    chat_logprobs,
+    completion_logprobs,
+    run_generation,
+)
+from hetnode.coordinator.openai_schema import (
+    ApiError,
+    GenerationRequest,
+    check_model,
+    error_body,
+    openai_error,
+    parse_chat,
+    parse_completion,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class RequestRecord:
+    """One finished (or refused, or abandoned) completion request, for metrics."""
+
+    endpoint: str  # "completions" or "chat.completions"
+    status: int  # the HTTP status, or the error's status for an error reported mid-stream
+    stream: bool
+    prompt_tokens: int
+    completion_tokens: int
+    finish_reason: str | None  # "stop" or "length"; None for errors and clients that left
+    client_gone: bool
+    time_to_first_token_s: float | None
+    duration_s: float
+
+
+class ApiMetrics(Protocol):
+    def observe_request(self, record: RequestRecord) -> None: ...
+
+
+def openai_routes(generator: Generator, *, metrics: ApiMetrics | None = None) -> list[Route]:
+    """The OpenAI routes, to pass to `build_app(extra_routes=...)`."""
+    api = _OpenAIApi(generator, metrics)
+    return [
+        Route("/v1/models", api.list_models, methods=["GET"]),
+        Route("/v1/models/{model:path}", api.get_model, methods=["GET"]),
+        Route("/v1/completions", api.completions, methods=["POST"]),
+        Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
+    ]
+
+
+class _OpenAIApi:
+    def __init__(self, generator: Generator, metrics: ApiMetrics | None) -> None:
+        self.generator = generator
+        self.metrics = metrics
+        self.created = int(time.time())
+        self.pieces = TokenPieces(generator.tokenizer)
+        # One tokenizing thread: a fast tokenizer mutates its settings on calls made with other options, and a
+        # concurrent call then fails with "Already borrowed".
+        self._tokenize = trio.CapacityLimiter(1)
+
+    def _model(self) -> dict[str, Any]:
+        return {"id": self.generator.model_name, "object": "model", "created": self.created, "owned_by": "hetnode"}
+
+    async def list_models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [self._model()]})
+
+    async def get_model(self, request: Request) -> Response:
+        try:
+            check_model({"model": request.path_params["model"]}, self.generator)
+        except ApiError as exc:
+            return exc.response()
+        return JSONResponse(self._model())
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generation(request, parse_completion, "completions")
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._generation(request, parse_chat, "chat.completions")
+
+    async def _generation(self, request: Request, parse: Callable[[Any, Generator], GenerationRequest],
+                          endpoint: str) -> Response:
+        start = trio.current_time()
+        try:
+            body = json.loads(await request.body())
+        except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError alike
+            self._record_refusal(endpoint, start, 400)
+            return openai_error(400, f"We could not parse the JSON body of your request ({exc}). The OpenAI API "
+                                "expects a JSON payload.")
+        try:
+            req = await trio.to_thread.run_sync(parse, body, self.generator, limiter=self._tokenize)
+        except ApiError as exc:
+            self._record_refusal(endpoint, start, exc.status)
+            return exc.response()
+        return _GenerationResponse(self, req, endpoint, start)
+
+    def _record_refusal(self, endpoint: str, start: float, status: int) -> None:
+        self.record(RequestRecord(endpoint, status, False, 0, 0, None, False, None, trio.current_time() - start))
+
+    def record(self, record: RequestRecord) -> None:
+        if self.metrics is not None:
+            self.metrics.observe_request(record)
+
+
+class _GenerationResponse(Response):
+    """Runs the generation when Starlette sends the response, under a watch for the client disconnecting."""
+
+    def __init__(self, api: _OpenAIApi, req: GenerationRequest, endpoint: str, start: float) -> None:
+        self.api, self.req, self.endpoint, self.start = api, req, endpoint, start
+        prefix = "chatcmpl" if req.chat else "cmpl"
+        self.id = f"{prefix}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.status = 200
+        self.gen: Generation | None = None
+        self.headers_sent = False
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        gone = False
+        failure: Exception | None = None
+        async with trio.open_nursery() as nursery:
+
+            async def watch() -> None:
+                nonlocal gone
+                # The body was read whole before this response ran, so the next message is the disconnect.
+                while (await receive())["type"] != "http.disconnect":
+                    pass
+                gone = True
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(watch)
+            try:
+                await (self._stream(send) if self.req.stream else self._whole(send))
+            except Exception as exc:  # re-raised below: raised inside the nursery it would come out in a group
+                failure = exc
+            nursery.cancel_scope.cancel()
+        gen = self.gen
+        self.api.record(RequestRecord(
+            self.endpoint, self.status, self.req.stream, len(self.req.prompt_ids),
+            gen.completion_tokens if gen else 0, gen.finish_reason if gen and not gone else None, gone,
+            gen.first_token_at - self.start if gen and gen.first_token_at is not None else None,
+            trio.current_time() - self.start))
+        if failure is not None:
+            raise failure
+
+    # -- whole answers ----------------------------------------------------------------------------------------
+
+    async def _whole(self, send: Send) -> None:
+        sink = _Collector()
+        try:
+            self.gen = gen = await run_generation(self.api.generator, self.req, sink)
+        except GenerationError as exc:
+            self.status = exc.status
+            await _send_json(send, exc.status, {"error": error_body(str(exc), status=exc.status, code=exc.code)})
+            return
+        text = "".join(sink.texts)
+        pieces = self.api.pieces
+        if self.req.chat:
+            choice: dict[str, Any] = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text, "refusal": None},
+                "logprobs": chat_logprobs(sink.logprobs, pieces) if self.req.logprobs is not None else None,
+                "finish_reason": gen.finish_reason,
+            }
+        else:
+            choice = {
+                "index": 0,
+                "text": text,
+                "logprobs": completion_logprobs(sink.logprobs, pieces, self.req.logprobs)
+                if self.req.logprobs is not None else None,
+                "finish_reason": gen.finish_reason,
+            }
+        body = self._envelope("chat.completion" if self.req.chat else "text_completion", [choice])
+        body["usage"] = self._usage(gen)
+        await _send_json(send, 200, body)
+
+    # -- streams ----------------------------------------------------------------------------------------------
+
+    async def _stream(self, send: Send) -> None:
+        sink = _SseSink(self, send)
+        try:
+            self.gen = gen = await run_generation(self.api.generator, self.req, sink)
+        except GenerationError as exc:
+            self.status = exc.status
+            error = {"error": error_body(str(exc), status=exc.status, code=exc.code)}
+            if not self.headers_sent:
+                await _send_json(send, exc.status, error)
+                return
+            await sink.event(error)
+            await sink.done()
+            return
+        await sink.begin()  # a generation that ended without a single token still gets a well-formed stream
+        if self.req.chat:
+            final: dict[str, Any] = {"index": 0, "delta": {}, "logprobs": None, "finish_reason": gen.finish_reason}
+        else:
+            final = {"index": 0, "text": "", "logprobs": None, "finish_reason": gen.finish_reason}
+        await sink.event(self._chunk(final))
+        if self.req.include_usage:
+            await sink.event({**self._chunk(None), "usage": self._usage(gen)})
+        await sink.done()
+
+    def _chunk(self, choice: dict[str, Any] | None) -> dict[str, Any]:
+        body = self._envelope("chat.completion.chunk" if self.req.chat else "text_completion",
+                              [] if choice is None else [choice])
+        if self.req.include_usage:
+            body["usage"] = None  # as OpenAI: every chunk has the field; only the last one fills it
+        return body
+
+    def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.req.model,
+                "system_fingerprint": None, "choices": choices}
+
+    def _usage(self, gen: Generation) -> dict[str, int]:
+        prompt = len(self.req.prompt_ids)
+        return {"prompt_tokens": prompt, "completion_tokens": gen.completion_tokens,
+                "total_tokens": prompt + gen.completion_tokens}
+
+
+class _Collector(Sink):
+    def __init__(self) -> None:
+        self.texts: list[str] = []
+        self.logprobs: list[TokenLogprob] = []
+
+    async def begin(self) -> None:
+        pass
+
+    async def piece(self, text: str, logprobs: list[TokenLogprob]) -> None:
+        self.texts.append(text)
+        self.logprobs.extend(logprobs)
+
+
+class _SseSink(Sink):
+    def __init__(self, response: _GenerationResponse, send: Send) -> None:
+        self.response = response
+        self.send = send
+
+    async def begin(self) -> None:
+        r = self.response
+        if r.headers_sent:
+            return
+        r.headers_sent = True
+        await self.send({"type": "http.response.start", "status": 200, "headers": [
+            (b"content-type", b"text/event-stream; charset=utf-8"),
+            (b"cache-control", b"no-cache"),
+            (b"x-accel-buffering", b"no"),  # nginx in front: pass the events through as they come
+        ]})
+        if r.req.chat:
+            delta = {"role": "assistant", "content": "", "refusal": None}
+            await self.event(r._chunk({"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}))
+
+    async def piece(self, text: str, logprobs: list[TokenLogprob]) -> None:
+        r = self.response
+        pieces = r.api.pieces
+        if r.req.chat:
+            lp = chat_logprobs(logprobs, pieces) if r.req.logprobs is not None else None
+            choice = {"index": 0, "delta": {"content": text}, "logprobs": lp, "finish_reason": None}
+        else:
+            lp = completion_logprobs(logprobs, pieces, r.req.logprobs) if r.req.logprobs is not None else None
+            choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": None}
+        await self.event(r._chunk(choice))
+
+    async def event(self, data: dict[str, Any]) -> None:
+        await self.send({"type": "http.response.body", "body": b"data: " + _dumps(data) + b"\n\n",
+                         "more_body": True})
+
+    async def done(self) -> None:
+        await self.send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+
+
+def _dumps(data: Any) -> bytes:
+    return json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+async def _send_json(send: Send, status: int, data: Any) -> None:
+    body = _dumps(data)
+    await send({"type": "http.response.start", "status": status, "headers": [
+        (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body, "more_body": False})

@@ -1,0 +1,318 @@
+"""OpenAI request bodies checked and turned into what the generator needs, refusals in OpenAI's words.
+
+Every refusal is an `ApiError` naming the parameter at fault (`param`), as OpenAI's own API does, so that a
+client shows the user which argument to fix. Parameters we do not know are ignored: clients send many
+(`user`, `metadata`, `store`, penalties, `logit_bias`, `tools`, ...). Those whose effect we cannot honour and
+whose absence would change the shape of the answer (n > 1, best_of > 1, echo, suffix) are refused instead.
+
+Parsing tokenizes, which takes a while for long prompts: callers run it in a worker thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.responses import JSONResponse
+
+from hetnode.coordinator.generation import GenerationParams, Generator
+from hetnode.errors import ConfigError
+from hetnode.models.tokenizer import chat_prompt_ids
+from hetnode.node.engine.sampling import SamplingParams
+
+# Without max_tokens a request gets this many tokens at most (fewer where the context ends sooner).
+DEFAULT_MAX_TOKENS = 256
+MAX_STOP_STRINGS = 4
+MAX_LOGPROBS = 20
+MAX_TEMPERATURE = 2.0
+_SEED_LO, _SEED_HI = -(1 << 63), 1 << 64  # OpenAI takes int64 seeds; we also take uint64
+# OpenAI's newer "developer" role is the system prompt under another name; chat templates know "system".
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+_TYPE_NAMES = {bool: "a boolean", int: "an integer", float: "a decimal", str: "a string", list: "an array",
+               dict: "an object"}
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                404: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error"}
+
+
+def openai_error(status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 type_: str | None = None) -> JSONResponse:
+    """An error in OpenAI's JSON shape (the same as `api.error_response`, plus `param`)."""
+    kind = type_ or _ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}},
+                        status_code=status)
+
+
+def error_body(message: str, *, status: int, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    """The `error` object alone, for an error that happens after a stream has begun."""
+    kind = _ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    return {"message": message, "type": kind, "param": param, "code": code}
+
+
+class ApiError(Exception):
+    """A request the API refuses; `response()` is the answer to send."""
+
+    def __init__(self, message: str, *, param: str | None = None, status: int = 400,
+                 code: str | None = None) -> None:
+        super().__init__(message)
+        self.message, self.param, self.status, self.code = message, param, status, code
+
+    def response(self) -> JSONResponse:
+        return openai_error(self.status, self.message, param=self.param, code=self.code)
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One validated /v1/completions or /v1/chat/completions request."""
+
+    chat: bool
+    model: str
+    prompt_ids: list[int]
+    params: GenerationParams
+    stop: tuple[str, ...]
+    stream: bool
+    include_usage: bool  # stream_options.include_usage: a usage chunk before [DONE]
+    logprobs: int | None  # None: no logprobs in the answer; k: the sampled token's and the top k
+
+
+def check_model(body: Mapping[str, Any], generator: Generator) -> str:
+    model = _opt(body, "model", str)
+    if model is None:
+        raise ApiError("you must provide a model parameter", param="model")
+    if model != generator.model_name:
+        raise ApiError(f"The model `{model}` does not exist or you do not have access to it. "
+                       f"This server serves `{generator.model_name}`.",
+                       param="model", status=404, code="model_not_found")
+    return model
+
+
+def parse_completion(body: Any, generator: Generator) -> GenerationRequest:
+    body = _object(body)
+    model = check_model(body, generator)
+    _refuse_unless(body, "echo", lambda v: v in (None, False), "echo is not supported")
+    _refuse_unless(body, "suffix", lambda v: v in (None, ""), "suffix is not supported")
+    _refuse_unless(body, "best_of", lambda v: v in (None, 1), "only best_of=1 is supported")
+    logprobs = _opt_int(body, "logprobs", 0, MAX_LOGPROBS)
+    prompt = _completion_prompt(body, generator)
+    return _finish(body, generator, model=model, chat=False, prompt_ids=prompt, max_tokens_key="max_tokens",
+                   logprobs=logprobs, prompt_param="prompt")
+
+
+def parse_chat(body: Any, generator: Generator) -> GenerationRequest:
+    body = _object(body)
+    model = check_model(body, generator)
+    want_logprobs = _opt(body, "logprobs", bool) or False
+    top = _opt_int(body, "top_logprobs", 0, MAX_LOGPROBS)
+    if top is not None and not want_logprobs:
+        raise ApiError("Invalid value for 'top_logprobs': requires 'logprobs' to be true.", param="top_logprobs")
+    messages = _chat_messages(body)
+    try:
+        prompt = chat_prompt_ids(generator.tokenizer, messages)
+    except Exception as exc:  # the template's own error (jinja2 raises what the template author chose)
+        raise ApiError(f"the model's chat template cannot render these messages: {exc}", param="messages") from exc
+    # max_tokens is deprecated in chat but still what most clients send.
+    key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    return _finish(body, generator, model=model, chat=True, prompt_ids=prompt, max_tokens_key=key,
+                   logprobs=(top or 0) if want_logprobs else None, prompt_param="messages")
+
+
+# -- prompts --------------------------------------------------------------------------------------------------
+
+
+def _completion_prompt(body: Mapping[str, Any], generator: Generator) -> list[int]:
+    prompt = body.get("prompt")
+    if prompt is None:
+        raise ApiError("Missing required parameter: 'prompt'.", param="prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        ids = list(generator.tokenizer.encode(prompt))
+    elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+        ids = list(prompt)
+        vocab = generator.model_config.vocab_size
+        if not all(0 <= t < vocab for t in ids):
+            raise ApiError(f"Invalid 'prompt': token ids must be in [0, {vocab}).", param="prompt")
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
+        raise ApiError("Invalid 'prompt': this server takes one prompt per request; send a string or a list of "
+                       "token ids.", param="prompt")
+    else:
+        raise ApiError("Invalid type for 'prompt': expected a string, an array of token ids, or an array of one "
+                       "of those.", param="prompt")
+    if not ids:
+        bos = generator.model_config.bos_token_id
+        if bos < 0:
+            raise ApiError("Invalid 'prompt': the prompt is empty and the model has no BOS token to start from.",
+                           param="prompt")
+        ids = [bos]
+    return ids
+
+
+def _chat_messages(body: Mapping[str, Any]) -> list[dict[str, str]]:
+    messages = body.get("messages")
+    if messages is None:
+        raise ApiError("Missing required parameter: 'messages'.", param="messages")
+    if not isinstance(messages, list):
+        raise ApiError(f"Invalid type for 'messages': expected an array, but got {_type_name(messages)} instead.",
+                       param="messages")
+    if not messages:
+        raise ApiError("Invalid 'messages': empty array. Expected an array with minimum length 1, but got an "
+                       "empty array instead.", param="messages")
+    out = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise ApiError(f"Invalid type for '{where}': expected an object, but got {_type_name(m)} instead.",
+                           param=where)
+        role = m.get("role")
+        if role not in _ROLES:
+            raise ApiError(f"Invalid value for '{where}.role': {role!r}. Supported values are: 'system', "
+                           "'developer', 'user' and 'assistant'.", param=f"{where}.role")
+        out.append({"role": _ROLES[role], "content": _message_text(m.get("content"), role, f"{where}.content")})
+    return out
+
+
+def _message_text(content: Any, role: str, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if content is None and role == "assistant":  # an assistant turn that only called tools
+        return ""
+    if not isinstance(content, list):
+        raise ApiError(f"Invalid type for '{where}': expected a string or an array of text parts, but got "
+                       f"{_type_name(content)} instead.", param=where)
+    texts = []
+    for j, part in enumerate(content):
+        if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+            raise ApiError(f"Invalid '{where}[{j}]': only text parts ({{'type': 'text', 'text': ...}}) are "
+                           "supported.", param=f"{where}[{j}]")
+        texts.append(part["text"])
+    # As vLLM does: separate parts so that words at their edges do not run together.
+    return "\n".join(texts)
+
+
+# -- everything else ------------------------------------------------------------------------------------------
+
+
+def _finish(body: Mapping[str, Any], generator: Generator, *, model: str, chat: bool, prompt_ids: list[int],
+            max_tokens_key: str, logprobs: int | None, prompt_param: str) -> GenerationRequest:
+    n = _opt_int(body, "n", 1, None)
+    if n not in (None, 1):
+        raise ApiError("Invalid 'n': this server generates one choice per request (n=1).", param="n")
+    stream = _opt(body, "stream", bool) or False
+    options = _opt(body, "stream_options", dict) or {}
+    include_usage = _opt(options, "include_usage", bool, name="stream_options.include_usage") or False
+    temperature = _opt_float(body, "temperature", 0.0, MAX_TEMPERATURE)
+    top_p = _opt(body, "top_p", float)
+    if top_p is not None and not 0.0 < top_p <= 1.0:
+        raise ApiError(f"Invalid 'top_p': expected a value in (0, 1], but got {top_p} instead.", param="top_p")
+    top_k = _opt_int(body, "top_k", 0, None)  # an extension (vLLM, llama.cpp); 0: off
+    seed = _opt_int(body, "seed", _SEED_LO, _SEED_HI - 1)
+    stop = _stop_strings(body)
+    max_tokens = _opt_int(body, max_tokens_key, 1, None)
+
+    ctx = generator.model_config.max_position_embeddings
+    p = len(prompt_ids)
+    if p >= ctx:
+        raise ApiError(f"This model's maximum context length is {ctx} tokens. However, your {prompt_param} "
+                       f"resulted in {p} tokens, which leaves no room for a completion. Please reduce the "
+                       f"length of the {prompt_param}.", param=prompt_param, code="context_length_exceeded")
+    if max_tokens is None:
+        max_tokens = min(DEFAULT_MAX_TOKENS, ctx - p)
+    elif p + max_tokens > ctx:
+        # OpenAI refuses rather than clamping: a caller asking for more than fits learns it at once.
+        raise ApiError(f"This model's maximum context length is {ctx} tokens. However, you requested "
+                       f"{p + max_tokens} tokens ({p} in the {prompt_param}, {max_tokens} in the completion). "
+                       f"Please reduce the length of the {prompt_param} or completion.",
+                       param=max_tokens_key, code="context_length_exceeded")
+
+    tok = generator.tokenizer
+    eos = set(generator.model_config.eos_token_ids)
+    if tok.eos_token_id is not None:
+        eos.add(int(tok.eos_token_id))
+    try:
+        sampling = SamplingParams(
+            temperature=1.0 if temperature is None else temperature,
+            top_p=1.0 if top_p is None else top_p,
+            top_k=top_k or 0,
+            seed=None if seed is None else seed % _SEED_HI,
+            stop_token_ids=tuple(sorted(eos)),
+            logprobs=logprobs,
+        )
+    except ConfigError as exc:  # a bound of the engine's that is tighter than OpenAI's
+        raise ApiError(f"Invalid '{exc.key}': {exc.problem}", param=exc.key) from exc
+    return GenerationRequest(chat=chat, model=model, prompt_ids=prompt_ids,
+                             params=GenerationParams(max_tokens=max_tokens, sampling=sampling), stop=stop,
+                             stream=stream, include_usage=include_usage, logprobs=logprobs)
+
+
+def _stop_strings(body: Mapping[str, Any]) -> tuple[str, ...]:
+    stop = body.get("stop")
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+        raise ApiError("Invalid type for 'stop': expected a string or an array of strings.", param="stop")
+    if len(stop) > MAX_STOP_STRINGS:
+        raise ApiError(f"Invalid 'stop': array too long. Expected an array with maximum length "
+                       f"{MAX_STOP_STRINGS}, but got an array with length {len(stop)} instead.", param="stop")
+    # An empty stop string would match before the first character; it can only be a client's placeholder.
+    return tuple(s for s in stop if s)
+
+
+def _object(body: Any) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise ApiError(f"the request body must be a JSON object, not {_type_name(body)}")
+    return body
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _type_name(value: Any) -> str:
+    if value is None:
+        return "null"
+    return _TYPE_NAMES.get(type(value), type(value).__name__)
+
+
+def _opt(body: Mapping[str, Any], key: str, kind: type, *, name: str | None = None) -> Any:
+    """body[key] if present and not null, checked to be of `kind` (an int passes for a float, a bool never for
+    a number)."""
+    name = name or key
+    value = body.get(key)
+    if value is None:
+        return None
+    ok = isinstance(value, kind) and not (isinstance(value, bool) and kind is not bool)
+    if kind is float and _is_int(value):
+        ok, value = True, float(value)
+    if not ok:
+        raise ApiError(f"Invalid type for '{name}': expected {_TYPE_NAMES[kind]}, but got {_type_name(value)} "
+                       "instead.", param=name)
+    return value
+
+
+def _opt_int(body: Mapping[str, Any], key: str, lo: int | None, hi: int | None) -> int | None:
+    value = _opt(body, key, int)
+    if value is not None:
+        _check_range(key, value, lo, hi)
+    return value
+
+
+def _opt_float(body: Mapping[str, Any], key: str, lo: float, hi: float) -> float | None:
+    value = _opt(body, key, float)
+    if value is not None:
+        _check_range(key, value, lo, hi)
+    return value
+
+
+def _check_range(key: str, value: float, lo: float | None, hi: float | None) -> None:
+    if lo is not None and value < lo:
+        raise ApiError(f"Invalid '{key}': expected a value >= {lo}, but got {value} instead.", param=key)
+    if hi is not None and value > hi:
+        raise ApiError(f"Invalid '{key}': expected a value <= {hi}, but got {value} instead.", param=key)
+
+
+def _refuse_unless(body: Mapping[str, Any], key: str, ok: Callable[[Any], bool], reason: str) -> None:
+    if not ok(body.get(key)):
+        raise ApiError(f"Invalid '{key}': {reason}.", param=key)

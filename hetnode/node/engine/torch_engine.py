@@ -1,0 +1,212 @@
+"""The PyTorch engine for Llama-family decoders, on CPU (float32, bfloat16) or CUDA (float16, bfloat16)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from hetnode.errors import ConfigError
+from hetnode.ids import SessionId
+from hetnode.kv import KVPool, KVUsage, Span
+from hetnode.models.config import ModelConfig
+from hetnode.node.engine.attention import AttentionPlan
+from hetnode.node.engine.base import Engine, EngineConfig, EngineError, ItemResult, StepItem
+from hetnode.node.engine.kv_cache import PagedKVCache, bytes_per_block
+from hetnode.node.engine.model import DecoderStack, rms_norm
+from hetnode.node.engine.rope import Rotary
+from hetnode.node.engine.sampling import sample
+from hetnode.node.engine.weights import ShardWeights, load_shard, open_tensors
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_CPU_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def parse_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    """A supported compute dtype: float32 by default on CPU, bfloat16 on CUDA."""
+    if dtype is None:
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ConfigError(f"unknown dtype {dtype!r} (known: {', '.join(DTYPES)})", key="dtype")
+        dtype = DTYPES[dtype]
+    if device.type == "cpu" and dtype not in _CPU_DTYPES:
+        # float16 matmuls on CPU are emulated and many times slower than float32.
+        raise ConfigError(f"{dtype} is not supported on CPU; use float32 or bfloat16", key="dtype")
+    return dtype
+
+
+class TorchEngine(Engine):
+    """Layers [first_layer, last_layer) of a Llama, Mistral, Qwen2 or SmolLM2 model."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: ShardWeights,
+        first_layer: int,
+        last_layer: int,
+        *,
+        device: torch.device,
+        dtype: torch.dtype,
+        engine_config: EngineConfig | None = None,
+    ) -> None:
+        self.config = config
+        self.engine_config = engine_config or EngineConfig()
+        self.first_layer, self.last_layer = first_layer, last_layer
+        self.device, self.dtype = device, dtype
+        self.weights = weights
+        ec = self.engine_config
+        num_layers = last_layer - first_layer
+        blocks = ec.num_kv_blocks or ec.kv_cache_bytes // bytes_per_block(config, num_layers, ec.block_size, dtype)
+        if blocks < 1:
+            raise ConfigError(f"kv_cache_bytes {ec.kv_cache_bytes} holds no block of {ec.block_size} tokens")
+        self.kv = PagedKVCache(config, num_layers, blocks, ec.block_size, device=device, dtype=dtype)
+        self.pool = KVPool(blocks, ec.block_size)
+        self.stack = DecoderStack(config, weights.layers, first_layer, self.kv)
+        self.rotary = Rotary(config, device)
+
+    @classmethod
+    def load(
+        cls,
+        model: str | Path,
+        first_layer: int = 0,
+        last_layer: int | None = None,
+        *,
+        device: str | torch.device = "cpu",
+        dtype: str | torch.dtype | None = None,
+        engine_config: EngineConfig | None = None,
+    ) -> TorchEngine:
+        """Load layers [first_layer, last_layer) (default: to the end) of a preset, .gguf or HF directory."""
+        dev = torch.device(device)
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError(f"device {dev} requested but CUDA is not available", key="device")
+        compute = parse_dtype(dtype, dev)
+        config, source = open_tensors(model)
+        last = config.num_layers if last_layer is None else last_layer
+        weights = load_shard(source, config, first_layer, last, device=dev, dtype=compute)
+        return cls(config, weights, first_layer, last, device=dev, dtype=compute, engine_config=engine_config)
+
+    # -- the step ---------------------------------------------------------------------------------------
+
+    def step(self, items: Sequence[StepItem]) -> list[ItemResult]:
+        self.validate(items)
+        # Decode items first: the attention plan then treats them as one contiguous block of rows.
+        order = sorted(range(len(items)), key=lambda i: not _is_decode(items[i]))
+        ordered = [items[i] for i in order]
+        try:
+            growth = self.pool.grow([Span(it.session, it.start, it.num_tokens) for it in ordered])
+        except ValueError as exc:
+            raise EngineError(str(exc)) from exc
+        try:
+            with torch.inference_mode():
+                results = self._run(ordered, growth.slots)
+        except BaseException:
+            growth.rollback()
+            raise
+        out: list[ItemResult] = [results[0]] * len(items)
+        for pos, i in enumerate(order):
+            out[i] = results[pos]
+        return out
+
+    def _run(self, items: list[StepItem], slots: list[list[int]]) -> list[ItemResult]:
+        dev = self.device
+        decode: list[tuple[int, Sequence[int]]] = []
+        prefill: list[tuple[int, int, Sequence[int]]] = []
+        for it in items:
+            table = self.pool.lease(it.session).blocks
+            if _is_decode(it):
+                decode.append((it.start, table))
+            else:
+                prefill.append((it.start, it.num_tokens, table))
+        plan = AttentionPlan(
+            decode, prefill, block_size=self.pool.block_size, window=self.config.sliding_window, device=dev
+        )
+        positions = torch.tensor([p for it in items for p in it.positions], dtype=torch.long, device=dev)
+        slot_ids = torch.tensor([s for item_slots in slots for s in item_slots], dtype=torch.long, device=dev)
+        segments = [(it.num_tokens, it.start + it.num_tokens) for it in items]
+        cos, sin = self.rotary.cos_sin(positions, segments, self.dtype)
+
+        if self.is_first:
+            assert self.weights.embed is not None
+            ids = torch.tensor([t for it in items for t in it.token_ids or ()], dtype=torch.long, device=dev)
+            x = F.embedding(ids, self.weights.embed)  # [T, H]
+        else:
+            x = torch.cat([it.hidden for it in items if it.hidden is not None]).to(device=dev, dtype=self.dtype)
+        x = self.stack.forward(x, cos, sin, slot_ids, plan)  # [T, H]
+
+        if not self.is_last:
+            rows = _row_offsets(items)
+            return [
+                ItemResult(it.session, hidden=x[r : r + it.num_tokens]) for it, r in zip(items, rows, strict=True)
+            ]
+        return self._sample(items, x)
+
+    def _sample(self, items: list[StepItem], x: torch.Tensor) -> list[ItemResult]:
+        # Only the last position of an item that asked to sample goes through the norm and LM head.
+        wanted = [i for i, it in enumerate(items) if it.sampling is not None]
+        results = [ItemResult(it.session) for it in items]
+        if not wanted:
+            return results
+        offsets = _row_offsets(items)
+        last_rows = torch.tensor(
+            [offsets[i] + items[i].num_tokens - 1 for i in wanted], dtype=torch.long, device=self.device
+        )
+        assert self.weights.final_norm is not None and self.weights.lm_head is not None
+        h = rms_norm(x[last_rows], self.weights.final_norm, self.config.rms_norm_eps)
+        logits = self.weights.lm_head(h).float()  # [N, V]
+        params = [items[i].sampling for i in wanted]
+        draws = sample(
+            logits,
+            [p for p in params if p is not None],
+            [items[i].start + items[i].num_tokens for i in wanted],
+        )
+        for i, draw in zip(wanted, draws, strict=True):
+            p = items[i].sampling
+            assert p is not None
+            results[i] = ItemResult(
+                items[i].session,
+                token=draw.token,
+                logprob=draw.logprob,
+                top_logprobs=draw.top_logprobs,
+                logits=draw.logits,
+                stopped=draw.token in p.stop_token_ids,
+            )
+        return results
+
+    # -- KV and lifecycle ---------------------------------------------------------------------------------
+
+    def release(self, session: SessionId) -> int:
+        return self.pool.release(session)
+
+    def blocks_needed(self, items: Sequence[StepItem]) -> int:
+        try:
+            return self.pool.blocks_needed([Span(it.session, it.start, it.num_tokens) for it in items])
+        except ValueError as exc:
+            raise EngineError(str(exc)) from exc
+
+    def kv_usage(self) -> KVUsage:
+        return self.pool.usage()
+
+    def weight_bytes(self) -> int:
+        return self.weights.nbytes()
+
+    def close(self) -> None:
+        self.pool.release_all()
+        self.weights = ShardWeights(layers=[])
+        self.stack.layers = []
+        self.kv.keys = self.kv.values = torch.empty(0)
+
+
+def _is_decode(item: StepItem) -> bool:
+    """One new token after cached context: such items share one attention call per layer."""
+    return item.num_tokens == 1 and item.start > 0
+
+
+def _row_offsets(items: Sequence[StepItem]) -> list[int]:
+    offsets, row = [], 0
+    for it in items:
+        offsets.append(row)
+        row += it.num_tokens
+    return offsets

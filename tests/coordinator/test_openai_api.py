@@ -1,0 +1,557 @@
+"""The OpenAI-compatible endpoints in process, over a real engine (a tiny random Llama) and LocalGenerator."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+import trio
+import trio.testing
+from starlette.applications import Starlette
+
+from hetnode.coordinator.api import build_app
+from hetnode.coordinator.daemon import Coordinator, CoordinatorConfig
+from hetnode.coordinator.generation import GenerationParams, Generator, TokenEvent
+from hetnode.coordinator.local import LocalGenerator
+from hetnode.coordinator.openai_api import openai_routes
+from hetnode.ids import SessionId
+from hetnode.models.tiny import write_tiny_model
+from hetnode.models.tokenizer import chat_prompt_ids, load_tokenizer
+from hetnode.node.engine import EngineConfig, LocalPipeline, Request, SamplingParams, TorchEngine
+from hetnode.protocol.memory import MemoryNetwork
+
+MODEL = "tiny-llama"
+CTX = 256  # the tiny model's max_position_embeddings
+
+
+# -- fixtures -------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("models") / "tiny")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir: Path) -> Any:
+    return load_tokenizer(model_dir)
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir: Path) -> Iterator[TorchEngine]:
+    e = TorchEngine.load(model_dir)
+    yield e
+    e.close()
+
+
+@pytest.fixture(scope="module")
+def small_kv_engine(model_dir: Path) -> Iterator[TorchEngine]:
+    """KV for 16 tokens: a 20-token prompt fails before its first token, a 6-token one after ~10 tokens."""
+    e = TorchEngine.load(model_dir, engine_config=EngineConfig(block_size=4, num_kv_blocks=4))
+    yield e
+    e.close()
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir: Path, tokenizer: Any) -> Iterator[Reference]:
+    e = TorchEngine.load(model_dir)
+    yield Reference(LocalPipeline([e]), tokenizer)
+    e.close()
+
+
+class Reference:
+    """The engine's own greedy generation, without the API, the batch loop or LocalGenerator."""
+
+    def __init__(self, pipeline: LocalPipeline, tokenizer: Any) -> None:
+        self.pipeline, self.tokenizer = pipeline, tokenizer
+        self.eos = (tokenizer.eos_token_id,)
+        self._n = 0
+
+    def tokens(self, prompt_ids: list[int], max_tokens: int, **sampling: Any) -> tuple[list[int], str]:
+        self._n += 1
+        params = SamplingParams(stop_token_ids=self.eos, **sampling)
+        (done,) = self.pipeline.generate([Request(SessionId(f"ref{self._n}"), prompt_ids, max_tokens, params)])
+        return done.tokens, done.finish_reason
+
+    def text(self, tokens: list[int]) -> str:
+        if tokens and tokens[-1] in self.eos:
+            tokens = tokens[:-1]
+        return str(self.tokenizer.decode(tokens, skip_special_tokens=True))
+
+
+async def start_generator(engine: TorchEngine, tokenizer: Any, nursery: trio.Nursery) -> LocalGenerator:
+    # LocalGenerator.open loads a model per test; the engines here are loaded once per module instead.
+    gen = LocalGenerator(MODEL, engine, tokenizer)
+    await nursery.start(gen.loop.run)
+    return gen
+
+
+@pytest.fixture
+async def gen(engine: TorchEngine, tokenizer: Any, nursery: trio.Nursery) -> LocalGenerator:
+    return await start_generator(engine, tokenizer, nursery)
+
+
+@asynccontextmanager
+async def api_app(generator: Generator) -> AsyncIterator[Starlette]:
+    """The coordinator's real app (middleware, error handlers) with the OpenAI routes."""
+    async with MemoryNetwork().transport("coord") as transport:
+        yield build_app(Coordinator(CoordinatorConfig(token="t"), transport), extra_routes=openai_routes(generator))
+
+
+@asynccontextmanager
+async def api_client(generator: Generator) -> AsyncIterator[httpx.AsyncClient]:
+    async with api_app(generator) as app, httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app), base_url="http://api", timeout=30
+    ) as client:
+        yield client
+
+
+@pytest.fixture
+async def client(gen: LocalGenerator) -> AsyncIterator[httpx.AsyncClient]:
+    async with api_client(gen) as c:
+        yield c
+    await kv_drained(gen.engine)  # every test leaves no session behind
+
+
+async def kv_drained(engine: TorchEngine) -> None:
+    """Wait (without sleeping) until the batch loop has freed every session's KV."""
+    with trio.fail_after(5):
+        while engine.kv_usage().sessions:
+            await trio.testing.wait_all_tasks_blocked()
+    assert engine.kv_usage().used_blocks == 0
+
+
+# -- helpers --------------------------------------------------------------------------------------------------
+
+
+async def post(client: httpx.AsyncClient, path: str, **body: Any) -> dict[str, Any]:
+    r = await client.post(path, json={"model": MODEL, "temperature": 0, **body})
+    assert r.status_code == 200, r.text
+    return dict(r.json())
+
+
+async def stream(client: httpx.AsyncClient, path: str, **body: Any) -> list[dict[str, Any]]:
+    r = await client.post(path, json={"model": MODEL, "temperature": 0, "stream": True, **body})
+    assert r.status_code == 200, r.text
+    return sse_events(r.text, r.headers["content-type"])
+
+
+def sse_events(text: str, content_type: str = "text/event-stream") -> list[dict[str, Any]]:
+    """The JSON events of an SSE body, checked to be `data: ...` blocks ending with `data: [DONE]`."""
+    assert content_type.startswith("text/event-stream")
+    blocks = text.split("\n\n")
+    assert blocks[-1] == "", "the stream must end with a blank line"
+    assert all(b.startswith("data: ") for b in blocks[:-1])
+    data = [b.removeprefix("data: ") for b in blocks[:-1]]
+    assert data[-1] == "[DONE]" and "[DONE]" not in data[:-1]
+    return [json.loads(d) for d in data[:-1]]
+
+
+def chat_text(events: list[dict[str, Any]]) -> str:
+    return "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"])
+
+
+def completion_text(events: list[dict[str, Any]]) -> str:
+    return "".join(e["choices"][0]["text"] for e in events if e["choices"])
+
+
+def usage(prompt: int, completion: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+PROMPT = "The capital of France is"
+MESSAGES = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": [{"type": "text", "text": "What is the capital"}, {"type": "text", "text": "of Spain?"}]},
+]
+
+
+# -- tests ----------------------------------------------------------------------------------------------------
+
+
+async def test_models(client: httpx.AsyncClient) -> None:
+    r = await client.get("/v1/models")
+    assert r.status_code == 200
+    body = r.json()
+    assert body["object"] == "list"
+    (model,) = body["data"]
+    assert model["id"] == MODEL and model["object"] == "model" and isinstance(model["created"], int)
+    assert model["owned_by"]
+    assert (await client.get(f"/v1/models/{MODEL}")).json() == model
+    r = await client.get("/v1/models/gpt-4")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
+async def test_completion_greedy_equals_engine(client: httpx.AsyncClient, reference: Reference,
+                                               tokenizer: Any) -> None:
+    ids = tokenizer.encode(PROMPT)
+    tokens, finish = reference.tokens(ids, 12)
+    assert finish == "length"
+    body = await post(client, "/v1/completions", prompt=PROMPT, max_tokens=12)
+    assert body["id"].startswith("cmpl-") and body["object"] == "text_completion"
+    assert abs(body["created"] - time.time()) < 60 and body["model"] == MODEL
+    assert body["system_fingerprint"] is None
+    (choice,) = body["choices"]
+    assert choice == {"index": 0, "text": reference.text(tokens), "logprobs": None, "finish_reason": "length"}
+    assert body["usage"] == usage(len(ids), 12)
+    # The same prompt as token ids, and as a batch of one (string or ids), gives the same text.
+    for prompt in (ids, [ids], [PROMPT]):
+        again = await post(client, "/v1/completions", prompt=prompt, max_tokens=12)
+        assert again["choices"][0]["text"] == choice["text"] and again["usage"] == body["usage"]
+
+    events = await stream(client, "/v1/completions", prompt=PROMPT, max_tokens=12)
+    assert completion_text(events) == choice["text"]
+    assert all(e["id"] == events[0]["id"] and e["object"] == "text_completion" for e in events)
+    assert all("usage" not in e for e in events)  # only with stream_options.include_usage
+    assert [e["choices"][0]["finish_reason"] for e in events].count(None) == len(events) - 1
+    assert events[-1]["choices"][0] == {"index": 0, "text": "", "logprobs": None, "finish_reason": "length"}
+
+
+async def test_chat_greedy_equals_engine_and_stream_reassembles(client: httpx.AsyncClient, reference: Reference,
+                                                                tokenizer: Any) -> None:
+    ids = chat_prompt_ids(tokenizer, [MESSAGES[0], {"role": "user", "content": "What is the capital\nof Spain?"}])
+    tokens, _ = reference.tokens(ids, 16)
+    expected = reference.text(tokens)
+    body = await post(client, "/v1/chat/completions", messages=MESSAGES, max_completion_tokens=16)
+    assert body["id"].startswith("chatcmpl-") and body["object"] == "chat.completion"
+    (choice,) = body["choices"]
+    assert choice["message"] == {"role": "assistant", "content": expected, "refusal": None}
+    assert choice["finish_reason"] == ("stop" if tokens[-1] in reference.eos else "length")
+    assert body["usage"] == usage(len(ids), len(tokens))
+
+    events = await stream(client, "/v1/chat/completions", messages=MESSAGES, max_tokens=16,
+                          stream_options={"include_usage": True})
+    assert all(e["object"] == "chat.completion.chunk" and e["id"] == events[0]["id"] for e in events)
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": "", "refusal": None}
+    assert chat_text(events) == expected
+    *content, final, last = events
+    assert all(e["choices"][0]["finish_reason"] is None and e["usage"] is None for e in content)
+    assert final["choices"][0]["delta"] == {} and final["choices"][0]["finish_reason"] == choice["finish_reason"]
+    assert final["usage"] is None
+    assert last["choices"] == [] and last["usage"] == body["usage"]
+
+
+async def test_stop_token_finishes_with_stop(client: httpx.AsyncClient, reference: Reference) -> None:
+    # A one-token prompt after which greedy decoding reaches EOS within a few tokens (weights are seeded).
+    found = [(t, reference.tokens([t], 6)) for t in range(3, 120)]
+    prompt, (tokens, _) = next((t, r) for t, r in found if r[1] == "stop" and len(r[0]) >= 3)
+    body = await post(client, "/v1/completions", prompt=[prompt], max_tokens=6)
+    assert body["choices"][0]["finish_reason"] == "stop"
+    assert body["choices"][0]["text"] == reference.text(tokens)  # without the EOS token
+    assert body["usage"] == usage(1, len(tokens))  # the EOS token counts: it took a step
+    events = await stream(client, "/v1/completions", prompt=[prompt], max_tokens=6)
+    assert completion_text(events) == reference.text(tokens)
+    assert events[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+async def test_stop_strings_across_token_boundaries(client: httpx.AsyncClient, reference: Reference,
+                                                    tokenizer: Any) -> None:
+    ids = tokenizer.encode("Hello, world! What is two plus two?")
+    tokens, _ = reference.tokens(ids, 24)
+    full = reference.text(tokens)
+
+    def clean(t: int) -> bool:
+        return "\ufffd" not in tokenizer.decode([t]) and t not in reference.eos
+
+    # A stop string of the last character of token i-1 and the first of token i, both whole characters.
+    cut = next(i for i in range(2, len(tokens) - 2) if clean(tokens[i - 1]) and clean(tokens[i])
+               and tokenizer.decode([tokens[i]]).strip())
+    boundary = len(reference.text(tokens[:cut]))
+    stop = full[boundary - 1 : boundary + 1]
+    expected = full[: full.find(stop)]
+    # The stop matches once the token holding its last character is generated.
+    needed = next(n for n in range(1, len(tokens) + 1) if stop in reference.text(tokens[:n]))
+
+    for path, text_of in (("/v1/completions", completion_text), ("/v1/chat/completions", chat_text)):
+        prompt: dict[str, Any] = {"prompt": ids} if "chat" not in path else {
+            "messages": [{"role": "user", "content": "x"}]}
+        if "chat" in path:  # chat renders its own prompt: take its greedy text as the reference
+            chat_ids = chat_prompt_ids(tokenizer, [{"role": "user", "content": "x"}])
+            c_tokens, _ = reference.tokens(chat_ids, 24)
+            c_full = reference.text(c_tokens)
+            c_stop = c_full[4:7]
+            c_expected = c_full[: c_full.find(c_stop)]
+        body = await post(client, path, **prompt, max_tokens=24, stop=["never-seen", stop if "chat" not in path
+                                                                      else c_stop])
+        choice = body["choices"][0]
+        got = choice["text"] if "chat" not in path else choice["message"]["content"]
+        assert got == (expected if "chat" not in path else c_expected)
+        assert choice["finish_reason"] == "stop"
+        if "chat" not in path:
+            assert body["usage"]["completion_tokens"] == needed
+        events = await stream(client, path, **prompt, max_tokens=24, stop=stop if "chat" not in path else c_stop)
+        # Pieces never carry the start of the stop string: what was sent is exactly the text before it.
+        assert text_of(events) == got
+        assert events[-1]["choices"][0]["finish_reason"] == "stop"
+
+    # A stop string whose beginning is the end of the text is held back, then released when generation ends.
+    tail_stop = full[-2:] + "\x00never"
+    body = await post(client, "/v1/completions", prompt=ids, max_tokens=24, stop=tail_stop)
+    assert body["choices"][0]["text"] == full
+    events = await stream(client, "/v1/completions", prompt=ids, max_tokens=24, stop=[tail_stop])
+    assert completion_text(events) == full
+
+
+async def test_logprobs(client: httpx.AsyncClient, reference: Reference, tokenizer: Any) -> None:
+    ids = tokenizer.encode(PROMPT)
+    tokens, _ = reference.tokens(ids, 8)
+    # The reference's logits give the expected log-probabilities of the greedy tokens.
+    done = reference.pipeline.generate([Request(SessionId("lp"), ids, 8, SamplingParams(
+        stop_token_ids=reference.eos, return_logits=True))])[0]
+    expected = [float(torch.log_softmax(lg, -1)[t]) for lg, t in zip(done.logits, done.tokens, strict=True)]
+
+    body = await post(client, "/v1/completions", prompt=PROMPT, max_tokens=8, logprobs=2)
+    lp = body["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 8
+    assert lp["token_logprobs"] == pytest.approx(expected, abs=1e-4)
+    for token, top, value in zip(lp["tokens"], lp["top_logprobs"], lp["token_logprobs"], strict=True):
+        assert len(top) == 2 and top[token] == pytest.approx(value) and max(top.values()) == pytest.approx(value)
+    assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
+
+    body = await post(client, "/v1/chat/completions", messages=MESSAGES, max_tokens=8, logprobs=True,
+                      top_logprobs=2)
+    content = body["choices"][0]["logprobs"]["content"]
+    assert len(content) == body["usage"]["completion_tokens"] - (body["choices"][0]["finish_reason"] == "stop")
+    # Token bytes put together are the answer's text, even where tokens split characters.
+    raw = b"".join(bytes(c["bytes"]) for c in content)
+    assert raw.decode(errors="replace") == body["choices"][0]["message"]["content"]
+    assert all(len(c["top_logprobs"]) == 2 and c["top_logprobs"][0]["token"] == c["token"] for c in content)
+
+    events = await stream(client, "/v1/chat/completions", messages=MESSAGES, max_tokens=8, logprobs=True)
+    streamed = [c for e in events if e["choices"] and e["choices"][0]["logprobs"]
+                for c in e["choices"][0]["logprobs"]["content"]]
+    assert [c["token"] for c in streamed] == [c["token"] for c in content]
+    assert all(c["top_logprobs"] == [] for c in streamed)
+
+
+async def test_sampling_parameters(client: httpx.AsyncClient) -> None:
+    greedy = (await post(client, "/v1/completions", prompt=PROMPT, max_tokens=8))["choices"][0]["text"]
+
+    async def sampled(**params: Any) -> str:
+        return str((await post(client, "/v1/completions", prompt=PROMPT, max_tokens=8, **params))
+                   ["choices"][0]["text"])
+
+    assert await sampled(temperature=1.0, seed=7) == await sampled(temperature=1.0, seed=7)
+    assert await sampled(temperature=1.5, top_k=1, seed=3) == greedy
+    assert await sampled(temperature=1.5, top_p=0.01, seed=3) == greedy
+    # Parameters we do not know, or know and ignore, do not get in the way.
+    assert await sampled(user="u", frequency_penalty=0, presence_penalty=0, logit_bias={}, metadata={"a": "b"},
+                         some_future_option=True, n=1, best_of=1, echo=False) == greedy
+
+
+async def test_default_max_tokens_stops_at_the_context(client: httpx.AsyncClient) -> None:
+    ids = [5 + i % 200 for i in range(CTX - 3)]
+    body = await post(client, "/v1/completions", prompt=ids)
+    assert body["usage"]["prompt_tokens"] == CTX - 3
+    assert body["usage"]["completion_tokens"] <= 3
+    assert body["usage"]["completion_tokens"] == 3 or body["choices"][0]["finish_reason"] == "stop"
+
+
+LONG = "the quick brown fox jumps over the lazy dog " * 40  # well over 256 tokens
+USER = [{"role": "user", "content": "hi"}]
+
+BAD_REQUESTS: list[tuple[str, dict[str, Any], str | None, int, str | None]] = [
+    # (endpoint, body, param, status, code)
+    ("completions", {"model": MODEL}, "prompt", 400, None),
+    ("completions", {"model": MODEL, "prompt": 123}, "prompt", 400, None),
+    ("completions", {"model": MODEL, "prompt": ["a", "b"]}, "prompt", 400, None),
+    ("completions", {"model": MODEL, "prompt": [1, 10**6]}, "prompt", 400, None),
+    ("completions", {"model": MODEL, "prompt": [1, True]}, "prompt", 400, None),
+    ("completions", {"prompt": "x"}, "model", 400, None),
+    ("completions", {"model": "gpt-4", "prompt": "x"}, "model", 404, "model_not_found"),
+    ("completions", {"model": MODEL, "prompt": "x", "max_tokens": 0}, "max_tokens", 400, None),
+    ("completions", {"model": MODEL, "prompt": "x", "max_tokens": "10"}, "max_tokens", 400, None),
+    ("completions", {"model": MODEL, "prompt": "x", "max_tokens": 10**6}, "max_tokens", 400,
+     "context_length_exceeded"),
+    ("completions", {"model": MODEL, "prompt": LONG}, "prompt", 400, "context_length_exceeded"),
+    ("completions", {"model": MODEL, "prompt": "x", "temperature": 2.5}, "temperature", 400, None),
+    ("completions", {"model": MODEL, "prompt": "x", "temperature": -0.1}, "temperature", 400, None),
+    ("completions", {"model": MODEL, "prompt": "x", "temperature": "hot"}, "temperature", 400, None),
+    ("completions", {"model": MODEL, "prompt": "x", "top_p": 0}, "top_p", 400, None),
+    ("completions", {"model": MODEL, "prompt": "x", "top_p": 1.5}, "top_p", 400, None),
+    ("completions", {"model": MODEL, "prompt": "x", "top_k": -1}, "top_k", 400, None),
+    ("completions", {"model": MODEL, "prompt": "x", "n": 2}, "n", 400, None),
+    ("completions", {"model": MODEL, "prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "stop", 400, None),
+    ("completions", {"model": MODEL, "prompt": "x", "stop": 12}, "stop", 400, None),
+    ("completions", {"model": MODEL, "prompt": "x", "logprobs": 21}, "logprobs", 400, None),
+    ("completions", {"model": MODEL, "prompt": "x", "echo": True}, "echo", 400, None),
+    ("completions", {"model": MODEL, "prompt": "x", "best_of": 3}, "best_of", 400, None),
+    ("completions", {"model": MODEL, "prompt": "x", "stream": "yes"}, "stream", 400, None),
+    ("completions", {"model": MODEL, "prompt": "x", "seed": 1.5}, "seed", 400, None),
+    ("completions", {"model": MODEL, "prompt": "x", "stream": True, "stream_options": {"include_usage": 1}},
+     "stream_options.include_usage", 400, None),
+    ("chat/completions", {"model": MODEL}, "messages", 400, None),
+    ("chat/completions", {"model": MODEL, "messages": []}, "messages", 400, None),
+    ("chat/completions", {"model": MODEL, "messages": "hi"}, "messages", 400, None),
+    ("chat/completions", {"model": MODEL, "messages": ["hi"]}, "messages[0]", 400, None),
+    ("chat/completions", {"model": MODEL, "messages": [*USER, {"role": "wizard", "content": "x"}]},
+     "messages[1].role", 400, None),
+    ("chat/completions", {"model": MODEL, "messages": [{"role": "tool", "content": "x", "tool_call_id": "1"}]},
+     "messages[0].role", 400, None),
+    ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": 5}]},
+     "messages[0].content", 400, None),
+    ("chat/completions", {"model": MODEL, "messages": [{"role": "user"}]}, "messages[0].content", 400, None),
+    ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, "messages[0].content[0]", 400, None),
+    ("chat/completions", {"model": MODEL, "messages": USER, "top_logprobs": 2}, "top_logprobs", 400, None),
+    ("chat/completions", {"model": MODEL, "messages": USER, "logprobs": 1}, "logprobs", 400, None),
+    ("chat/completions", {"model": MODEL, "messages": USER, "max_completion_tokens": 0},
+     "max_completion_tokens", 400, None),
+    ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": LONG}]}, "messages", 400,
+     "context_length_exceeded"),
+    ("chat/completions", {"model": "nope", "messages": USER}, "model", 404, "model_not_found"),
+]
+
+
+@pytest.mark.parametrize(("endpoint", "body", "param", "status", "code"), BAD_REQUESTS,
+                         ids=[f"{e}-{p}-{i}" for i, (e, _, p, _, _) in enumerate(BAD_REQUESTS)])
+async def test_invalid_requests(client: httpx.AsyncClient, endpoint: str, body: dict[str, Any], param: str,
+                                status: int, code: str | None) -> None:
+    r = await client.post(f"/v1/{endpoint}", json=body)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and error["code"] == code
+    assert error["type"] == "invalid_request_error"
+    assert error["message"]
+
+
+async def test_prompt_plus_max_tokens_over_the_context(client: httpx.AsyncClient) -> None:
+    ids = list(range(3, 203))
+    r = await client.post("/v1/completions", json={"model": MODEL, "prompt": ids, "max_tokens": CTX - 200 + 1})
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert error["param"] == "max_tokens" and error["code"] == "context_length_exceeded"
+    assert f"maximum context length is {CTX} tokens" in error["message"] and "257" in error["message"]
+    body = await post(client, "/v1/completions", prompt=ids, max_tokens=CTX - 200)  # exactly fits
+    assert body["usage"]["total_tokens"] <= CTX
+
+
+async def test_malformed_bodies(client: httpx.AsyncClient) -> None:
+    for content in (b"{not json", b"\xff\xfe", b"[1, 2]", b"", b"null"):
+        r = await client.post("/v1/chat/completions", content=content, headers={"content-type": "application/json"})
+        assert r.status_code == 400, content
+        assert r.json()["error"]["type"] == "invalid_request_error"
+    r = await client.get("/v1/completions")
+    assert r.status_code == 405 and "error" in r.json()
+
+
+async def test_generation_errors_before_and_mid_stream(small_kv_engine: TorchEngine, tokenizer: Any,
+                                                       nursery: trio.Nursery) -> None:
+    gen = await start_generator(small_kv_engine, tokenizer, nursery)
+    async with api_client(gen) as client:
+        too_long = {"model": MODEL, "prompt": list(range(3, 23)), "max_tokens": 5}  # 20 tokens > KV for 16
+        for stream_it in (False, True):
+            r = await client.post("/v1/completions", json={**too_long, "stream": stream_it})
+            assert r.status_code == 503 and r.headers["content-type"] == "application/json"
+            error = r.json()["error"]
+            assert error["type"] == "server_error" and error["code"] == "engine_error"
+            assert "KV" in error["message"]
+
+        runs_out = {"model": MODEL, "prompt": list(range(3, 9)), "max_tokens": 30, "temperature": 0}
+        r = await client.post("/v1/completions", json=runs_out)
+        assert r.status_code == 503 and "KV" in r.json()["error"]["message"]
+        r = await client.post("/v1/completions", json={**runs_out, "stream": True})
+        assert r.status_code == 200  # the headers went out with the first token
+        *chunks, last = sse_events(r.text, r.headers["content-type"])
+        assert chunks and all(e["choices"][0]["finish_reason"] is None for e in chunks)
+        assert last["error"]["code"] == "engine_error" and "KV" in last["error"]["message"]
+    await kv_drained(small_kv_engine)
+
+
+class Tapped:
+    """A real generator, with events for its first token and for leaving its context (to time disconnects)."""
+
+    def __init__(self, inner: LocalGenerator) -> None:
+        self.inner = inner
+        self.model_name, self.model_config, self.tokenizer = MODEL, inner.model_config, inner.tokenizer
+        self.first_token = trio.Event()
+        self.left = trio.Event()
+        self.tokens = 0
+
+    @asynccontextmanager
+    async def generate(self, prompt_ids: list[int], params: GenerationParams,
+                       ) -> AsyncIterator[AsyncIterator[TokenEvent]]:
+        async def relay(events: AsyncIterator[TokenEvent]) -> AsyncIterator[TokenEvent]:
+            async for event in events:
+                self.tokens += 1
+                self.first_token.set()
+                yield event
+
+        try:
+            async with self.inner.generate(prompt_ids, params) as events:
+                yield relay(events)
+        finally:
+            self.left.set()
+
+
+async def drive(app: Starlette, body: dict[str, Any], disconnect: trio.Event) -> list[bytes]:
+    """Call the app as a server would, the client going away when `disconnect` is set."""
+    payload = json.dumps(body).encode()
+    sent: list[bytes] = []
+    body_given = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal body_given
+        if not body_given:
+            body_given = True
+            return {"type": "http.request", "body": payload, "more_body": False}
+        await disconnect.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.body":
+            sent.append(message.get("body", b""))
+            if len(sent) == 2:  # the role chunk and one piece of content
+                disconnect.set()
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+             "scheme": "http", "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions",
+             "query_string": b"", "root_path": "", "headers": [(b"content-type", b"application/json")],
+             "server": ("api", 80), "client": ("127.0.0.1", 5555)}
+    with trio.fail_after(10):
+        await app(scope, receive, send)
+    return sent
+
+
+@pytest.mark.parametrize("streaming", [True, False])
+async def test_client_disconnect_cancels_generation_and_frees_kv(gen: LocalGenerator, streaming: bool,
+                                                                 nursery: trio.Nursery) -> None:
+    tapped = Tapped(gen)
+    disconnect = trio.Event()
+    body = {"model": MODEL, "messages": USER, "max_tokens": 200, "stream": streaming, "temperature": 0}
+    async with api_app(tapped) as app:
+        if not streaming:  # a whole answer sends nothing until the end: leave once generation is under way
+            async def leave_after_first_token() -> None:
+                await tapped.first_token.wait()
+                disconnect.set()
+
+            nursery.start_soon(leave_after_first_token)
+        sent = await drive(app, body, disconnect)
+    assert tapped.left.is_set() and tapped.tokens < 200
+    if streaming:
+        assert sent[0].startswith(b"data: ") and not any(b"[DONE]" in s for s in sent)
+    else:
+        assert sent == []  # nobody to answer
+    await kv_drained(gen.engine)
+
+
+async def test_concurrent_requests_match_solo(client: httpx.AsyncClient, reference: Reference,
+                                              tokenizer: Any) -> None:
+    prompts = ["Hello, world!", "The quick brown fox", "Tokens are a few bytes"]
+    results: dict[str, str] = {}
+
+    async def one(p: str) -> None:
+        results[p] = (await post(client, "/v1/completions", prompt=p, max_tokens=10))["choices"][0]["text"]
+
+    async with trio.open_nursery() as n:
+        for p in prompts:
+            n.start_soon(one, p)
+    for p in prompts:
+        assert results[p] == reference.text(reference.tokens(tokenizer.encode(p), 10)[0])
