@@ -12,6 +12,7 @@ import os
 import secrets
 import socket
 import sys
+from functools import partial
 from pathlib import Path
 
 import trio
@@ -38,6 +39,8 @@ def _common(p: argparse.ArgumentParser) -> None:
                    choices=["debug", "info", "warning", "error"], help="log verbosity (default: info)")
     # Internal: the testnet passes a pipe fd here and waits for one JSON readiness line on it.
     p.add_argument("--ready-fd", type=int, default=None, help=argparse.SUPPRESS)
+    # Internal: the testnet's lifeline pipe; EOF on it means the launcher is gone.
+    p.add_argument("--lifeline-fd", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--emulate-links", metavar="FILE", default=None,
                    help="link-emulation file written by the testnet (shapes bandwidth/latency to each peer)")
 
@@ -67,6 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="mark a node down after this many seconds without a heartbeat (default: 5)")
     c.add_argument("--probe-interval", type=_positive, default=60.0, metavar="S",
                    help="seconds between link re-probes while membership is stable (default: 60)")
+    c.add_argument("--model", default="smollm2-135m",
+                   help="model to serve: a preset (smollm2-135m), a .gguf file or a Hugging Face directory "
+                        "(nodes load their shard of it; default: smollm2-135m); 'none' serves no model")
+    c.add_argument("--region", default="", help="the coordinator's region: the pipeline starts there")
     _common(c)
 
     j = sub.add_parser("join", help="run a node daemon and join a network through a bootstrap peer",
@@ -87,6 +94,12 @@ def build_parser() -> argparse.ArgumentParser:
     j.add_argument("--device", default="cpu", help="compute device to profile: cpu or cuda[:N] (default: cpu)")
     j.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="serving dtype (default: float32)")
+    j.add_argument("--kv-cache-mb", type=_positive, default=256.0, metavar="MB",
+                   help="memory for this node's KV cache blocks (default: 256)")
+    j.add_argument("--compute-dilation", type=_positive, default=100.0, metavar="X",
+                   help="with --emulate: a step lasts X times the emulated device's modelled step time "
+                        "(or the real time, if longer), so emulated devices keep their relative speeds "
+                        "(default: 100)")
     j.add_argument("--retry-budget", type=_positive, default=60.0, metavar="S",
                    help="give up (exit 1) when no bootstrap peer answers for this long (default: 60)")
     _common(j)
@@ -102,6 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
     which.add_argument("--cluster", default=None, metavar="FILE",
                        help="cluster file (TOML): devices, regions, link conditions; or a shipped name: "
                             "demo, local3")
+    up.add_argument("--model", default="smollm2-135m",
+                    help="model the testnet serves (preset, .gguf or HF directory; 'none': control plane only)")
     up.add_argument("--detach", action="store_true", help="start in the background and return")
     up.add_argument("--state-dir", type=Path, default=DEFAULT_HOME / "testnet", metavar="DIR",
                     help="where keys, logs and the state file live (default: ~/.hetnode/testnet)")
@@ -189,7 +204,7 @@ async def _run_coordinator(args: argparse.Namespace) -> None:
     from hetnode.coordinator.daemon import Coordinator, CoordinatorConfig
     from hetnode.protocol.identity import load_or_create_identity
     from hetnode.protocol.libp2p_transport import open_libp2p_transport
-    from hetnode.runtime import announce_ready, cancel_on_signal, maybe_shaped, parse_hostport
+    from hetnode.runtime import announce_ready, maybe_shaped, parse_hostport, shutdown_on_signal
 
     host, port = parse_hostport(args.api, "--api")
     token = args.token
@@ -205,12 +220,28 @@ async def _run_coordinator(args: argparse.Namespace) -> None:
         raise ConfigError(str(exc)) from exc
     key = load_or_create_identity(args.identity)
     listen = args.listen or ["/ip4/0.0.0.0/tcp/4001"]
+    serving = None
+    if args.model.lower() != "none":
+        from hetnode.models.resolve import load_config
+        from hetnode.models.tokenizer import load_tokenizer
+
+        model_config = await trio.to_thread.run_sync(load_config, args.model)
+        tokenizer = await trio.to_thread.run_sync(load_tokenizer, args.model)
+        serving = (model_config, tokenizer)
     async with open_libp2p_transport(key, listen) as raw, maybe_shaped(raw, args.emulate_links) as transport:
         coordinator = Coordinator(config, transport)
+        routes = []
+        if serving is not None:
+            from hetnode.coordinator.openai_api import openai_routes
+
+            generator = coordinator.enable_serving(model=args.model, model_config=serving[0],
+                                                   tokenizer=serving[1], home_region=args.region)
+            routes = openai_routes(generator)
+        app = build_app(coordinator, api_key=args.api_key, extra_routes=routes)
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(cancel_on_signal, nursery.cancel_scope)
+            nursery.start_soon(partial(shutdown_on_signal, nursery.cancel_scope, lifeline_fd=args.lifeline_fd))
             await nursery.start(coordinator.run)
-            url = await nursery.start(serve_api, build_app(coordinator, api_key=args.api_key), host, port)
+            url = await nursery.start(serve_api, app, host, port)
             log.info("coordinator %s listening on %s; API at %s", transport.peer_id,
                      " ".join(transport.listen_addrs()), url)
             announce_ready(args.ready_fd, role="coordinator", peer_id=transport.peer_id,
@@ -222,7 +253,7 @@ async def _run_node(args: argparse.Namespace) -> None:
     from hetnode.node.profile import emulated_profile, measure_profile
     from hetnode.protocol.identity import load_or_create_identity
     from hetnode.protocol.libp2p_transport import open_libp2p_transport
-    from hetnode.runtime import announce_ready, cancel_on_signal, maybe_shaped
+    from hetnode.runtime import announce_ready, maybe_shaped, shutdown_on_signal
 
     profile = (emulated_profile(args.emulate, args.dtype) if args.emulate
                else await trio.to_thread.run_sync(measure_profile, args.device, args.dtype))
@@ -232,9 +263,18 @@ async def _run_node(args: argparse.Namespace) -> None:
         name = args.name or f"{socket.gethostname()}-{str(transport.peer_id)[-6:]}"
         config = NodeConfig(bootstrap=tuple(args.bootstrap), token=args.token, name=name, region=args.region,
                             profile=profile, retry_budget_s=args.retry_budget)
-        daemon = NodeDaemon(config, transport)
+        from hetnode.node.emulation import pace_factory
+        from hetnode.node.engine import EngineConfig
+        from hetnode.node.stage import StageServer
+
+        stage = StageServer(transport, lambda peer: daemon.is_member(peer), device=args.device, dtype=args.dtype,
+                            engine_config=EngineConfig(kv_cache_bytes=int(args.kv_cache_mb * (1 << 20))),
+                            pace_factory=pace_factory(args.emulate, args.compute_dilation) if args.emulate else None)
+        daemon = NodeDaemon(config, transport, stage)
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(cancel_on_signal, nursery.cancel_scope, daemon.leave)
+            nursery.start_soon(partial(shutdown_on_signal, nursery.cancel_scope, daemon.leave,
+                                       lifeline_fd=args.lifeline_fd))
+            await nursery.start(stage.run)
             await nursery.start(daemon.run)
             log.info("node %s (%s, %s) joined; coordinator %s", name, transport.peer_id, profile.device,
                      daemon.coordinator)

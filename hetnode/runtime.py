@@ -43,16 +43,35 @@ def announce_ready(ready_fd: int | None, **fields: Any) -> None:
     print(f"READY {line}", flush=True)
 
 
-async def cancel_on_signal(scope: trio.CancelScope, before_cancel: Callable[[], Any] | None = None) -> None:
-    """SIGINT or SIGTERM: run the graceful step (bounded), then cancel the daemon's root scope."""
-    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        async for signum in signals:
-            log.info("received %s; shutting down", signal.Signals(signum).name)
+async def shutdown_on_signal(scope: trio.CancelScope, before_cancel: Callable[[], Any] | None = None,
+                             *, lifeline_fd: int | None = None) -> None:
+    """SIGINT, SIGTERM, or the end of the lifeline pipe: run the graceful step (bounded), then cancel the
+    daemon's root scope. The testnet holds the lifeline's write end: when the launcher dies, however it dies,
+    the kernel closes it and its children see EOF here (PR_SET_PDEATHSIG would follow the spawning thread,
+    which for trio is a worker thread that exits when idle)."""
+    async with trio.open_nursery() as nursery:
+
+        async def stop(why: str) -> None:
+            log.info("%s; shutting down", why)
             if before_cancel is not None:
                 with trio.move_on_after(3):
                     await before_cancel()
             scope.cancel()
-            return
+            nursery.cancel_scope.cancel()
+
+        async def signals() -> None:
+            with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as received:
+                async for signum in received:
+                    await stop(f"received {signal.Signals(signum).name}")
+                    return
+
+        async def lifeline(fd: int) -> None:
+            await trio.lowlevel.wait_readable(fd)
+            await stop("the testnet launcher is gone")
+
+        nursery.start_soon(signals)
+        if lifeline_fd is not None:
+            nursery.start_soon(lifeline, lifeline_fd)
 
 
 @asynccontextmanager

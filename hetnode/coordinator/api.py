@@ -132,9 +132,15 @@ def build_app(coordinator: Coordinator, *, api_key: str | None = None,
         log.exception("unhandled error in %s %s", request.method, request.url.path)
         return error_response(500, f"internal error: {type(exc).__name__}", type_="server_error")
 
+    async def plan(request: Request) -> Response:
+        if coordinator.deployment is None:
+            return error_response(404, "this coordinator serves no model", type_="not_found_error")
+        return JSONResponse(coordinator.deployment.to_json())
+
     routes = [
         Route("/healthz", healthz, methods=["GET"]),
         Route("/v1/cluster", cluster, methods=["GET"]),
+        Route("/v1/plan", plan, methods=["GET"]),
         *(extra_routes or []),
     ]
     return Starlette(

@@ -20,7 +20,7 @@ from hetnode.coordinator.registry import Registry
 from hetnode.errors import ConfigError
 from hetnode.ids import NodeId
 from hetnode.models.config import ModelConfig
-from hetnode.planner.costmodel import LayerShape
+from hetnode.planner.costmodel import layer_shape
 from hetnode.planner.layout import Candidate, proportional_layout
 from hetnode.protocol.messages import Assignment, AssignmentStatus, Stage
 
@@ -29,11 +29,6 @@ log = logging.getLogger(__name__)
 SendAssignment = Callable[[NodeId, Assignment], Awaitable[bool]]
 # Planning assumes weights held in 16-bit: what serving GPUs use (a CPU node in fp32 holds half as many).
 PLAN_BYTES_PER_PARAM = 2
-
-
-def layer_shape(cfg: ModelConfig) -> LayerShape:
-    return LayerShape(hidden=cfg.hidden_size, intermediate=cfg.intermediate_size, heads=cfg.num_heads,
-                      kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim)
 
 
 @dataclass

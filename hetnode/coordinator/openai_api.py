@@ -116,7 +116,7 @@ class _OpenAIApi:
         start = trio.current_time()
         try:
             body = json.loads(await request.body())
-        except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError alike
+        except (ValueError, RecursionError) as exc:  # bad JSON, bad UTF-8, absurdly deep nesting
             self._record_refusal(endpoint, start, 400)
             return openai_error(400, f"We could not parse the JSON body of your request ({exc}). The OpenAI API "
                                 "expects a JSON payload.")
@@ -136,7 +136,11 @@ class _OpenAIApi:
 
 
 class _GenerationResponse(Response):
-    """Runs the generation when Starlette sends the response, under a watch for the client disconnecting."""
+    """Runs the generation when Starlette sends the response, under a watch for the client disconnecting.
+
+    A Response only to fit Starlette's endpoint signature: it sends everything itself, so Response's own fields
+    (body, headers) are never set or used.
+    """
 
     def __init__(self, api: _OpenAIApi, req: GenerationRequest, endpoint: str, start: float) -> None:
         self.api, self.req, self.endpoint, self.start = api, req, endpoint, start
@@ -144,11 +148,11 @@ class _GenerationResponse(Response):
         self.id = f"{prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.status = 200
-        self.gen: Generation | None = None
+        self.gen = Generation()  # filled in as the generation runs, so a cut-short one is still counted
         self.headers_sent = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        gone = False
+        gone = answered = False
         failure: Exception | None = None
         async with trio.open_nursery() as nursery:
 
@@ -157,20 +161,23 @@ class _GenerationResponse(Response):
                 # The body was read whole before this response ran, so the next message is the disconnect.
                 while (await receive())["type"] != "http.disconnect":
                     pass
-                gone = True
-                nursery.cancel_scope.cancel()
+                # Some servers (and httpx's ASGI transport) report a disconnect once the answer is complete.
+                if not answered:
+                    gone = True
+                    nursery.cancel_scope.cancel()
 
             nursery.start_soon(watch)
             try:
                 await (self._stream(send) if self.req.stream else self._whole(send))
+                answered = True
             except Exception as exc:  # re-raised below: raised inside the nursery it would come out in a group
                 failure = exc
             nursery.cancel_scope.cancel()
         gen = self.gen
         self.api.record(RequestRecord(
-            self.endpoint, self.status, self.req.stream, len(self.req.prompt_ids),
-            gen.completion_tokens if gen else 0, gen.finish_reason if gen and not gone else None, gone,
-            gen.first_token_at - self.start if gen and gen.first_token_at is not None else None,
+            self.endpoint, self.status, self.req.stream, len(self.req.prompt_ids), gen.completion_tokens,
+            gen.finish_reason if answered and self.status == 200 else None, gone,
+            gen.first_token_at - self.start if gen.first_token_at is not None else None,
             trio.current_time() - self.start))
         if failure is not None:
             raise failure
@@ -180,7 +187,7 @@ class _GenerationResponse(Response):
     async def _whole(self, send: Send) -> None:
         sink = _Collector()
         try:
-            self.gen = gen = await run_generation(self.api.generator, self.req, sink)
+            gen = await run_generation(self.api.generator, self.req, sink, self.gen)
         except GenerationError as exc:
             self.status = exc.status
             await _send_json(send, exc.status, {"error": error_body(str(exc), status=exc.status, code=exc.code)})
@@ -211,7 +218,7 @@ class _GenerationResponse(Response):
     async def _stream(self, send: Send) -> None:
         sink = _SseSink(self, send)
         try:
-            self.gen = gen = await run_generation(self.api.generator, self.req, sink)
+            gen = await run_generation(self.api.generator, self.req, sink, self.gen)
         except GenerationError as exc:
             self.status = exc.status
             error = {"error": error_body(str(exc), status=exc.status, code=exc.code)}

@@ -52,13 +52,15 @@ class Sink(ABC):
         """Text safe to show, with the logprobs of the tokens whose text starts in it (text may be empty)."""
 
 
-async def run_generation(generator: Generator, req: GenerationRequest, sink: Sink) -> Generation:
+async def run_generation(generator: Generator, req: GenerationRequest, sink: Sink,
+                         out: Generation | None = None) -> Generation:
     """Generate for `req`, feeding `sink`; raises GenerationError from the generator as it is.
 
+    `out` (returned) is updated as tokens come, so that a caller sees how far a failed or cancelled one got.
     The generator's context is left as soon as the answer is complete (a stop string matched) or the task is
     cancelled (the client went away), which frees the session's KV.
     """
-    out = Generation()
+    out = Generation() if out is None else out
     detok = IncrementalDetokenizer(generator.tokenizer, req.prompt_ids)
     stops = StopMatcher(req.stop)
     want_logprobs = req.logprobs is not None

@@ -77,7 +77,7 @@ class GenerationRequest:
 
 
 def check_model(body: Mapping[str, Any], generator: Generator) -> str:
-    model = _opt(body, "model", str)
+    model: str | None = _opt(body, "model", str)
     if model is None:
         raise ApiError("you must provide a model parameter", param="model")
     if model != generator.model_name:
@@ -293,14 +293,14 @@ def _opt(body: Mapping[str, Any], key: str, kind: type, *, name: str | None = No
 
 
 def _opt_int(body: Mapping[str, Any], key: str, lo: int | None, hi: int | None) -> int | None:
-    value = _opt(body, key, int)
+    value: int | None = _opt(body, key, int)
     if value is not None:
         _check_range(key, value, lo, hi)
     return value
 
 
 def _opt_float(body: Mapping[str, Any], key: str, lo: float, hi: float) -> float | None:
-    value = _opt(body, key, float)
+    value: float | None = _opt(body, key, float)
     if value is not None:
         _check_range(key, value, lo, hi)
     return value

@@ -9,6 +9,7 @@ tables when nothing was measured.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 from hetnode.planner.devices import DeviceSpec
 
@@ -33,6 +34,19 @@ class LayerShape:
     @property
     def kv_elems_per_token(self) -> int:
         return 2 * self.kv_heads * self.head_dim
+
+
+class HasLayerShape(Protocol):
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+
+def layer_shape(cfg: HasLayerShape) -> LayerShape:
+    return LayerShape(hidden=cfg.hidden_size, intermediate=cfg.intermediate_size, heads=cfg.num_heads,
+                      kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim)
 
 
 def step_time(device: DeviceSpec, layer: LayerShape, layers: int, new_tokens: int, context_tokens: int,

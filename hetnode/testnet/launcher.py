@@ -9,7 +9,7 @@ stopped by `testnet down`, which waits on their pidfds.
 from __future__ import annotations
 
 import argparse
-import ctypes
+import contextlib
 import json
 import os
 import secrets
@@ -93,23 +93,34 @@ def main(args: argparse.Namespace) -> int:
 # -- up ---------------------------------------------------------------------------------------------------
 
 
-def _die_with_parent() -> None:
-    # PR_SET_PDEATHSIG: the kernel sends SIGTERM to the child when the launcher dies, even by SIGKILL.
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(1, signal.SIGTERM, 0, 0, 0)
+class Lifeline:
+    """A pipe whose write end only the launcher holds: attached children watch the read end and shut down
+    when it reaches EOF, which the kernel delivers whenever the launcher dies, even by SIGKILL."""
+
+    def __init__(self) -> None:
+        self.read_fd, self.write_fd = os.pipe()
+        os.set_inheritable(self.read_fd, False)
+
+    def close(self) -> None:
+        for fd in (self.read_fd, self.write_fd):
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
 
-async def _spawn(cmd: list[str], log_path: Path, env: dict[str, str], *, detach: bool,
+async def _spawn(cmd: list[str], log_path: Path, env: dict[str, str], *, lifeline: Lifeline | None,
                  ready_timeout_s: float, name: str) -> tuple[trio.Process, dict[str, Any]]:
     """Start one child and wait for its readiness line."""
     r, w = os.pipe()
+    fds: tuple[int, ...] = (w,)
+    if lifeline is not None:
+        cmd = [*cmd, "--lifeline-fd", str(lifeline.read_fd)]
+        fds = (w, lifeline.read_fd)
     # A local append-open is instant; the child keeps its own copy of the descriptor after the fork.
     log_file = open(log_path, "ab")  # noqa: ASYNC230, SIM115
     try:
         proc = await trio.lowlevel.open_process(
             [*cmd, "--ready-fd", str(w)], stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
-            pass_fds=(w,), env=env, start_new_session=True,
-            preexec_fn=None if detach else _die_with_parent,
+            pass_fds=fds, env=env, start_new_session=True,
         )
     finally:
         os.close(w)
@@ -198,12 +209,16 @@ async def start(args: argparse.Namespace) -> Running:
         emulate = ["--emulate-links", str(links_file)]
 
     token = args.token or secrets.token_urlsafe(16)
-    env = dict(os.environ, HETNODE_TOKEN=token, PYTHONUNBUFFERED="1")
+    # Many processes share this machine's cores: one compute thread each, and no OpenMP spin-waiting after a
+    # step (an idle pool spinning for ~100 ms starves the stage that runs next).
+    env = dict(os.environ, HETNODE_TOKEN=token, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
+               OMP_WAIT_POLICY="PASSIVE")
     if args.api_key:
         env["HETNODE_API_KEY"] = args.api_key
     else:
         env.pop("HETNODE_API_KEY", None)
     base = [sys.executable, "-m", "hetnode"]
+    lifeline = None if args.detach else Lifeline()
     t0 = time.monotonic()
     procs: list[tuple[Proc, trio.Process]] = []
     try:
@@ -211,8 +226,9 @@ async def start(args: argparse.Namespace) -> Running:
         cproc, ready = await _spawn(
             [*base, "coordinator", "--listen", "/ip4/127.0.0.1/tcp/0", "--api", args.api,
              "--identity", str(state_dir / "keys" / "coordinator.key"),
-             "--heartbeat-deadline", str(args.heartbeat_deadline), "--log-level", args.log_level, *emulate],
-            coord_log, env, detach=args.detach, ready_timeout_s=args.ready_timeout, name="coordinator")
+             "--heartbeat-deadline", str(args.heartbeat_deadline), "--log-level", args.log_level,
+             "--model", args.model, "--region", cluster.coordinator_region, *emulate],
+            coord_log, env, lifeline=lifeline, ready_timeout_s=args.ready_timeout, name="coordinator")
         procs.append((Proc("coordinator", "coordinator", cproc.pid, str(coord_log), ready["peer_id"]), cproc))
         api, bootstrap = ready["api"], ready["addrs"][0]
 
@@ -224,7 +240,7 @@ async def start(args: argparse.Namespace) -> Running:
                    "--region", spec.region, "--log-level", args.log_level, "--retry-budget", "30", *emulate]
             if spec.device != "cpu":
                 cmd += ["--emulate", spec.device]
-            proc, node_ready = await _spawn(cmd, log_path, env, detach=args.detach,
+            proc, node_ready = await _spawn(cmd, log_path, env, lifeline=lifeline,
                                             ready_timeout_s=args.ready_timeout, name=f"node {spec.name}")
             procs.append((Proc(spec.name, "node", proc.pid, str(log_path), node_ready["peer_id"]), proc))
 
@@ -234,7 +250,11 @@ async def start(args: argparse.Namespace) -> Running:
     except BaseException:
         with trio.CancelScope(shield=True):
             await _stop([p for _, p in procs])
+        if lifeline is not None:
+            lifeline.close()
         raise
+    if lifeline is not None:
+        os.close(lifeline.read_fd)  # only the children need it; the launcher keeps the write end
     state = TestnetState(api=api, bootstrap=bootstrap, token=token, api_key=args.api_key,
                          state_dir=str(state_dir), started_at=time.time(), detached=args.detach,
                          cluster=str(cluster_file) if cluster_file else f"{len(cluster.nodes)} cpu nodes",

@@ -20,11 +20,11 @@ from hetnode.coordinator.api import build_app
 from hetnode.coordinator.daemon import Coordinator, CoordinatorConfig
 from hetnode.coordinator.generation import GenerationParams, Generator, TokenEvent
 from hetnode.coordinator.local import LocalGenerator
-from hetnode.coordinator.openai_api import openai_routes
+from hetnode.coordinator.openai_api import ApiMetrics, RequestRecord, openai_routes
 from hetnode.ids import SessionId
 from hetnode.models.tiny import write_tiny_model
 from hetnode.models.tokenizer import chat_prompt_ids, load_tokenizer
-from hetnode.node.engine import EngineConfig, LocalPipeline, Request, SamplingParams, TorchEngine
+from hetnode.node.engine import Completion, EngineConfig, LocalPipeline, Request, SamplingParams, TorchEngine
 from hetnode.protocol.memory import MemoryNetwork
 
 MODEL = "tiny-llama"
@@ -74,10 +74,14 @@ class Reference:
         self.eos = (tokenizer.eos_token_id,)
         self._n = 0
 
-    def tokens(self, prompt_ids: list[int], max_tokens: int, **sampling: Any) -> tuple[list[int], str]:
+    def run(self, prompt_ids: list[int], max_tokens: int, **sampling: Any) -> Completion:
         self._n += 1
         params = SamplingParams(stop_token_ids=self.eos, **sampling)
         (done,) = self.pipeline.generate([Request(SessionId(f"ref{self._n}"), prompt_ids, max_tokens, params)])
+        return done
+
+    def tokens(self, prompt_ids: list[int], max_tokens: int) -> tuple[list[int], str]:
+        done = self.run(prompt_ids, max_tokens)
         return done.tokens, done.finish_reason
 
     def text(self, tokens: list[int]) -> str:
@@ -99,10 +103,11 @@ async def gen(engine: TorchEngine, tokenizer: Any, nursery: trio.Nursery) -> Loc
 
 
 @asynccontextmanager
-async def api_app(generator: Generator) -> AsyncIterator[Starlette]:
+async def api_app(generator: Generator, metrics: ApiMetrics | None = None) -> AsyncIterator[Starlette]:
     """The coordinator's real app (middleware, error handlers) with the OpenAI routes."""
     async with MemoryNetwork().transport("coord") as transport:
-        yield build_app(Coordinator(CoordinatorConfig(token="t"), transport), extra_routes=openai_routes(generator))
+        yield build_app(Coordinator(CoordinatorConfig(token="t"), transport),
+                        extra_routes=openai_routes(generator, metrics=metrics))
 
 
 @asynccontextmanager
@@ -162,14 +167,24 @@ def completion_text(events: list[dict[str, Any]]) -> str:
     return "".join(e["choices"][0]["text"] for e in events if e["choices"])
 
 
+class Recorder:
+    def __init__(self) -> None:
+        self.records: list[RequestRecord] = []
+
+    def observe_request(self, record: RequestRecord) -> None:
+        self.records.append(record)
+
+
 def usage(prompt: int, completion: int) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 PROMPT = "The capital of France is"
+USER = [{"role": "user", "content": "hi"}]
 MESSAGES = [
     {"role": "system", "content": "Be brief."},
-    {"role": "user", "content": [{"type": "text", "text": "What is the capital"}, {"type": "text", "text": "of Spain?"}]},
+    {"role": "user", "content": [{"type": "text", "text": "What is the capital"},
+                                 {"type": "text", "text": "of Spain?"}]},
 ]
 
 
@@ -237,11 +252,19 @@ async def test_chat_greedy_equals_engine_and_stream_reassembles(client: httpx.As
     assert final["usage"] is None
     assert last["choices"] == [] and last["usage"] == body["usage"]
 
+    # "developer" is OpenAI's newer name for the system role.
+    developer = [{"role": "developer", "content": "Be brief."}, *MESSAGES[1:]]
+    again = await post(client, "/v1/chat/completions", messages=developer, max_completion_tokens=16)
+    assert again["choices"][0]["message"]["content"] == expected
+
 
 async def test_stop_token_finishes_with_stop(client: httpx.AsyncClient, reference: Reference) -> None:
     # A one-token prompt after which greedy decoding reaches EOS within a few tokens (weights are seeded).
-    found = [(t, reference.tokens([t], 6)) for t in range(3, 120)]
-    prompt, (tokens, _) = next((t, r) for t, r in found if r[1] == "stop" and len(r[0]) >= 3)
+    candidates = [Request(SessionId(f"eos{t}"), [t], 6, SamplingParams(stop_token_ids=reference.eos))
+                  for t in range(3, 200)]
+    found = reference.pipeline.generate(candidates)  # one batch: much faster than one by one
+    prompt, tokens = next((r.prompt[0], c.tokens) for r, c in zip(candidates, found, strict=True)
+                          if c.finish_reason == "stop" and len(c.tokens) >= 3)
     body = await post(client, "/v1/completions", prompt=[prompt], max_tokens=6)
     assert body["choices"][0]["finish_reason"] == "stop"
     assert body["choices"][0]["text"] == reference.text(tokens)  # without the EOS token
@@ -269,27 +292,24 @@ async def test_stop_strings_across_token_boundaries(client: httpx.AsyncClient, r
     # The stop matches once the token holding its last character is generated.
     needed = next(n for n in range(1, len(tokens) + 1) if stop in reference.text(tokens[:n]))
 
-    for path, text_of in (("/v1/completions", completion_text), ("/v1/chat/completions", chat_text)):
-        prompt: dict[str, Any] = {"prompt": ids} if "chat" not in path else {
-            "messages": [{"role": "user", "content": "x"}]}
-        if "chat" in path:  # chat renders its own prompt: take its greedy text as the reference
-            chat_ids = chat_prompt_ids(tokenizer, [{"role": "user", "content": "x"}])
-            c_tokens, _ = reference.tokens(chat_ids, 24)
-            c_full = reference.text(c_tokens)
-            c_stop = c_full[4:7]
-            c_expected = c_full[: c_full.find(c_stop)]
-        body = await post(client, path, **prompt, max_tokens=24, stop=["never-seen", stop if "chat" not in path
-                                                                      else c_stop])
-        choice = body["choices"][0]
-        got = choice["text"] if "chat" not in path else choice["message"]["content"]
-        assert got == (expected if "chat" not in path else c_expected)
-        assert choice["finish_reason"] == "stop"
-        if "chat" not in path:
-            assert body["usage"]["completion_tokens"] == needed
-        events = await stream(client, path, **prompt, max_tokens=24, stop=stop if "chat" not in path else c_stop)
-        # Pieces never carry the start of the stop string: what was sent is exactly the text before it.
-        assert text_of(events) == got
-        assert events[-1]["choices"][0]["finish_reason"] == "stop"
+    body = await post(client, "/v1/completions", prompt=ids, max_tokens=24, stop=["never-seen", stop])
+    assert body["choices"][0]["text"] == expected and body["choices"][0]["finish_reason"] == "stop"
+    assert body["usage"]["completion_tokens"] == needed  # generation ended there, not at max_tokens
+    events = await stream(client, "/v1/completions", prompt=ids, max_tokens=24, stop=stop)
+    # Pieces never carry the start of the stop string: what was sent is exactly the text before it.
+    assert completion_text(events) == expected
+    assert events[-1]["choices"][0]["finish_reason"] == "stop"
+
+    # Chat applies stop strings to the assistant's text in the same way.
+    chat_tokens, _ = reference.tokens(chat_prompt_ids(tokenizer, USER), 24)
+    chat_full = reference.text(chat_tokens)
+    chat_stop = chat_full[4:7]
+    chat_expected = chat_full[: chat_full.find(chat_stop)]
+    body = await post(client, "/v1/chat/completions", messages=USER, max_tokens=24, stop=chat_stop)
+    assert body["choices"][0]["message"]["content"] == chat_expected
+    assert body["choices"][0]["finish_reason"] == "stop"
+    events = await stream(client, "/v1/chat/completions", messages=USER, max_tokens=24, stop=[chat_stop])
+    assert chat_text(events) == chat_expected and events[-1]["choices"][0]["finish_reason"] == "stop"
 
     # A stop string whose beginning is the end of the text is held back, then released when generation ends.
     tail_stop = full[-2:] + "\x00never"
@@ -301,10 +321,8 @@ async def test_stop_strings_across_token_boundaries(client: httpx.AsyncClient, r
 
 async def test_logprobs(client: httpx.AsyncClient, reference: Reference, tokenizer: Any) -> None:
     ids = tokenizer.encode(PROMPT)
-    tokens, _ = reference.tokens(ids, 8)
     # The reference's logits give the expected log-probabilities of the greedy tokens.
-    done = reference.pipeline.generate([Request(SessionId("lp"), ids, 8, SamplingParams(
-        stop_token_ids=reference.eos, return_logits=True))])[0]
+    done = reference.run(ids, 8, return_logits=True)
     expected = [float(torch.log_softmax(lg, -1)[t]) for lg, t in zip(done.logits, done.tokens, strict=True)]
 
     body = await post(client, "/v1/completions", prompt=PROMPT, max_tokens=8, logprobs=2)
@@ -355,7 +373,6 @@ async def test_default_max_tokens_stops_at_the_context(client: httpx.AsyncClient
 
 
 LONG = "the quick brown fox jumps over the lazy dog " * 40  # well over 256 tokens
-USER = [{"role": "user", "content": "hi"}]
 
 BAD_REQUESTS: list[tuple[str, dict[str, Any], str | None, int, str | None]] = [
     # (endpoint, body, param, status, code)
@@ -525,8 +542,9 @@ async def test_client_disconnect_cancels_generation_and_frees_kv(gen: LocalGener
                                                                  nursery: trio.Nursery) -> None:
     tapped = Tapped(gen)
     disconnect = trio.Event()
+    recorder = Recorder()
     body = {"model": MODEL, "messages": USER, "max_tokens": 200, "stream": streaming, "temperature": 0}
-    async with api_app(tapped) as app:
+    async with api_app(tapped, recorder) as app:
         if not streaming:  # a whole answer sends nothing until the end: leave once generation is under way
             async def leave_after_first_token() -> None:
                 await tapped.first_token.wait()
@@ -539,6 +557,8 @@ async def test_client_disconnect_cancels_generation_and_frees_kv(gen: LocalGener
         assert sent[0].startswith(b"data: ") and not any(b"[DONE]" in s for s in sent)
     else:
         assert sent == []  # nobody to answer
+    (record,) = recorder.records
+    assert record.client_gone and record.finish_reason is None and 0 < record.completion_tokens < 200
     await kv_drained(gen.engine)
 
 
@@ -555,3 +575,20 @@ async def test_concurrent_requests_match_solo(client: httpx.AsyncClient, referen
             n.start_soon(one, p)
     for p in prompts:
         assert results[p] == reference.text(reference.tokens(tokenizer.encode(p), 10)[0])
+
+
+async def test_metrics_see_every_request(gen: LocalGenerator) -> None:
+    recorder = Recorder()
+    async with api_app(gen, recorder) as app, httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app), base_url="http://api"
+    ) as client:
+        await post(client, "/v1/completions", prompt=PROMPT, max_tokens=4)
+        await stream(client, "/v1/chat/completions", messages=USER, max_tokens=3)
+        assert (await client.post("/v1/completions", json={"model": MODEL})).status_code == 400
+    done, streamed, refused = recorder.records
+    assert (done.endpoint, done.status, done.stream, done.completion_tokens) == ("completions", 200, False, 4)
+    assert done.prompt_tokens == len(gen.tokenizer.encode(PROMPT)) and done.finish_reason == "length"
+    assert done.time_to_first_token_s is not None and 0 < done.time_to_first_token_s <= done.duration_s
+    assert (streamed.endpoint, streamed.stream, streamed.completion_tokens) == ("chat.completions", True, 3)
+    assert (refused.status, refused.completion_tokens, refused.finish_reason) == (400, 0, None)
+    assert not any(r.client_gone for r in recorder.records)

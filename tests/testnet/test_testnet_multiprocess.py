@@ -116,7 +116,8 @@ def test_emulated_links_measure_as_configured(tmp_path: Path) -> None:
 
     spec = load_cluster(resolve_cluster_file("demo"))
     state_dir = tmp_path / "tn"
-    r = run("testnet", "up", "--cluster", "demo", "--detach", "--state-dir", str(state_dir))
+    # No model: loading layers would compete with the probes for the 2 cores.
+    r = run("testnet", "up", "--cluster", "demo", "--detach", "--state-dir", str(state_dir), "--model", "none")
     assert r.returncode == 0, r.stdout + r.stderr
     try:
         state = json.loads((state_dir / "state.json").read_text())
