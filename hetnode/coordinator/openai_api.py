@@ -193,7 +193,7 @@ class _GenerationResponse(Response):
             await _send_json(send, exc.status, {"error": error_body(str(exc), status=exc.status, code=exc.code)})
             return
         text = "".join(sink.texts)
-        pieces = self.api.pieces
+        pieces = self.api.pieces.ids() if self.req.tokens_as_ids else self.api.pieces
         if self.req.chat:
             choice: dict[str, Any] = {
                 "index": 0,
@@ -289,7 +289,7 @@ class _SseSink(Sink):
 
     async def piece(self, text: str, logprobs: list[TokenLogprob]) -> None:
         r = self.response
-        pieces = r.api.pieces
+        pieces = r.api.pieces.ids() if r.req.tokens_as_ids else r.api.pieces
         if r.req.chat:
             lp = chat_logprobs(logprobs, pieces) if r.req.logprobs is not None else None
             choice = {"index": 0, "delta": {"content": text}, "logprobs": lp, "finish_reason": None}

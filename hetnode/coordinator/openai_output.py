@@ -129,11 +129,19 @@ async def _aclose(events: AsyncIterator[TokenEvent]) -> None:
 class TokenPieces:
     """Text and bytes of single tokens (for logprobs), cached: a vocabulary is finite and small."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, *, as_ids: bool = False) -> None:
         self.tokenizer = tokenizer
+        self.as_ids = as_ids
         self._cache: dict[int, tuple[str, bytes]] = {}
 
+    def ids(self) -> TokenPieces:
+        """The same, but naming tokens "token_id:N" (vLLM's return_tokens_as_token_ids)."""
+        return TokenPieces(self.tokenizer, as_ids=True)
+
     def __call__(self, token: int) -> tuple[str, bytes]:
+        if self.as_ids:
+            name = f"token_id:{token}"
+            return name, name.encode()
         piece = self._cache.get(token)
         if piece is None:
             piece = self._cache[token] = token_piece(self.tokenizer, token)

@@ -74,6 +74,8 @@ class GenerationRequest:
     stream: bool
     include_usage: bool  # stream_options.include_usage: a usage chunk before [DONE]
     logprobs: int | None  # None: no logprobs in the answer; k: the sampled token's and the top k
+    # vLLM's extension: name logprob tokens "token_id:N" (exact ids, even for tokens that are not valid text).
+    tokens_as_ids: bool = False
 
 
 def check_model(body: Mapping[str, Any], generator: Generator) -> str:
@@ -242,7 +244,8 @@ def _finish(body: Mapping[str, Any], generator: Generator, *, model: str, chat: 
         raise ApiError(f"Invalid '{exc.key}': {exc.problem}", param=exc.key) from exc
     return GenerationRequest(chat=chat, model=model, prompt_ids=prompt_ids,
                              params=GenerationParams(max_tokens=max_tokens, sampling=sampling), stop=stop,
-                             stream=stream, include_usage=include_usage, logprobs=logprobs)
+                             stream=stream, include_usage=include_usage, logprobs=logprobs,
+                             tokens_as_ids=bool(_opt(body, "return_tokens_as_token_ids", bool)))
 
 
 def _stop_strings(body: Mapping[str, Any]) -> tuple[str, ...]:

@@ -693,3 +693,45 @@ async def test_libp2p_finished_streams_give_their_slots_back() -> None:
                     assert await read_all(stream) == b"x"
             # py-libp2p's own identify streams come and go meanwhile; a leak would take one slot per stream.
             assert free - semaphore.value < 5, finish
+
+
+@pytest.mark.slow  # 64 MiB through py-libp2p; test_many_concurrent_streams catches the same bug, less reliably
+async def test_libp2p_full_sockets_both_ways_do_not_deadlock_the_connection() -> None:
+    # Both peers push more than the sockets hold while nobody reads the data yet, and then open new streams,
+    # whose SYN must be ACKed by the remote's reader task. py-libp2p's reader writes that ACK itself and
+    # blocks on the full socket; with both readers blocked the connection is dead.
+    # 4 MiB fits the initial stream window; 48 MiB per direction is more than loopback sockets buffer (~36 MiB).
+    per_stream, streams_each_way = 4 << 20, 12
+    async with libp2p_peer() as a, libp2p_peer() as b:
+        gate = trio.Event()
+
+        async def held_sink(stream: Stream) -> None:
+            await gate.wait()
+            assert len(await read_all(stream)) == per_stream
+
+        for t in (a, b):
+            t.set_handler(SINK, held_sink)
+            t.set_handler(ECHO, echo)
+        await a.connect(b.listen_addrs()[0])
+
+        async def push(src: Transport, dst: Transport) -> None:
+            stream = await src.open_stream(dst.peer_id, SINK)
+            await stream.send_all(b"p" * per_stream)
+            await stream.close()
+
+        async def new_streams(src: Transport, dst: Transport) -> None:
+            for _ in range(50):  # SYNs keep coming while the data flows; each needs an ACK from dst's reader
+                stream = await src.open_stream(dst.peer_id, ECHO)
+                await stream.send_all(b"through")
+                await stream.close()
+                assert await read_all(stream) == b"through"
+
+        with trio.fail_after(TIMEOUT_S):
+            async with trio.open_nursery() as nursery:
+                for _ in range(streams_each_way):
+                    nursery.start_soon(push, a, b)
+                    nursery.start_soon(push, b, a)
+                async with trio.open_nursery() as echoes:
+                    echoes.start_soon(new_streams, a, b)
+                    echoes.start_soon(new_streams, b, a)
+                gate.set()
