@@ -25,9 +25,15 @@ def setup_logging(level: str) -> None:
         format="%(asctime)s %(levelname)-7s %(name)s: %(message)s",
         stream=sys.stderr,
     )
-    # py-libp2p logs every stream hiccup at INFO or WARNING; its own errors still show.
+    # Importing py-libp2p turns off its loggers' propagation; route them through ours again.
+    import libp2p  # noqa: F401
+
+    logging.getLogger("libp2p").propagate = True
+    # py-libp2p logs every stream hiccup at INFO or WARNING (and a peer asking for a protocol we do not serve at
+    # ERROR); our own logs say what matters.
     for noisy in ("libp2p", "multiaddr", "hypercorn.error", "async_service"):
-        logging.getLogger(noisy).setLevel(max(logging.ERROR, logging.getLogger().level))
+        logging.getLogger(noisy).setLevel(max(logging.CRITICAL if noisy == "libp2p" else logging.ERROR,
+                                              logging.getLogger().level))
 
 
 def announce_ready(ready_fd: int | None, **fields: Any) -> None:

@@ -17,8 +17,14 @@ All of them run at once and are measured in turns (round-robin, `--repeats` roun
 processes on the machine falls on every side alike. Batch 1 sends the prompts one at a time; batch 8 sends 8
 concurrent requests. Per request: TTFT (send -> first streamed chunk), TPOT ((last chunk - first chunk) /
 (completion tokens - 1)); aggregate decode tokens/s = decode tokens (after each request's first) / the time
-decoding took (per round: first chunk of the earliest request -> last chunk of the latest). Each side is warmed
-up first (the testnet's first request waits for the nodes to load their layers). Texts must match (greedy).
+decoding took (per round: first chunk of the earliest request -> last chunk of the latest); CPU ms/token = user +
+system time of the side's server processes (psutil) per completion token. Each side is warmed up first (the
+testnet's first request waits for the nodes to load their layers). Texts must match (greedy). Unlike part 1,
+requests stop at EOS (the API has no ignore-EOS), so some end before max_tokens -- on both sides alike.
+
+Every process runs with OMP_WAIT_POLICY=PASSIVE, as the launcher sets for the testnet's: with more runnable
+threads than cores, spin-waiting OpenMP threads starve everything else (our engine at 2 threads drops to a few
+tokens/s on a busy 2-core machine without it).
 
     .venv/bin/python scripts/bench_e2e.py [--quick] [--json] [--max-tokens 48] [--repeats 3]
 """
@@ -54,6 +60,7 @@ from bench_engine import QUESTIONS, default_threads, run_benchmark
 from hetnode.models.tokenizer import chat_prompt_ids, load_tokenizer
 
 MODEL = "smollm2-135m"
+SCRIPT = str(Path(__file__).resolve())
 TESTNET_NODES = 3
 ENGINE_TARGET = 1.0
 TESTNET_TARGET = 0.7  # testnet / single process, aggregate decode tokens/s at batch 8
@@ -182,7 +189,7 @@ def _tail(path: Path, chars: int = 2000) -> str:
 async def local_server(model: str, threads: int, log_path: Path) -> AsyncIterator[dict[str, Any]]:
     # The launcher's environment for its processes, with this side's thread count.
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(threads), OMP_WAIT_POLICY="PASSIVE")
-    cmd = [sys.executable, __file__, "--serve-local", "--model", model, "--threads", str(threads)]
+    cmd = [sys.executable, SCRIPT, "--serve-local", "--model", model, "--threads", str(threads)]
     with open(log_path, "ab") as log_file:  # noqa: ASYNC230 (a local append-open is instant)
         proc = await trio.lowlevel.open_process(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                                 stderr=log_file, env=env)
@@ -235,7 +242,19 @@ class Side:
     key: str
     label: str
     api: str
+    pids: dict[str, int]  # the processes serving this side (not the client), for CPU accounting
     client: httpx.AsyncClient | None = None
+
+
+def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
+    """User + system CPU time of each process so far."""
+    import psutil
+
+    out = {}
+    for name, pid in pids.items():
+        times = psutil.Process(pid).cpu_times()
+        out[name] = times.user + times.system
+    return out
 
 
 async def warm_up(side: Side, prompts: list[list[int]], batch: int) -> float:
@@ -279,13 +298,15 @@ async def serving_benchmark(model: str, threads: list[int], batches: list[int], 
             info = started[f"local{n}"]
             log(f"single process, {info['threads']} thread(s): {info['api']} (pid {info['pid']}, "
                 f"up in {time.perf_counter() - t0:.1f} s)")
-            sides.append(Side(f"local_{n}t", f"single process, {n} thread{'s' if n > 1 else ''}", info["api"]))
+            sides.append(Side(f"local_{n}t", f"single process, {n} thread{'s' if n > 1 else ''}", info["api"],
+                              {"server": info["pid"]}))
         t0 = time.perf_counter()
         await nursery.start(hold, testnet(model, work_dir / "testnet"), "testnet")
         running = started["testnet"]
         log(f"testnet up in {time.perf_counter() - t0:.1f} s: {running.state.api}, logs in "
             f"{work_dir / 'testnet' / 'logs'}; pids " + ", ".join(f"{p.name}={p.pid}" for p in running.state.procs))
-        sides.append(Side("testnet", f"testnet, {TESTNET_NODES} nodes x 1 thread", running.state.api))
+        sides.append(Side("testnet", f"testnet, {TESTNET_NODES} nodes x 1 thread", running.state.api,
+                          {p.name: p.pid for p in running.state.procs}))
         result["pids"] = {p.name: p.pid for p in running.state.procs}
 
         try:
@@ -306,11 +327,12 @@ async def serving_benchmark(model: str, threads: list[int], batches: list[int], 
                 log(f"testnet pipeline: {result['plan']}")
 
             rounds: dict[tuple[str, int], list[list[Stream]]] = {(s.key, b): [] for s in sides for b in batches}
+            cpu: dict[tuple[str, int], dict[str, float]] = {(s.key, b): {} for s in sides for b in batches}
             for rep in range(repeats):
                 for batch in batches:
                     for side in sides:
                         assert side.client is not None
-                        t0 = time.perf_counter()
+                        t0, cpu0 = time.perf_counter(), cpu_seconds(side.pids)
                         if batch == 1:
                             got = [await run_round(side.client, prompts, [i], max_tokens)
                                    for i in range(b1_prompts)]
@@ -318,6 +340,9 @@ async def serving_benchmark(model: str, threads: list[int], batches: list[int], 
                             got = [await run_round(side.client, prompts,
                                                    [i % len(prompts) for i in range(batch)], max_tokens)]
                         rounds[(side.key, batch)].extend(got)
+                        used = cpu[(side.key, batch)]
+                        for name, seconds in cpu_seconds(side.pids).items():
+                            used[name] = used.get(name, 0.0) + seconds - cpu0[name]
                         s = summarize(got)
                         log(f"round {rep + 1}/{repeats} batch {batch} {side.label}: "
                             f"{s['decode_tok_s']:.1f} decode tok/s, TTFT {s['ttft_median_s']:.3f} s, "
@@ -333,7 +358,12 @@ async def serving_benchmark(model: str, threads: list[int], batches: list[int], 
     for side in sides:
         entry: dict[str, Any] = {"label": side.label}
         for batch in batches:
-            entry[f"batch{batch}"] = summarize(rounds[(side.key, batch)])
+            cell = entry[f"batch{batch}"] = summarize(rounds[(side.key, batch)])
+            # CPU time of the side's processes per completion token (the prefill's share included).
+            used = cpu[(side.key, batch)]
+            cell["cpu_ms_per_token"] = 1000 * sum(used.values()) / max(1, cell["completion_tokens"])
+            cell["cpu_ms_per_token_by_process"] = {n: 1000 * c / max(1, cell["completion_tokens"])
+                                                   for n, c in used.items()}
         result["sides"][side.key] = entry
     # Identical texts (greedy): every request of every side against the reference side's text for its prompt.
     texts: dict[tuple[str, int], set[str]] = {}
@@ -364,7 +394,8 @@ async def serving_benchmark(model: str, threads: list[int], batches: list[int], 
 
 def print_engine(r: dict[str, Any]) -> None:
     print(f"\n== 1. engine: ours vs transformers.generate ({r['model']}, {r['dtype']}, greedy, "
-          f"{r['new_tokens']} new tokens, EOS ignored, torch threads={r['threads']}, in this process) ==")
+          f"{r['new_tokens']} new tokens, EOS ignored, torch threads={r['threads']}, "
+          f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}, in this process) ==")
     print(f"{'batch':>5}  {'ours tok/s':>10}  {'transformers tok/s':>18}  {'ours/transformers':>17}  identical")
     for key in sorted(k for k in r if k.startswith("batch")):
         b = r[key]
@@ -382,13 +413,19 @@ def print_serving(r: dict[str, Any], batches: list[int], threads: list[int]) -> 
     if "plan" in r:
         print(f"   testnet pipeline: {r['plan']}")
     print(f"{'side':<34} {'batch':>5} {'reqs':>4} {'tokens':>6} {'decode tok/s':>12} {'e2e tok/s':>9} "
-          f"{'TTFT p50':>9} {'TPOT p50':>9}")
+          f"{'TTFT p50':>9} {'TPOT p50':>9} {'CPU ms/token':>12}")
     for side in r["sides"].values():
         for batch in batches:
             s = side[f"batch{batch}"]
             tpot = f"{s['tpot_median_s'] * 1000:7.1f}ms" if s["tpot_median_s"] is not None else "      -"
             print(f"{side['label']:<34} {batch:>5} {s['requests']:>4} {s['completion_tokens']:>6} "
-                  f"{s['decode_tok_s']:>12.1f} {s['e2e_tok_s']:>9.1f} {s['ttft_median_s'] * 1000:>7.0f}ms {tpot:>9}")
+                  f"{s['decode_tok_s']:>12.1f} {s['e2e_tok_s']:>9.1f} {s['ttft_median_s'] * 1000:>7.0f}ms {tpot:>9} "
+                  f"{s['cpu_ms_per_token']:>12.1f}")
+    print("   (decode tok/s: tokens after each request's first / decoding time; e2e: all tokens / send -> last "
+          "chunk; CPU: user+system time of the side's server processes per completion token)")
+    for batch in batches:
+        by = r["sides"]["testnet"][f"batch{batch}"]["cpu_ms_per_token_by_process"]
+        print(f"   testnet CPU ms/token at batch {batch}: " + ", ".join(f"{n} {v:.1f}" for n, v in sorted(by.items())))
     print("\n   testnet / single process (aggregate decode tok/s):")
     for batch in batches:
         parts = []

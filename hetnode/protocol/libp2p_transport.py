@@ -18,6 +18,7 @@ for a serving network, and this module works around each one (the tests in tests
   blocks when the socket is full. If both peers' readers block like that while app tasks on both sides
   fill the sockets, the connection deadlocks: 100 concurrent echo streams on a fresh connection did, about
   one run in five. `_Yamux` queues the reader's frames for a writer task, so the reader never stops reading.
+  (py-libp2p ignores the class given in `muxer_opt` for yamux; `_MuxerMultistream` makes it use ours.)
 - A reset from the remote often reads as a clean end of stream (yamux drops the stream's record on RST and
   the next read reports EOF), and a local `reset()` does not wake a task blocked in `read()`.
   `receive_some` checks the muxed stream's flags to tell the two apart and `reset()` wakes the reader.
@@ -191,10 +192,10 @@ class _Yamux(Yamux):
     _control: trio.MemorySendChannel[bytes] | None = None
 
     async def handle_incoming(self) -> None:
-        send, receive = trio.open_memory_channel[bytes](_MAX_QUEUED_CONTROL_FRAMES)
         if self._nursery is None:  # start() sets it before running us; without it, keep the old behaviour
             await super().handle_incoming()
             return
+        send, receive = trio.open_memory_channel[bytes](_MAX_QUEUED_CONTROL_FRAMES)
         self._control = send
         self._reader = trio.lowlevel.current_task()
         self._nursery.start_soon(self._send_control_frames, receive)
@@ -418,9 +419,17 @@ class Libp2pTransport:
         return self._host
 
     def listen_addrs(self) -> list[str]:
-        # The bound addresses, real port included. A wildcard (0.0.0.0) comes back as is: it is not
-        # dialable from elsewhere, so a daemon listening on one must announce a concrete address itself.
-        return [f"{a}/p2p/{self._peer_id}" for a in self._host.get_transport_addrs()]
+        # The bound addresses, real port included. A wildcard (0.0.0.0) is not dialable from elsewhere:
+        # it is announced as each of this host's IPv4 addresses instead.
+        out: list[str] = []
+        for a in self._host.get_transport_addrs():
+            text = str(a)
+            if text.startswith("/ip4/0.0.0.0/"):
+                rest = text.removeprefix("/ip4/0.0.0.0")
+                out += [f"/ip4/{ip}{rest}/p2p/{self._peer_id}" for ip in _local_ipv4()]
+            else:
+                out.append(f"{text}/p2p/{self._peer_id}")
+        return out
 
     def set_handler(self, protocol_id: ProtocolId, handler: Handler) -> None:
         async def serve(net_stream: INetStream) -> None:
@@ -550,7 +559,7 @@ def _new_host(key_pair: KeyPair) -> IHost:
         connection_config=ConnectionConfig(min_connections=0, low_watermark=0),
     )
     swarm = cast(Swarm, host.get_network())
-    pass  # swarm.upgrader.muxer_multistream = _MuxerMultistream(MUXERS, swarm.upgrader.muxer_multistream.negotiate_timeout)
+    swarm.upgrader.muxer_multistream = _MuxerMultistream(MUXERS, swarm.upgrader.muxer_multistream.negotiate_timeout)
     # Dial retries belong to the caller (a node retries its bootstrap with its own back-off); inside the
     # transport they only delay PeerUnreachable by 0.7 s.
     swarm.retry_config = RetryConfig(max_retries=0)
@@ -592,3 +601,11 @@ async def open_libp2p_transport(key_pair: KeyPair, listen_addrs: list[str]) -> A
 
 
 __all__ = ["Libp2pStream", "Libp2pTransport", "open_libp2p_transport", "parse_multiaddr"]
+
+
+def _local_ipv4() -> list[str]:
+    """This host's IPv4 addresses, loopback last (peers on other hosts should try a routable one first)."""
+    import psutil
+
+    ips = [a.address for addrs in psutil.net_if_addrs().values() for a in addrs if a.family == socket.AF_INET]
+    return sorted(set(ips), key=lambda ip: (ip.startswith("127."), ip)) or ["127.0.0.1"]

@@ -82,6 +82,7 @@ class MemoryStream:
         self._protocol_id = protocol_id
         self._in = inbound
         self._out = outbound
+        self._owner: MemoryTransport | None = None
 
     @property
     def remote_peer(self) -> NodeId:
@@ -105,6 +106,8 @@ class MemoryStream:
     async def reset(self) -> None:
         self._in.abort()
         self._out.abort()
+        if self._owner is not None:
+            self._owner.streams.discard(self)
         await trio.lowlevel.checkpoint()
 
     def touches(self, a: NodeId, b: NodeId) -> bool:
@@ -179,12 +182,15 @@ class MemoryTransport:
         theirs = MemoryStream(peer, self._peer, protocol_id, a_to_b, b_to_a)
         self.streams.add(mine)
         remote.streams.add(theirs)
+        mine._owner, theirs._owner = self, remote
         remote._nursery.start_soon(remote._serve, handler, theirs)
         return mine
 
     async def _serve(self, handler: Handler, stream: MemoryStream) -> None:
         try:
             await run_guarded(handler, stream)
+            # A handler that returns is done writing, as on libp2p: the remote reads the end of the stream.
+            await stream.close()
         finally:
             self.streams.discard(stream)
 
