@@ -307,17 +307,43 @@ def format_table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+async def testnet_startup(nodes: int, model: str) -> float:
+    """Seconds from `hetnode testnet up --nodes N` to every process ready (nodes admitted), then stopped."""
+    import tempfile
+
+    from hetnode.testnet import launcher
+
+    with tempfile.TemporaryDirectory(prefix="hetnode-bench-") as tmp:
+        args = argparse.Namespace(cluster=None, nodes=nodes, model=model, detach=False, state_dir=Path(tmp),
+                                  api="127.0.0.1:0", api_key=None, token=None, heartbeat_deadline=5.0,
+                                  ready_timeout=300.0, log_level="warning")
+        t0 = trio.current_time()
+        running = await launcher.start(args)
+        elapsed = trio.current_time() - t0
+        await launcher.stop(running)
+    return elapsed
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--quick", action="store_true", help="small sizes, for a smoke test")
     parser.add_argument("--json", type=Path, metavar="FILE", help="also write the numbers as JSON")
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # the subprocess side
+    parser.add_argument("--no-testnet", action="store_true", help="skip the testnet start-up timing")
     args = parser.parse_args()
     if args.serve:
         trio.run(serve)
         return 0
     result = run_transport_bench(BenchParams.quick() if args.quick else BenchParams())
     print(format_table(result))
+    if not args.no_testnet:
+        # Ready means every process serves: the coordinator's API is up and every node is admitted (the
+        # control plane; with a model, nodes then load their layers in the background).
+        startup = {n: trio.run(testnet_startup, n, "none") for n in ((2,) if args.quick else (4, 8))}
+        result["testnet_up_s"] = startup
+        print("\ntestnet up (coordinator + N node processes, to all ready), 2 cores:")
+        for n, secs in startup.items():
+            print(f"  N = {n}: {secs:.1f} s")
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
     return 0
