@@ -22,6 +22,7 @@ from hetnode.coordinator.sessions import PipelineGenerator
 from hetnode.errors import ProtocolError, StreamClosed
 from hetnode.ids import NodeId
 from hetnode.models.config import ModelConfig
+from hetnode.protocol.discover import serve_discover
 from hetnode.protocol.framing import FramedStream
 from hetnode.protocol.messages import (
     CTL_PROTOCOL,
@@ -30,7 +31,6 @@ from hetnode.protocol.messages import (
     Assignment,
     AssignmentStatus,
     DiscoverReply,
-    DiscoverRequest,
     ErrorReply,
     Heartbeat,
     Join,
@@ -41,7 +41,6 @@ from hetnode.protocol.messages import (
     Refuse,
     Welcome,
     ctl_decoder,
-    discover_decoder,
 )
 from hetnode.protocol.probe import ProbeSettings, serve_probe
 from hetnode.protocol.transport import Stream, Transport
@@ -142,18 +141,8 @@ class Coordinator:
     # -- handlers ----------------------------------------------------------------------------------------
 
     async def _handle_discover(self, stream: Stream) -> None:
-        framed = FramedStream(stream)
-        try:
-            msg = await framed.expect_msg(discover_decoder)
-        except ProtocolError as exc:
-            await framed.reject("bad_message", str(exc))
-            return
-        if not isinstance(msg, DiscoverRequest):
-            await framed.reject("bad_message", f"unexpected {type(msg).__name__}")
-            return
-        await framed.send_msg(DiscoverReply(coordinator=self.transport.peer_id,
-                                            addrs=self.transport.listen_addrs()))
-        await framed.aclose()
+        await serve_discover(stream, lambda: DiscoverReply(coordinator=self.transport.peer_id,
+                                                           addrs=self.transport.listen_addrs()))
 
     async def _handle_probe(self, stream: Stream) -> None:
         await serve_probe(stream, self.registry.is_member)

@@ -25,6 +25,7 @@ from hetnode.errors import (
 )
 from hetnode.ids import NodeId
 from hetnode.node.stage import StageServer
+from hetnode.protocol.discover import serve_discover
 from hetnode.protocol.framing import FramedStream
 from hetnode.protocol.messages import (
     CTL_PROTOCOL,
@@ -102,20 +103,8 @@ class NodeDaemon:
         await serve_probe(stream, self.is_member)
 
     async def _handle_discover(self, stream: Stream) -> None:
-        framed = FramedStream(stream)
-        try:
-            msg = await framed.expect_msg(discover_decoder)
-        except ProtocolError as exc:
-            await framed.reject("bad_message", str(exc))
-            return
-        if not isinstance(msg, DiscoverRequest):
-            await framed.reject("bad_message", f"unexpected {type(msg).__name__}")
-            return
-        if self.coordinator is None:
-            await framed.reject("unknown", "this node has not found the coordinator yet")
-            return
-        await framed.send_msg(DiscoverReply(coordinator=self.coordinator, addrs=self.coordinator_addrs))
-        await framed.aclose()
+        await serve_discover(stream, lambda: None if self.coordinator is None else DiscoverReply(
+            coordinator=self.coordinator, addrs=self.coordinator_addrs))
 
     # -- main loop ---------------------------------------------------------------------------------------
 
