@@ -35,7 +35,8 @@ BULK_CHUNK = 256 << 10
 
 @dataclass(frozen=True)
 class ProbeSettings:
-    pings: int = 7
+    # The minimum of this many round trips: enough that one lands in a quiet moment on a busy host.
+    pings: int = 15
     # A transfer shorter than this is dominated by timer and scheduling noise.
     min_transfer_s: float = 0.15
     first_bytes: int = 256 << 10

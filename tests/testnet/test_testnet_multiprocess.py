@@ -31,7 +31,7 @@ def run(*args: str, timeout: float = 120, **kw: object) -> subprocess.CompletedP
 def testnet(tmp_path: Path) -> Iterator[dict[str, object]]:
     state_dir = tmp_path / "tn"
     r = run("testnet", "up", "--nodes", "3", "--detach", "--state-dir", str(state_dir),
-            "--api-key", API_KEY, "--heartbeat-deadline", "3")
+            "--api-key", API_KEY, "--heartbeat-deadline", "3", "--model", "none")
     assert r.returncode == 0, r.stdout + r.stderr
     state = json.loads((state_dir / "state.json").read_text())
     state["dir"] = state_dir
