@@ -134,3 +134,38 @@ def test_emulated_links_measure_as_configured(tmp_path: Path) -> None:
             assert abs(link["rtt_ms"] / (2 * want.latency_ms) - 1) <= 0.15, (link, want)
     finally:
         assert run("testnet", "down", "--state-dir", str(state_dir)).returncode == 0
+
+
+async def test_plaintext_only_peer_cannot_reach_the_coordinator(testnet: dict[str, object]) -> None:
+    """A py-libp2p host that offers only plaintext security dials the running coordinator process: refused."""
+    import multiaddr
+    import trio
+    from libp2p import new_host
+    from libp2p.crypto.ed25519 import create_new_key_pair
+    from libp2p.custom_types import TProtocol
+    from libp2p.network.config import RetryConfig
+    from libp2p.network.exceptions import SwarmException
+    from libp2p.network.swarm import Swarm
+    from libp2p.peer.id import ID
+    from libp2p.security.insecure.transport import PLAINTEXT_PROTOCOL_ID, InsecureTransport
+    from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
+    from libp2p.stream_muxer.yamux.yamux import Yamux
+    from libp2p.transport.tcp.tcp import TCP
+
+    kp = create_new_key_pair()
+    host = new_host(key_pair=kp, sec_opt={TProtocol(PLAINTEXT_PROTOCOL_ID): InsecureTransport(kp)},
+                    muxer_opt={TProtocol(YAMUX_PROTOCOL_ID): Yamux}, transports=[TCP()])
+    swarm = host.get_network()
+    assert isinstance(swarm, Swarm)
+    swarm.retry_config = RetryConfig(max_retries=0)
+    full = multiaddr.Multiaddr(str(testnet["bootstrap"]))
+    peer = ID.from_base58(full.value_for_protocol("p2p"))
+    addr = full.decapsulate(multiaddr.Multiaddr(f"/p2p/{peer.to_base58()}"))
+    with trio.fail_after(30):
+        async with host.run(listen_addrs=[multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")]):
+            with pytest.raises(SwarmException):
+                await swarm.dial_addr(addr, peer)
+            assert swarm.get_connections(peer) == []
+            await host.close()
+    # The coordinator is unharmed and still serving.
+    assert cluster(testnet, min_up=2, timeout=5)["satisfied"]
