@@ -31,6 +31,8 @@ DEFAULT_MAX_FRAME = 1 << 20
 # Activation and KV frames: a 4096-token prefill of a 8192-wide model in fp16 is 64 MiB.
 DEFAULT_MAX_TENSOR_FRAME = 256 << 20
 _RECV_CHUNK = 1 << 16
+# Frames up to this size go out in one write together with their length prefix.
+_COALESCE_BYTES = 64 << 10
 # How much a rejected peer may still send while we wait for it to read our error reply.
 _LINGER_DRAIN_BYTES = 1 << 20
 
@@ -62,8 +64,8 @@ class FramedStream:
         n = len(payload) if not isinstance(payload, memoryview) else payload.nbytes
         if n > 0xFFFFFFFF:
             raise FrameTooLarge(f"frame of {n} bytes cannot be length-prefixed")
-        if n <= 4096:
-            # One write for small frames: a separate 4-byte write costs a whole yamux frame.
+        if n <= _COALESCE_BYTES:
+            # One write for small frames: a separate 4-byte write costs a whole yamux frame and a syscall.
             await self.stream.send_all(_LEN.pack(n) + bytes(payload))
         else:
             await self.stream.send_all(_LEN.pack(n))
@@ -121,9 +123,15 @@ class FramedStream:
 
     async def send_with_payload(self, msg: msgspec.Struct, payload: bytes | bytearray | memoryview) -> None:
         """A message and the raw frame that follows it, atomically with respect to other writers."""
+        header = encode(msg)
+        size = payload.nbytes if isinstance(payload, memoryview) else len(payload)
         async with self._send_lock:
-            await self._send_frame_locked(encode(msg))
-            await self._send_frame_locked(payload)
+            if size <= _COALESCE_BYTES:
+                # A decode step's activations are a few KiB: copying them is cheaper than two more writes.
+                await self.stream.send_all(b"".join((_LEN.pack(len(header)), header, _LEN.pack(size), payload)))
+            else:
+                await self._send_frame_locked(header)
+                await self._send_frame_locked(payload)
 
     async def receive_payload(self, meta: TensorMeta) -> bytes:
         """The raw frame that follows a message carrying `meta`; its length must match the meta exactly."""
