@@ -68,13 +68,31 @@ MAX_QUEUE = 512
 # go first, as they would on the wire.
 STUCK_GRACE_S = 0.05
 # CPython rounds epoll timeouts up to whole milliseconds, so a trio sleep on the real clock wakes about 1 ms
-# late (measured here: median 1.0 ms). Each shaped direction would add that to its latency; deliveries wake
-# this much early instead. MockClock has exact time and gets none.
+# late (measured here: median 1.0 ms), and later still when the process waits for a busy core. Each shaped
+# direction would add that to its latency, so deliveries wake early by the lateness observed so far (a moving
+# average, bounded). MockClock has exact time: nothing to compensate there.
 REAL_CLOCK_LATENESS_S = 0.001
+MAX_LATENESS_S = 0.005
 
 
-def _timer_lateness() -> float:
-    return 0.0 if isinstance(trio.lowlevel.current_clock(), trio.testing.MockClock) else REAL_CLOCK_LATENESS_S
+class _Lateness:
+    """How late sleep_until wakes on this process's clock, learned from the wake-ups themselves."""
+
+    def __init__(self) -> None:
+        self.estimate = REAL_CLOCK_LATENESS_S
+
+    def current(self) -> float:
+        if isinstance(trio.lowlevel.current_clock(), trio.testing.MockClock):
+            return 0.0
+        return self.estimate
+
+    def observe(self, asked: float, woke: float) -> None:
+        if not isinstance(trio.lowlevel.current_clock(), trio.testing.MockClock):
+            late = min(max(woke - asked, 0.0), MAX_LATENESS_S)
+            self.estimate = 0.8 * self.estimate + 0.2 * late
+
+
+_lateness = _Lateness()
 
 LinkFor = Callable[[NodeId, NodeId], LinkSpec | None]
 
@@ -254,7 +272,10 @@ class ShapedStream:
             with self._delivery_scope:
                 stuck = False
                 async for arrive, chunk in self._queued:
-                    await trio.sleep_until(arrive - _timer_lateness())
+                    asked = arrive - _lateness.current()
+                    if asked > trio.current_time():
+                        await trio.sleep_until(asked)
+                        _lateness.observe(asked, trio.current_time())
                     with trio.CancelScope(deadline=self._reset_at + STUCK_GRACE_S) as scope:
                         self._send_scope = scope
                         await self._inner.send_all(chunk)
