@@ -72,11 +72,11 @@ def test_demo_cluster_is_what_its_description_says() -> None:
     assert {(n.name, n.device, n.region) for n in spec.nodes} == {
         ("a100-0", "a100", "us"), ("l4-0", "l4", "us"), ("l4-1", "l4", "eu"), ("t4-0", "t4", "eu")}
     assert spec.coordinator_region == "us"
-    assert spec.link("a100-0", "l4-0") == LinkSpec(200, 5)
-    assert spec.link("l4-1", "t4-0") == LinkSpec(200, 5)
+    assert spec.link("a100-0", "l4-0") == LinkSpec(200, 10)
+    assert spec.link("l4-1", "t4-0") == LinkSpec(200, 10)
     assert spec.link("a100-0", "t4-0") == LinkSpec(50, 25)
     assert spec.link("coordinator", "l4-1") == LinkSpec(50, 25)
-    assert spec.link("coordinator", "a100-0") == LinkSpec(200, 5)
+    assert spec.link("coordinator", "a100-0") == LinkSpec(200, 10)
     # Loopback py-libp2p manages about 1.6 Gbit/s; emulation can only slow a link down.
     names = [n.name for n in spec.nodes] + ["coordinator"]
     assert max(spec.link(a, b).bandwidth_mbps for a in names for b in names if a != b) <= 200
