@@ -76,7 +76,6 @@ class _Session:
     def __init__(self, peer: NodeId, framed: FramedStream) -> None:
         self.peer = peer
         self.framed = framed
-        self.closed = trio.Event()
 
 
 class Coordinator:
@@ -196,7 +195,6 @@ class Coordinator:
                     self._poke()
                     with trio.CancelScope(shield=True), trio.move_on_after(2):
                         await self._push_members()
-            session.closed.set()
 
     async def _serve_session(self, session: _Session) -> None:
         peer, framed = session.peer, session.framed
@@ -289,6 +287,6 @@ class Coordinator:
         return predicate()
 
     def cluster_view(self) -> dict[str, object]:
-        view = self.registry.snapshot(now=trio.current_time())
+        view = self.registry.snapshot()
         view["coordinator"] = {"peer_id": self.transport.peer_id, "addrs": self.transport.listen_addrs()}
         return view

@@ -143,7 +143,7 @@ class Registry:
 
     # -- views -------------------------------------------------------------------------------------------
 
-    def snapshot(self, *, now: float) -> dict[str, object]:
+    def snapshot(self) -> dict[str, object]:
         """The JSON view behind GET /v1/cluster."""
         names = {r.peer_id: r.name for r in self.nodes.values()}
         nodes = []
