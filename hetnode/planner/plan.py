@@ -1,0 +1,86 @@
+"""A placement plan: which layers each node holds, the flow on every edge, and how the solver got there.
+
+Edges use node names, with SOURCE and SINK for the coordinator's two sides (Helix §4.3): (SOURCE, n) carries
+token ids to a node holding layer 0, (n, SINK) carries tokens back from a node holding the last layer, and
+(a, b) carries activations from a to b. Flows are tokens per second. Layer ranges are half-open
+[first_layer, last_layer); a node that holds nothing is not in `placements`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+SOURCE = "source"
+SINK = "sink"
+
+
+@dataclass(frozen=True)
+class NodePlacement:
+    node: str
+    first_layer: int
+    last_layer: int  # exclusive
+
+    @property
+    def layers(self) -> int:
+        return self.last_layer - self.first_layer
+
+
+@dataclass(frozen=True)
+class PlacementPlan:
+    cluster: str
+    model: str
+    num_layers: int
+    method: str  # "helix", "petals", "swarm", "sp", "given"
+    placements: tuple[NodePlacement, ...]
+    flows: Mapping[tuple[str, str], float] = field(default_factory=dict, hash=False)
+    max_flow: float = 0.0  # tokens/s, from the max-flow of the placement's graph
+    upper_bound: float = math.inf  # the best bound known (the MILP's, or sum of compute / layers)
+    status: str = ""  # "optimal", "time_limit", "heuristic", ...
+    solve_time_s: float = 0.0
+    partial_inference: bool = True
+    notes: tuple[str, ...] = ()
+
+    @property
+    def gap(self) -> float:
+        """Relative distance from the upper bound: 0 is proven optimal."""
+        if not math.isfinite(self.upper_bound) or self.upper_bound <= 0:
+            return math.inf if self.max_flow <= 0 else 0.0
+        return max(0.0, (self.upper_bound - self.max_flow) / self.upper_bound)
+
+    def placement_of(self, node: str) -> NodePlacement | None:
+        for p in self.placements:
+            if p.node == node:
+                return p
+        return None
+
+    def ranges(self) -> dict[str, tuple[int, int]]:
+        return {p.node: (p.first_layer, p.last_layer) for p in self.placements}
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "cluster": self.cluster, "model": self.model, "num_layers": self.num_layers, "method": self.method,
+            "max_flow": self.max_flow, "upper_bound": self.upper_bound if math.isfinite(self.upper_bound) else None,
+            "gap": self.gap if math.isfinite(self.gap) else None, "status": self.status,
+            "solve_time_s": self.solve_time_s, "partial_inference": self.partial_inference,
+            "placements": [{"node": p.node, "first_layer": p.first_layer, "last_layer": p.last_layer}
+                           for p in self.placements],
+            "flows": [{"from": a, "to": b, "flow": f} for (a, b), f in sorted(self.flows.items()) if f > 0],
+            "notes": list(self.notes),
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> PlacementPlan:
+        bound = data.get("upper_bound")
+        return cls(
+            cluster=data["cluster"], model=data["model"], num_layers=int(data["num_layers"]),
+            method=data["method"],
+            placements=tuple(NodePlacement(p["node"], int(p["first_layer"]), int(p["last_layer"]))
+                             for p in data["placements"]),
+            flows={(f["from"], f["to"]): float(f["flow"]) for f in data.get("flows", [])},
+            max_flow=float(data.get("max_flow", 0.0)), upper_bound=math.inf if bound is None else float(bound),
+            status=data.get("status", ""), solve_time_s=float(data.get("solve_time_s", 0.0)),
+            partial_inference=bool(data.get("partial_inference", True)), notes=tuple(data.get("notes", ())),
+        )

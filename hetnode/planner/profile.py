@@ -1,0 +1,146 @@
+"""Profile tables: how fast a device runs a model's layers, and how many it can hold.
+
+A `DeviceProfile` keeps per-layer step times, the way Helix's artifact measured them with vLLM: the time for
+ONE layer to run a prompt batch of n tokens, and one decode step of a batch of b sequences (plus, where the
+source knows it, a cost per token of context). The planner reads from it T_j, the tokens per second a node
+holding j layers sustains (Helix §4.4, constraint 3); the simulator reads the step times.
+
+T_j follows Helix's artifact: tokens are prompt and decode tokens alike (each crosses a node once, which is
+what one unit of flow is), measured on a typical request of `input_len` prompt tokens and `output_len`
+generated tokens. Per request a node spends j x (prefill of input_len tokens + output_len decode steps, each
+shared with the batch), and the decode batch is as large as the KV memory left after j layers' weights
+allows, up to `max_batch`:
+
+    B_j = min(max_batch, kv_tokens(j) / (input_len + output_len / 2))
+    T_j = (input_len + output_len) / (j x (prefill(input_len) + output_len x decode(B_j) / B_j))
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from hetnode.errors import ConfigError
+from hetnode.planner.costmodel import step_time
+from hetnode.planner.devices import DeviceSpec
+from hetnode.planner.model import ModelSpec
+
+Curve = tuple[tuple[float, float], ...]  # sorted (x, seconds per layer) points; linear between them
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The typical request T_j is measured on (Helix's simulator: 750 in, 240 out)."""
+
+    input_len: int = 750
+    output_len: int = 240
+    max_batch: int = 256  # the most sequences one decode step batches
+
+
+def interpolate(curve: Curve, x: float) -> float:
+    """Linear between points, linear through the origin below the first, and extrapolated past the last."""
+    xs = [p[0] for p in curve]
+    i = bisect.bisect_left(xs, x)
+    if i < len(curve) and curve[i][0] == x:
+        return curve[i][1]
+    if i == 0:
+        x1, y1 = curve[0]
+        return y1 * x / x1 if x1 > 0 else y1
+    if i == len(curve):
+        (x0, y0), (x1, y1) = curve[-2] if len(curve) > 1 else (0.0, 0.0), curve[-1]
+        slope = (y1 - y0) / (x1 - x0) if x1 > x0 else 0.0
+        return y1 + slope * (x - x1)
+    (x0, y0), (x1, y1) = curve[i - 1], curve[i]
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    name: str  # the device type ("a100", "2xl4") or node name the profile is for
+    memory_bytes: int
+    max_layers: int  # k: the most layers it holds with the configured share of memory kept for KV
+    prompt_curve: Curve  # (prompt tokens in the batch, seconds per layer)
+    decode_curve: Curve  # (sequences in the decode batch, seconds per layer)
+    decode_context_s: float = 0.0  # extra seconds per layer per token of context in a decode batch
+    throughput: tuple[float, ...] = ()  # T_1..T_k in tokens/s
+    source: str = ""
+
+    def prefill_time(self, tokens: int, layers: int) -> float:
+        return layers * interpolate(self.prompt_curve, tokens) if tokens > 0 else 0.0
+
+    def decode_time(self, batch: int, layers: int, context_tokens: int = 0) -> float:
+        if batch <= 0:
+            return 0.0
+        return layers * (interpolate(self.decode_curve, batch) + self.decode_context_s * context_tokens)
+
+    def tokens_per_s(self, layers: int) -> float:
+        """T_j; 0 for a layer count it cannot hold."""
+        return self.throughput[layers - 1] if 1 <= layers <= len(self.throughput) else 0.0
+
+
+def kv_tokens(memory_bytes: int, model: ModelSpec, layers: int) -> int:
+    """Tokens of KV that fit beside `layers` layers of weights."""
+    free = memory_bytes - layers * model.layer_bytes
+    return max(0, int(free // (model.kv_bytes_per_token_layer * layers)))
+
+
+def max_layers_for(memory_bytes: int, model: ModelSpec, kv_share: float) -> int:
+    return min(model.num_layers, int(memory_bytes * (1 - kv_share) // model.layer_bytes))
+
+
+def throughputs(profile: DeviceProfile, model: ModelSpec, workload: Workload) -> tuple[float, ...]:
+    out = []
+    per_request = workload.input_len + workload.output_len / 2
+    for j in range(1, profile.max_layers + 1):
+        batch = max(1, min(workload.max_batch, int(kv_tokens(profile.memory_bytes, model, j) / per_request)))
+        context = workload.input_len + workload.output_len // 2
+        per_layer = (interpolate(profile.prompt_curve, workload.input_len)
+                     + workload.output_len * (interpolate(profile.decode_curve, batch)
+                                              + profile.decode_context_s * context * batch) / batch)
+        out.append((workload.input_len + workload.output_len) / (j * per_layer))
+    return tuple(out)
+
+
+def with_throughput(profile: DeviceProfile, model: ModelSpec, workload: Workload) -> DeviceProfile:
+    return DeviceProfile(name=profile.name, memory_bytes=profile.memory_bytes, max_layers=profile.max_layers,
+                         prompt_curve=profile.prompt_curve, decode_curve=profile.decode_curve,
+                         decode_context_s=profile.decode_context_s,
+                         throughput=throughputs(profile, model, workload), source=profile.source)
+
+
+_PROMPT_POINTS = (1, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+_DECODE_POINTS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
+def roofline_profile(device: DeviceSpec, model: ModelSpec, *, kv_share: float = 0.5,
+                     workload: Workload | None = None, memory_bytes: int | None = None) -> DeviceProfile:
+    """A profile from the roofline cost model of the device's table numbers."""
+    shape = model.shape
+    memory = device.memory_bytes if memory_bytes is None else memory_bytes
+    bpe = round(model.bytes_per_param)
+    prompt = tuple((float(n), step_time(device, shape, 1, n, n, attended_pairs=n * (n + 1) // 2,
+                                        bytes_per_elem=bpe)) for n in _PROMPT_POINTS)
+    decode = tuple((float(b), step_time(device, shape, 1, b, 0, bytes_per_elem=bpe)) for b in _DECODE_POINTS)
+    # Decode reads each context token's KV once per step: the memory-bound cost of context.
+    context_s = model.kv_bytes_per_token_layer / (device.mem_bandwidth_gbps * 1e9 * 0.7)
+    base = DeviceProfile(name=device.name, memory_bytes=memory, max_layers=max_layers_for(memory, model, kv_share),
+                         prompt_curve=prompt, decode_curve=decode, decode_context_s=context_s,
+                         source=f"roofline of {device.name} ({device.source})")
+    return with_throughput(base, model, workload or Workload())
+
+
+@dataclass(frozen=True)
+class ProfileTable:
+    """Profiles by node name or by device type; a node's own entry wins over its type's."""
+
+    model: str
+    profiles: Mapping[str, DeviceProfile] = field(default_factory=dict, hash=False)
+    source: str = ""
+
+    def for_node(self, node: str, device: str) -> DeviceProfile:
+        found = self.profiles.get(node) or self.profiles.get(device)
+        if found is None:
+            raise ConfigError(f"the profile table ({self.source or 'given'}) has no entry for node {node!r} "
+                              f"or its device type {device!r}; it has: {', '.join(sorted(self.profiles))}")
+        return found
