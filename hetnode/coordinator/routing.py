@@ -1,0 +1,114 @@
+"""The baseline routing policies of Helix §6.7, beside Helix's own IWRR (`scheduler.py`), and a factory.
+
+All of them build per-request pipelines with the same machinery (`PipelineScheduler`: the topology walk
+that backtracks out of dead ends, the KV estimate and its high-water mask, the FIFO queue); they differ only
+in which unmasked candidate a vertex takes:
+
+- random: uniformly at random.
+- shortest-queue: the candidate with the shortest queue (Helix's "SQ"), from an injected `queue_len(node)`.
+- swarm: SWARM parallelism's stochastic wiring: at random, with probability proportional to the candidate's
+  recently measured throughput, from an injected `throughput(node)`.
+
+By default the baselines walk every valid connection of the placement (`edges="topology"`), as they would
+when run on Helix's placement without its flows (§6.7: "all methods use the model placement found by
+Helix"); `edges="flows"` restricts them to the edges that carry flow.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any, Unpack
+
+from hetnode.coordinator.scheduler import EdgeSet, IwrrScheduler, PipelineScheduler, SchedulerOptions
+from hetnode.errors import ConfigError
+from hetnode.planner.plan import PlacementPlan
+
+
+class RandomScheduler(PipelineScheduler):
+    """Uniformly random among the unmasked candidates of every vertex."""
+
+    name = "random"
+
+    def __init__(self, plan: PlacementPlan, *, edges: EdgeSet = "topology",
+                 **options: Unpack[SchedulerOptions]) -> None:
+        super().__init__(plan, edges=edges, **options)
+
+    def _pick(self, vertex: int, eligible: list[int], work: float) -> int:
+        return self._rng.choice(eligible)
+
+
+class ShortestQueueScheduler(PipelineScheduler):
+    """At every vertex, the candidate whose queue is shortest; ties broken at random (seeded).
+
+    `queue_len(node)` should count what is already routed to the node and not yet done (the simulator's or
+    the heartbeats' queued tokens or requests). Without it, the scheduler's own count of running requests
+    through each node stands in.
+    """
+
+    name = "shortest-queue"
+
+    def __init__(self, plan: PlacementPlan, *, queue_len: Callable[[str], float] | None = None,
+                 edges: EdgeSet = "topology", **options: Unpack[SchedulerOptions]) -> None:
+        super().__init__(plan, edges=edges, **options)
+        self._queue_len_of = queue_len
+
+    def _pick(self, vertex: int, eligible: list[int], work: float) -> int:
+        cands = self._cands[vertex]
+        if self._queue_len_of is None:
+            lengths: list[float] = [self._kv_requests[cands[p]] for p in eligible]
+        else:
+            lengths = [self._queue_len_of(self._node_name(cands[p])) for p in eligible]
+        shortest = min(lengths)
+        ties = [p for p, length in zip(eligible, lengths, strict=True) if length == shortest]
+        return ties[0] if len(ties) == 1 else self._rng.choice(ties)
+
+
+class SwarmScheduler(PipelineScheduler):
+    """SWARM's stochastic wiring: a candidate drawn with probability proportional to its measured throughput.
+
+    `throughput(node)` is the recent measured rate (any unit, e.g. tokens/s, as SWARM's moving average of
+    the time each request took). A candidate with nothing measured yet (<= 0 or not finite) counts as the
+    mean of its measured siblings, so that new nodes get tried; with nothing measured at all the draw is
+    uniform. Without `throughput` it is always uniform.
+    """
+
+    name = "swarm"
+
+    def __init__(self, plan: PlacementPlan, *, throughput: Callable[[str], float] | None = None,
+                 edges: EdgeSet = "topology", **options: Unpack[SchedulerOptions]) -> None:
+        super().__init__(plan, edges=edges, **options)
+        self._throughput_of = throughput
+
+    def _pick(self, vertex: int, eligible: list[int], work: float) -> int:
+        if self._throughput_of is None:
+            return self._rng.choice(eligible)
+        cands = self._cands[vertex]
+        rates = [self._throughput_of(self._node_name(cands[p])) for p in eligible]
+        measured = [r for r in rates if 0 < r < math.inf]
+        if not measured:
+            return self._rng.choice(eligible)
+        fill = sum(measured) / len(measured)
+        weights = [r if 0 < r < math.inf else fill for r in rates]
+        return self._rng.choices(eligible, weights)[0]
+
+
+SCHEDULERS: dict[str, type[PipelineScheduler]] = {
+    cls.name: cls for cls in (IwrrScheduler, RandomScheduler, ShortestQueueScheduler, SwarmScheduler)
+}
+
+
+def scheduler_names() -> list[str]:
+    return list(SCHEDULERS)
+
+
+def make_scheduler(name: str, plan: PlacementPlan, **kwargs: Any) -> PipelineScheduler:
+    """A policy by name ("iwrr", "random", "shortest-queue", "swarm") with its keyword options.
+
+    Common options: kv_capacity, high_water, avg_output_len, queue_limit, seed; the baselines also take
+    edges, shortest-queue queue_len, swarm throughput. Raises ConfigError for an unknown name.
+    """
+    cls = SCHEDULERS.get(name.strip().lower())
+    if cls is None:
+        raise ConfigError(f"unknown scheduler {name!r}; choose one of: {', '.join(SCHEDULERS)}")
+    return cls(plan, **kwargs)
