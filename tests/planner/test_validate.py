@@ -6,6 +6,7 @@ from dataclasses import replace
 import pytest
 
 from hetnode.planner.cluster import ClusterSpec, LinkSpec, NodeSpec
+from hetnode.planner.devices import parse_device
 from hetnode.planner.flowgraph import evaluate, link_capacity, valid_edges
 from hetnode.planner.model import model_spec
 from hetnode.planner.plan import SINK, SOURCE, NodePlacement, PlacementPlan
@@ -149,20 +150,26 @@ def test_independent_max_flow_agrees_with_preflow_push(seed: int) -> None:
     rng = random.Random(seed)
     devices = ["a100", "l4", "t4", "v100", "2xl4", "2xt4", "4xt4"]
     regions = ["r1", "r2", "r3"][: rng.randint(1, 3)]
-    nodes = tuple(NodeSpec(f"n{i}", d, rng.choice(regions), 16) for i, d in
-                  enumerate(rng.choice(devices) for _ in range(rng.randint(2, 14))))
+    nodes = tuple(NodeSpec(f"n{i}", d, rng.choice(regions), parse_device(d).memory_gb) for i, d in
+                  enumerate(rng.choice(devices) for _ in range(rng.randint(8, 20))))
     links = {frozenset((a, b)): LinkSpec(rng.choice([50, 100, 1000, 10_000]), 10) for a in regions for b in regions
              if a < b}
     cl = ClusterSpec(name="r", nodes=nodes, coordinator_region=regions[0], region_links=links,
                      intra_region_link=rng.choice([None, LinkSpec(10_000, 1)]))
     profiles = rng.choice([PROFILES, roofline_profile_table(cl, MODEL)])
+    partial = rng.random() < 0.7
+    # Chains of nodes through the model, overlapping when partial, with a few stray ranges.
     ranges = {}
+    end = 0
     for n in nodes:
         k = profiles.for_node(n.name, n.device).max_layers
-        j = rng.randint(1, k)
-        first = rng.choice([0, 60 - j, rng.randint(0, 60 - j)])
+        j = rng.randint(k // 2 + 1, k)
+        if rng.random() < 0.1:
+            first = rng.randint(0, 60 - j)
+        else:
+            first = min(max(0, end - (rng.randint(0, j - 1) if partial else 0)), 60 - j)
         ranges[n.name] = (first, first + j)
-    partial = rng.random() < 0.7
+        end = 0 if first + j == 60 else first + j
     expected = evaluate(cl, MODEL, profiles, ranges, partial=partial).value
     got = independent_max_flow(cl, MODEL, profiles, ranges, partial=partial)
     assert got == pytest.approx(expected, rel=1e-5, abs=1e-3)
