@@ -392,26 +392,32 @@ class PipelineScheduler(ABC):
         steps: list[Step] = []
         dead: set[int] | None = None
         v = self._source
-        while v != sink:
-            cs = cands[v]
-            if dead is None:
-                eligible = [p for p, c in enumerate(cs) if kvp[c] + kvn[c] * avg + need <= limit[c]]
-            else:
-                eligible = [p for p, c in enumerate(cs)
-                            if c not in dead and kvp[c] + kvn[c] * avg + need <= limit[c]]
+        cs = cands[v]
+        eligible = [p for p, c in enumerate(cs) if kvp[c] + kvn[c] * avg + need <= limit[c]]
+        while True:
             if eligible:
                 p = eligible[0] if len(eligible) == 1 else self._pick(v, eligible, need)
                 steps.append((v, eligible, p))
                 v = cs[p]
+                if v == sink:
+                    break
+                cs = cands[v]
+                if dead is None:
+                    eligible = [p for p, c in enumerate(cs) if kvp[c] + kvn[c] * avg + need <= limit[c]]
+                else:
+                    eligible = [p for p, c in enumerate(cs)
+                                if c not in dead and kvp[c] + kvn[c] * avg + need <= limit[c]]
                 continue
             if not steps:
                 return None
             # Dead end: nothing from v reaches SINK now. What can follow a node depends on that node alone,
-            # so v is dead for this whole walk; go back one step and choose again without it.
+            # so v is dead for this whole walk; go back one step and choose again among what is left there.
             if dead is None:
                 dead = set()
             dead.add(v)
-            v = steps.pop()[0]
+            v, eligible, _ = steps.pop()
+            cs = cands[v]
+            eligible = [p for p in eligible if cs[p] not in dead]
         if dead is not None:  # earlier steps may list candidates found dead later: no credit for those
             steps = [(u, [p for p in el if cands[u][p] not in dead], p) for u, el, p in steps]
         self._commit(steps, need)
