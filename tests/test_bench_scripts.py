@@ -40,3 +40,18 @@ def test_bench_e2e_quick() -> None:
     # Greedy: the network and the single process produce the same text for every prompt.
     for key, ident in serving["identical"].items():
         assert ident["prompts"] == 8 and not ident["differing"], (key, ident, serving["sample_texts"])
+
+
+def test_bench_scheduler_quick() -> None:
+    r = subprocess.run([sys.executable, str(SCRIPTS / "bench_scheduler.py"), "--quick", "--json"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    result = json.loads(r.stdout)
+    assert result["nodes"] == 42 and result["flow_edges"] > 0 and result["kv_room_requests"] > 0
+    assert set(result["scenarios"]) == {"light", "saturated"}
+    for scenario in result["scenarios"].values():
+        assert set(scenario["policies"]) == {"iwrr", "random", "shortest-queue", "swarm"}
+        for cell in scenario["policies"].values():
+            assert cell["decisions_s"] > 0 and cell["assigned"] > 0 and cell["mean_stages"] >= 1
+    # Saturated: requests wait for KV room rather than being refused (the queue never fills).
+    assert all(c["queued"] > 0 and c["rejected"] == 0 for c in result["scenarios"]["saturated"]["policies"].values())

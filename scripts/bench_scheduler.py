@@ -1,0 +1,263 @@
+#!/usr/bin/env python
+"""Routing decisions per second on one core: Helix's IWRR scheduler and the §6.7 baselines, on a 42-node plan.
+
+One decision is one `submit` (a per-request pipeline: the walk, the KV mask, the round-robin) plus the
+`finish` that frees it later. The benchmark keeps a number of requests in flight (each submit is followed by
+the end of the oldest one), so the KV estimate is never empty: a light scenario (no node masked) and a
+saturated one (requests queue; each finish starts the next). Prompt lengths are drawn (seeded) from a spread
+like the Azure conversation trace's. The target is 20,000 decisions/s per policy.
+
+The plan is, in order of preference: a plan JSON given with `--plan` (`hetnode plan ... --json`), the
+planner's Petals placement of hetnode/testnet/clusters/helix-hetero.toml when both exist, or a synthetic
+42-node plan: Helix's kind of heterogeneous cluster (A100, V100, L4, 2xL4, T4, 2xT4, 4xT4 nodes in two
+regions) serving LLaMA-2 70B, Petals-style ranges (each node where the layers are served slowest), and the
+flows of networkx's max flow with the slower links between regions.
+
+    .venv/bin/python scripts/bench_scheduler.py [--decisions 50000] [--inflight N] [--quick] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+import networkx as nx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from hetnode.coordinator.routing import make_scheduler, scheduler_names
+from hetnode.coordinator.scheduler import PipelineScheduler, plan_edges
+from hetnode.planner.model import PRESETS
+from hetnode.planner.plan import SINK, SOURCE, NodePlacement, PlacementPlan
+from hetnode.planner.profile import kv_tokens
+
+TARGET = 20_000  # decisions/s
+CLUSTER_FILE = Path(__file__).resolve().parents[1] / "hetnode" / "testnet" / "clusters" / "helix-hetero.toml"
+
+# (device, nodes, GiB, layers of LLaMA-2 70B held, layer-tokens/s): rough relative speeds, for flows only.
+DEVICES = (
+    ("a100", 4, 80, 30, 30_000.0),
+    ("v100", 6, 32, 10, 9_000.0),
+    ("l4", 8, 24, 8, 9_000.0),
+    ("2xl4", 6, 48, 16, 16_000.0),
+    ("t4", 10, 16, 5, 4_000.0),
+    ("2xt4", 4, 32, 10, 7_500.0),
+    ("4xt4", 4, 64, 20, 14_000.0),
+)
+INTRA_TOKENS_S = 10e9 / 8 / 16_384  # 10 Gb/s over one 8192-wide fp16 hidden state
+INTER_TOKENS_S = 100e6 / 8 / 16_384  # 100 Mb/s between the two regions
+
+
+def synthetic_plan() -> tuple[PlacementPlan, dict[str, int], dict[str, float]]:
+    """A 42-node plan, each node's KV capacity (tokens) and its throughput T (tokens/s)."""
+    model = PRESETS["llama-70b"]
+    nodes: list[tuple[str, int, float, int]] = []  # name, layers, T, kv tokens
+    for device, count, gib, layers, speed in DEVICES:
+        for i in range(count):
+            nodes.append((f"{device}-{i}", layers, speed / layers, kv_tokens(gib << 30, model, layers)))
+    assert len(nodes) == 42
+    region = {name: i % 2 for i, (name, *_rest) in enumerate(nodes)}
+    # Petals: fastest first, each node where the slowest window of its size is.
+    coverage = [0.0] * model.num_layers
+    ranges: dict[str, tuple[int, int]] = {}
+    for name, k, t, _ in sorted(nodes, key=lambda n: -n[1] * n[2]):
+        start = min(range(model.num_layers - k + 1), key=lambda s: (sum(coverage[s:s + k]), s))
+        ranges[name] = (start, start + k)
+        for layer in range(start, start + k):
+            coverage[layer] += t
+    plan = PlacementPlan("synthetic-42", model.name, model.num_layers, "petals",
+                         tuple(NodePlacement(n, a, b) for n, (a, b) in sorted(ranges.items())))
+    throughput = {name: t for name, _, t, _ in nodes}
+    g = nx.DiGraph()
+    for name in ranges:
+        g.add_edge(f"{name}:in", f"{name}:out", capacity=throughput[name])
+    for a, b in plan_edges(plan, "topology"):
+        u = SOURCE if a == SOURCE else f"{a}:out"
+        v = SINK if b == SINK else f"{b}:in"
+        ra = 0 if a in (SOURCE, SINK) else region[a]
+        rb = 0 if b in (SOURCE, SINK) else region[b]
+        g.add_edge(u, v, capacity=INTRA_TOKENS_S if ra == rb else INTER_TOKENS_S)
+    # Edmonds-Karp walks the graph in insertion order: the same flows in every process (preflow-push's
+    # result depends on string hashing, which changes from run to run).
+    value, flow = nx.maximum_flow(g, SOURCE, SINK, flow_func=nx.algorithms.flow.edmonds_karp)
+    flows = {}
+    for u, targets in flow.items():
+        for v, f in targets.items():
+            if f > 0 and not (u.endswith(":in") and v.endswith(":out")):
+                flows[(u.removesuffix(":out"), v.removesuffix(":in"))] = float(f)
+    plan = PlacementPlan(plan.cluster, plan.model, plan.num_layers, "petals", plan.placements, flows=flows,
+                         max_flow=float(value), status="synthetic")
+    return plan, {name: kv for name, _, _, kv in nodes}, throughput
+
+
+def planner_plan() -> PlacementPlan | None:
+    """The planner's Petals plan of helix-hetero.toml, if the planner and the file are there (else None)."""
+    if not CLUSTER_FILE.exists():
+        return None
+    try:
+        from hetnode.planner import placement
+    except ImportError:
+        return None
+    try:  # the planner's entry point is not this script's to pin down: any failure falls back
+        plan = placement.plan_placement(str(CLUSTER_FILE), "llama-70b", method="petals")
+    except Exception as exc:
+        print(f"(planner plan unavailable: {type(exc).__name__}: {exc}; using the synthetic plan)", file=sys.stderr)
+        return None
+    return plan if isinstance(plan, PlacementPlan) else None
+
+
+def load_plan(path: str | None) -> tuple[PlacementPlan, dict[str, int], dict[str, float], str]:
+    plan, kv, throughput = synthetic_plan()
+    source = "synthetic 42-node plan"
+    chosen = PlacementPlan.from_json(json.loads(Path(path).read_text())) if path else planner_plan()
+    if chosen is not None:
+        model = PRESETS.get(chosen.model, PRESETS["llama-70b"])
+        kv = {p.node: kv_tokens(24 << 30, model, p.layers) for p in chosen.placements}  # unknown memory: 24 GiB
+        throughput = {p.node: 1.0 for p in chosen.placements}
+        plan, source = chosen, (path or f"planner petals plan of {CLUSTER_FILE.name}")
+    return plan, kv, throughput, source
+
+
+def describe(plan: PlacementPlan) -> dict[str, Any]:
+    flows = plan_edges(plan, "flows")
+    topology = plan_edges(plan, "topology")
+    out_deg: dict[str, int] = {}
+    for a, _ in topology:
+        out_deg[a] = out_deg.get(a, 0) + 1
+    return {"nodes": len(plan.placements), "layers": plan.num_layers, "flow_edges": len(flows),
+            "topology_edges": len(topology), "max_out_degree": max(out_deg.values()),
+            "max_flow_tokens_s": round(plan.max_flow, 1)}
+
+
+def make(name: str, plan: PlacementPlan, kv: dict[str, int], throughput: dict[str, float],
+         seed: int) -> PipelineScheduler:
+    extra: dict[str, Any] = {}
+    if name == "swarm":
+        extra["throughput"] = throughput.__getitem__
+    return make_scheduler(name, plan, kv_capacity=kv, seed=seed, **extra)
+
+
+def workload(seed: int) -> tuple[list[int], list[int]]:
+    """Prompt lengths log-normal around ~1000 tokens (the Azure conversation trace's spread), outputs ~240."""
+    rng = random.Random(seed)
+    prompts = [max(1, min(8000, int(rng.lognormvariate(6.6, 0.9)))) for _ in range(4096)]
+    outputs = [max(1, int(rng.expovariate(1 / 240))) for _ in range(4096)]
+    return prompts, outputs
+
+
+def kv_room(plan: PlacementPlan, kv: dict[str, int], seed: int) -> int:
+    """How many requests of the workload IWRR starts before the first one has to wait."""
+    sched = make_scheduler("iwrr", plan, kv_capacity=kv)
+    prompts, _ = workload(seed)
+    for i in range(1_000_000):
+        if not sched.submit(str(i), prompts[i & 4095], 0.0).assigned:
+            return i
+    return 1_000_000
+
+
+def run_policy(name: str, plan: PlacementPlan, kv: dict[str, int], throughput: dict[str, float], *,
+               decisions: int, inflight: int, seed: int) -> dict[str, float]:
+    """Time `decisions` submits, each followed (once `inflight` requests are running or queued) by the end of
+    the oldest one: `finish` if it runs, `cancel` if it still waits."""
+    prompts, outputs = workload(seed)
+    sched = make(name, plan, kv, throughput, seed)
+    active: deque[str] = deque()
+    stages = assigned = queued = rejected = 0
+    now = 0.0
+
+    def count(d: Any) -> None:
+        nonlocal stages, assigned, queued, rejected
+        if d.pipeline is not None:
+            assigned += 1
+            stages += len(d.pipeline)
+        elif d.queued:
+            queued += 1
+        else:
+            rejected += 1
+
+    start = time.perf_counter()
+    for i in range(decisions):
+        now += 0.001
+        rid = str(i)
+        d = sched.submit(rid, prompts[i & 4095], now)
+        count(d)
+        if not d.rejected:
+            active.append(rid)
+        if len(active) >= inflight:
+            oldest = active.popleft()
+            if sched.pipeline_of(oldest) is not None:
+                released = sched.finish(oldest, outputs[i & 4095], now)
+            else:
+                released = sched.cancel(oldest, now)
+            for d in released:
+                count(d)
+    elapsed = time.perf_counter() - start
+    return {"decisions_s": decisions / elapsed, "us_per_decision": elapsed / decisions * 1e6,
+            "ratio_to_target": decisions / elapsed / TARGET, "mean_stages": stages / max(assigned, 1),
+            "assigned": assigned, "queued": queued, "rejected": rejected}
+
+
+def run_benchmark(decisions: int = 50_000, inflight: int | None = None, repeats: int = 3, seed: int = 0,
+                  policies: tuple[str, ...] | None = None, plan_path: str | None = None) -> dict[str, Any]:
+    """Decisions/s of every policy (best of `repeats`) in each scenario, with the plan's shape.
+
+    Scenarios, unless `inflight` fixes one: "light", half as many requests in flight as the KV estimate
+    admits (no node masked), and "saturated", 256 more than it admits (nodes masked, requests queue, every
+    finish starts the next waiting one: the walk often fails and backtracks through the whole graph).
+    """
+    plan, kv, throughput, source = load_plan(plan_path)
+    room = kv_room(plan, kv, seed)
+    scenarios = {"fixed": inflight} if inflight else {"light": max(1, room // 2), "saturated": room + 256}
+    result: dict[str, Any] = {"plan": source, **describe(plan), "kv_room_requests": room, "decisions": decisions,
+                              "repeats": repeats, "target_decisions_s": TARGET, "scenarios": {}}
+    for scenario, n in scenarios.items():
+        cell: dict[str, Any] = {"inflight": n, "policies": {}}
+        for name in policies or tuple(scheduler_names()):
+            runs = [run_policy(name, plan, kv, throughput, decisions=decisions, inflight=n, seed=seed)
+                    for _ in range(repeats)]
+            cell["policies"][name] = max(runs, key=lambda r: r["decisions_s"])
+        result["scenarios"][scenario] = cell
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--decisions", type=int, default=50_000, help="submit + finish pairs per run")
+    parser.add_argument("--inflight", type=int, default=None,
+                        help="requests running or queued (default: a light and a saturated scenario)")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per policy; the best is kept")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--policy", nargs="+", choices=scheduler_names(), default=None)
+    parser.add_argument("--plan", default=None, help="a plan JSON (PlacementPlan.to_json) instead of the default")
+    parser.add_argument("--quick", action="store_true", help="a few thousand decisions, once: a smoke run")
+    parser.add_argument("--json", action="store_true", help="print the result dict as JSON only")
+    args = parser.parse_args()
+    if args.quick:
+        args.decisions, args.repeats = 3000, 1
+    result = run_benchmark(args.decisions, args.inflight, args.repeats, args.seed,
+                           tuple(args.policy) if args.policy else None, args.plan)
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return
+    print(f"{result['plan']}: {result['nodes']} nodes, {result['layers']} layers, {result['flow_edges']} edges "
+          f"with flow, {result['topology_edges']} valid connections (max out-degree {result['max_out_degree']}), "
+          f"max flow {result['max_flow_tokens_s']} tokens/s; KV room for {result['kv_room_requests']} requests")
+    print(f"{result['decisions']} decisions (submit + finish) per run, best of {result['repeats']}, one thread; "
+          f"target {TARGET:,}/s")
+    for scenario, cell in result["scenarios"].items():
+        print(f"\n{scenario}: {cell['inflight']} requests in flight")
+        print(f"{'policy':>14}  {'decisions/s':>11}  {'us/decision':>11}  {'vs target':>9}  {'stages':>6}  "
+              f"{'queued':>6}  {'rejected':>8}")
+        for name, r in cell["policies"].items():
+            print(f"{name:>14}  {r['decisions_s']:>11,.0f}  {r['us_per_decision']:>11.1f}  "
+                  f"{r['ratio_to_target']:>8.2f}x  {r['mean_stages']:>6.2f}  {r['queued']:>6}  {r['rejected']:>8}")
+
+
+if __name__ == "__main__":
+    main()
