@@ -57,7 +57,7 @@ class Decision:
     """What became of one request: a pipeline (assigned), a place in the queue (queued), or a refusal.
 
     `reason` says why a request waits or was refused ("queue full (N waiting)" and the like); `waited_s`
-    is how long an assigned request spent in the queue first.
+    is how long it spent in the queue before this decision (0 for one decided on arrival).
     """
 
     request_id: str
@@ -307,7 +307,7 @@ class PipelineScheduler(ABC):
         now = self._now if now is None else max(self._now, now)
         self._now = now
         if self._queue.pop(request_id, None) is not None:
-            return []
+            return self._drain(now)  # it may have been the head that blocked the others
         running = self._running.pop(request_id, None)
         if running is None:
             return []
@@ -335,7 +335,7 @@ class PipelineScheduler(ABC):
             reason = self._unservable(waiting.input_len)
             if reason:
                 del self._queue[rid]
-                rejected.append(Decision(rid, reason=reason))
+                rejected.append(Decision(rid, reason=reason, waited_s=max(0.0, self._now - waiting.since)))
         return NodeDown(node, affected, tuple(rejected))
 
     def kv_estimate(self) -> dict[str, NodeKV]:
@@ -439,14 +439,15 @@ class PipelineScheduler(ABC):
         out: list[Decision] = []
         while self._queue:
             rid, waiting = next(iter(self._queue.items()))
-            decision = self._assign(rid, waiting.input_len, max(0.0, now - waiting.since))
+            waited = max(0.0, now - waiting.since)
+            decision = self._assign(rid, waiting.input_len, waited)
             if decision is None:
                 # The average output may have grown since it queued: if it cannot fit even on an idle
                 # cluster it would wait forever (and block everyone behind it).
                 reason = self._unservable(waiting.input_len)
                 if not reason:
                     break
-                decision = Decision(rid, reason=reason)
+                decision = Decision(rid, reason=reason, waited_s=waited)
             del self._queue[rid]
             out.append(decision)
         return out

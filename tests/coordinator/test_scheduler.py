@@ -267,6 +267,15 @@ def test_head_of_line_waits_and_nobody_overtakes() -> None:
     assert all(d.assigned for d in released)
 
 
+def test_cancelling_the_head_of_the_queue_lets_the_next_start() -> None:
+    sched = IwrrScheduler(fan_plan({"a": 1.0}), kv_capacity={"a": 1000}, high_water=1.0, avg_output_len=0)
+    assert sched.submit("r0", 600, now=0.0).assigned
+    assert sched.submit("big", 600, now=1.0).queued
+    assert sched.submit("small", 10, now=2.0).queued
+    out = sched.cancel("big", now=5.0)
+    assert [(d.request_id, d.assigned, d.waited_s) for d in out] == [("small", True, 3.0)]
+
+
 def test_queue_full_is_rejected_with_the_count() -> None:
     sched = IwrrScheduler(fan_plan({"a": 1.0}), kv_capacity={"a": 100}, high_water=1.0, avg_output_len=0,
                           queue_limit=2)
