@@ -7,7 +7,6 @@ against every policy that `make_scheduler` knows.
 from __future__ import annotations
 
 import itertools
-import math
 from collections import Counter
 
 import pytest
@@ -529,4 +528,5 @@ def test_conformance_deterministic_with_a_seed(policy: str) -> None:
                 sched.finish(f"r{i - 2}", 100, now=float(i))
         return out
     assert run(1) == run(1)
-    assert math.isfinite(len(run(2)))
+    if policy != "iwrr":  # the random draws (and shortest-queue's tie breaks) follow the seed
+        assert run(1) != run(2)
