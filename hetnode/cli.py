@@ -1,4 +1,4 @@
-"""The `hetnode` command: join, coordinator, testnet.
+"""The `hetnode` command: join, coordinator, testnet, plan.
 
 Exit codes: 0 success, 2 usage or configuration error (bad flag, bad file, refused admission), 1 runtime
 failure (unreachable bootstrap after the retry budget, a crash).
@@ -133,7 +133,64 @@ def build_parser() -> argparse.ArgumentParser:
         p = tsub.add_parser(name, help=help_, description=help_.capitalize() + ".")
         p.add_argument("--state-dir", type=Path, default=DEFAULT_HOME / "testnet", metavar="DIR",
                        help="state directory of the testnet (default: ~/.hetnode/testnet)")
+
+    pl = sub.add_parser("plan", help="plan layer placement over a cluster file and show the max-flow plan",
+                        description="Place a model's layers on a cluster's nodes (Helix's max-flow MILP or a "
+                                    "baseline heuristic) and print the plan, as a table or JSON; optionally "
+                                    "draw it. No GPU and no network: pure planning.")
+    pl.add_argument("--cluster", required=True, metavar="FILE",
+                    help="cluster file (TOML, docs/cluster-files.md), or a shipped name: "
+                         + ", ".join(_shipped_clusters()))
+    pl.add_argument("--model", required=True, metavar="NAME",
+                    help=f"model preset ({', '.join(_model_presets())}) or a .toml/.json model file "
+                         "(docs/planner.md)")
+    pl.add_argument("--profile", default="auto", metavar="FILE|roofline|helix",
+                    help="where T_j comes from: Helix's measured profiles, the roofline of the papers' GPU "
+                         "tables, or a profile-table file (default: auto, helix where it measured the model "
+                         "and every device type, roofline otherwise)")
+    pl.add_argument("--method", default="helix", choices=["helix", "petals", "swarm", "sp"],
+                    help="helix: MILP over the max-flow graph; petals, swarm, sp (separate pipelines): the "
+                         "papers' baselines (default: helix)")
+    pl.add_argument("--time-limit", type=_positive, default=None, metavar="S",
+                    help="seconds the MILP solver may run (default: the planner's)")
+    pl.add_argument("--no-partial", action="store_true",
+                    help="forbid partial inference: a node's successor must start exactly at its last layer")
+    pl.add_argument("--prune-degree", type=_positive_int, default=None, metavar="D",
+                    help="keep about D fastest links per node in the MILP (Helix §4.5; default: the planner's)")
+    pl.add_argument("--kv-share", type=float, default=0.5, metavar="F",
+                    help="share of device memory kept for the KV cache, in [0, 1) (default: 0.5)")
+    pl.add_argument("--seed", type=int, default=None, metavar="N", help="seed of the planner's randomness")
+    pl.add_argument("--json", action="store_true", help="print the plan as JSON instead of a table")
+    pl.add_argument("--picture", default=None, metavar="OUT",
+                    help="also draw the plan to OUT: .svg (no dependency) or .png (matplotlib)")
+    pl.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     return parser
+
+
+def _positive_int(value: str) -> int:
+    try:
+        x = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {value!r}") from None
+    if x < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1: {value!r}")
+    return x
+
+
+def _model_presets() -> list[str]:
+    from hetnode.planner.model import model_names
+
+    return model_names()
+
+
+def _clusters_dir() -> Path:
+    from importlib import resources
+
+    return Path(str(resources.files("hetnode.testnet") / "clusters"))
+
+
+def _shipped_clusters() -> list[str]:
+    return sorted(p.stem for p in _clusters_dir().glob("*.toml"))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -154,6 +211,8 @@ def main(argv: list[str] | None = None) -> int:
             from hetnode.testnet import launcher
 
             return launcher.main(args)
+        elif args.command == "plan":
+            return _run_plan(args)
         return 0
     except BaseException as exc:  # mapped to an exit code when it is ours, re-raised otherwise
         leaf = _hetnode_error(exc)
@@ -197,6 +256,53 @@ def _validate_bootstrap(addrs: list[str]) -> None:
                 raise ValueError("it has no /p2p/<peer id> part")
         except Exception as exc:  # multiaddr raises several unrelated types for bad input
             raise ConfigError(f"malformed bootstrap address {addr!r}: {exc}", key="--bootstrap") from exc
+
+
+def _run_plan(args: argparse.Namespace) -> int:
+    """`hetnode plan`: load, plan, print (and draw); configuration mistakes raise ConfigError (exit 2)."""
+    import json
+
+    from hetnode.planner.cluster import load_cluster
+    from hetnode.planner.model import model_spec
+    from hetnode.planner.profile_sources import profile_table_for
+    from hetnode.planner.report import format_plan
+    from hetnode.planner.validate import validate_plan
+
+    if args.picture is not None and Path(args.picture).suffix.lower() not in (".svg", ".png"):
+        raise ConfigError("a picture is .svg or .png", file=args.picture, key="--picture")
+    path = Path(args.cluster)
+    if not path.exists():
+        if args.cluster not in _shipped_clusters():
+            raise ConfigError(f"no such cluster file (shipped ones: {', '.join(_shipped_clusters())})",
+                              file=args.cluster, key="--cluster")
+        path = _clusters_dir() / f"{args.cluster}.toml"
+    cluster = load_cluster(path)
+    model = model_spec(args.model)
+    profiles = profile_table_for(cluster, model, args.profile, kv_share=args.kv_share)
+
+    from hetnode.planner.placement import PlannerOptions, plan_placement
+
+    given = {"time_limit_s": args.time_limit, "prune_degree": args.prune_degree, "seed": args.seed}
+    options = PlannerOptions(partial_inference=not args.no_partial,
+                             **{k: v for k, v in given.items() if v is not None})
+    plan = plan_placement(cluster, model, profiles, method=args.method, options=options)
+    problems = validate_plan(plan, cluster, model, profiles)
+    for problem in problems:
+        log.warning("the plan does not validate: %s", problem)
+    if args.picture is not None:
+        from hetnode.planner.picture import draw_plan
+
+        draw_plan(plan, cluster, args.picture, profiles=profiles)
+    if args.json:
+        out = {**plan.to_json(), "cluster": cluster.name, "model": model.name, "profiles": profiles.source,
+               "validation": problems}
+        print(json.dumps(out, indent=2))
+    else:
+        print(format_plan(plan, cluster, profiles=profiles, model=model), end="")
+        print(f"profiles     {profiles.source}")
+        if args.picture is not None:
+            print(f"picture      {args.picture}")
+    return 0
 
 
 async def _run_coordinator(args: argparse.Namespace) -> None:
