@@ -1,7 +1,7 @@
 """The baseline routing policies of Helix §6.7, beside Helix's own IWRR (`scheduler.py`), and a factory.
 
 All of them build per-request pipelines with the same machinery (`PipelineScheduler`: the topology walk
-that backtracks out of dead ends, the KV estimate and its high-water mask, the FIFO queue); they differ only
+that routes around dead ends, the KV estimate and its high-water mask, the FIFO queue); they differ only
 in which unmasked candidate a vertex takes:
 
 - random: uniformly at random.

@@ -8,9 +8,10 @@ from SOURCE to SINK; it covers every layer exactly once, in order.
 
 `PipelineScheduler` holds what every routing policy shares: the graph (per-vertex candidate lists built once,
 so a decision costs O(pipeline length x degree)), the KV-cache estimate with its high-water mask (Helix
-§5.2), the depth-first walk that backtracks out of dead ends, and the bounded FIFO queue. A policy only says
-which of the unmasked candidates of one vertex to take (`_pick`) and what to remember once the whole pipeline
-is fixed (`_commit`). `IwrrScheduler` is Helix's policy; the baselines of Helix §6.7 are in `routing.py`.
+§5.2), the walk that finds a pipeline around masked nodes whenever one exists (at worst O(vertices + edges)),
+and the bounded FIFO queue. A policy only says which of the unmasked candidates of one vertex to take
+(`_pick`) and what to remember once the whole pipeline is fixed (`_commit`). `IwrrScheduler` is Helix's
+policy; the baselines of Helix §6.7 are in `routing.py`.
 
 Policies are pure objects: no I/O, no clock (every call passes `now`), randomness from a seeded generator,
 so the coordinator and the simulator run the same code.
@@ -250,6 +251,7 @@ class PipelineScheduler(ABC):
             self._weights[u].append(w)
             self._stages[u].append(PipelineStage(b, self._end[u], self._end[v] if v != self._sink else self._end[u]))
 
+        self._order = sorted(range(n), key=lambda u: -self._end[u])  # an edge always leads to an earlier one here
         self._capacity: list[int | None] = [capacity.get(name) for name in self._names] + [None, None]
         self._cap_limit = [math.inf if c is None else high_water * c for c in self._capacity]
         self._limit = list(self._cap_limit)  # -inf once a node is down: masked for good
@@ -370,12 +372,12 @@ class PipelineScheduler(ABC):
     def _pick(self, vertex: int, eligible: list[int], work: float) -> int:
         """Of the candidates of `vertex` at positions `eligible` (non-empty), the position to try next.
 
-        `work` is the request's expected tokens (prompt + average output). The walk may come back and ask
-        again with fewer positions if the choice led to a dead end; state changes belong in `_commit`.
+        `work` is the request's expected tokens (prompt + average output). A walk may be abandoned at a
+        dead end and redone over fewer candidates, so state changes belong in `_commit`.
         """
 
     def _commit(self, steps: list[Step], work: float) -> None:
-        """The pipeline is fixed: `steps` are the choices taken (eligible lists without dead ends)."""
+        """The pipeline is fixed: `steps` are the choices taken, each with the candidates it chose among."""
         return None  # stateless policies remember nothing
 
     def _node_name(self, vertex: int) -> str:
@@ -384,51 +386,64 @@ class PipelineScheduler(ABC):
     # -- the walk -----------------------------------------------------------------------------------------------
 
     def _assign(self, request_id: str, input_len: int, waited: float) -> Decision | None:
-        """Walk from SOURCE to SINK over unmasked nodes; commit and return the pipeline, or None."""
+        """Walk from SOURCE to SINK over unmasked nodes; commit and return the pipeline, or None.
+
+        The walk goes forward, asking the policy at every vertex, and usually reaches SINK at once. If it
+        runs into a dead end (every candidate masked), one backward pass over the DAG finds the vertices
+        from which SINK is still reachable, and a second walk keeps to those: the same pipeline a
+        depth-first search with backtracking would find (a policy picks the same best candidate among
+        the live ones), at O(vertices + edges) at worst instead of a search that may wander the graph.
+        """
         avg = self._output.mean
         need = input_len + avg  # the new request's own expected tokens
-        kvp, kvn, limit, cands = self._kv_prompt, self._kv_requests, self._limit, self._cands
-        sink = self._sink
-        steps: list[Step] = []
-        dead: set[int] | None = None
-        v = self._source
-        cs = cands[v]
-        eligible = [p for p, c in enumerate(cs) if kvp[c] + kvn[c] * avg + need <= limit[c]]
-        while True:
-            if eligible:
-                p = eligible[0] if len(eligible) == 1 else self._pick(v, eligible, need)
-                steps.append((v, eligible, p))
-                v = cs[p]
-                if v == sink:
-                    break
-                cs = cands[v]
-                if dead is None:
-                    eligible = [p for p, c in enumerate(cs) if kvp[c] + kvn[c] * avg + need <= limit[c]]
-                else:
-                    eligible = [p for p, c in enumerate(cs)
-                                if c not in dead and kvp[c] + kvn[c] * avg + need <= limit[c]]
-                continue
-            if not steps:
+        steps = self._walk(need, avg, None)
+        if steps is None:
+            live = self._live(need, avg)
+            if not live[self._source]:
                 return None
-            # Dead end: nothing from v reaches SINK now. What can follow a node depends on that node alone,
-            # so v is dead for this whole walk; go back one step and choose again among what is left there.
-            if dead is None:
-                dead = set()
-            dead.add(v)
-            v, eligible, _ = steps.pop()
-            cs = cands[v]
-            eligible = [p for p in eligible if cs[p] not in dead]
-        if dead is not None:  # earlier steps may list candidates found dead later: no credit for those
-            steps = [(u, [p for p in el if cands[u][p] not in dead], p) for u, el, p in steps]
+            steps = self._walk(need, avg, live)
+            assert steps is not None, "a live vertex always has a live candidate"
         self._commit(steps, need)
-        vertices = tuple(cands[u][p] for u, _, p in steps[:-1])
+        cands, stages, kvp, kvn = self._cands, self._stages, self._kv_prompt, self._kv_requests
+        vertices = tuple([cands[u][p] for u, _, p in steps[:-1]])
         for c in vertices:
             kvp[c] += input_len
             kvn[c] += 1
-        stages = self._stages
-        pipeline = tuple(stages[u][p] for u, _, p in steps[:-1])
+        pipeline = tuple([stages[u][p] for u, _, p in steps[:-1]])
         self._running[request_id] = _Running(vertices, input_len, pipeline)
         return Decision(request_id, pipeline, waited_s=waited)
+
+    def _walk(self, need: float, avg: float, live: list[bool] | None) -> list[Step] | None:
+        """One forward walk: over unmasked candidates, or only over `live` ones; None at a dead end."""
+        kvp, kvn, limit, cands, sink = self._kv_prompt, self._kv_requests, self._limit, self._cands, self._sink
+        steps: list[Step] = []
+        v = self._source
+        while v != sink:
+            cs = cands[v]
+            if live is None:
+                eligible = [p for p, c in enumerate(cs) if kvp[c] + kvn[c] * avg + need <= limit[c]]
+            else:
+                eligible = [p for p, c in enumerate(cs) if live[c]]
+            if not eligible:
+                return None
+            p = eligible[0] if len(eligible) == 1 else self._pick(v, eligible, need)
+            steps.append((v, eligible, p))
+            v = cs[p]
+        return steps
+
+    def _live(self, need: float, avg: float) -> list[bool]:
+        """Per vertex: is it unmasked with some path of unmasked nodes to SINK? Sinks first, over the DAG."""
+        kvp, kvn, limit, cands = self._kv_prompt, self._kv_requests, self._limit, self._cands
+        live = [False] * (self._sink + 2)
+        live[self._sink] = True
+        for v in self._order:
+            if kvp[v] + kvn[v] * avg + need <= limit[v]:
+                for c in cands[v]:
+                    if live[c]:
+                        live[v] = True
+                        break
+        live[self._source] = any(live[c] for c in cands[self._source])
+        return live
 
     def _release(self, running: _Running) -> None:
         for c in running.vertices:
@@ -459,7 +474,7 @@ class PipelineScheduler(ABC):
         of the min node limit; -inf when there is no path at all. DP over the DAG, sinks first."""
         best = [-math.inf] * (self._sink + 2)
         best[self._sink] = math.inf
-        for v in sorted(range(self._sink), key=lambda u: -self._end[u]):
+        for v in self._order:
             if down and v in self._down:
                 continue
             reach = max((best[c] for c in self._cands[v]), default=-math.inf)
