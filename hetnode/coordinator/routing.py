@@ -81,16 +81,25 @@ class SwarmScheduler(PipelineScheduler):
         self._throughput_of = throughput
 
     def _pick(self, vertex: int, eligible: list[int], work: float) -> int:
-        if self._throughput_of is None:
+        rate_of = self._throughput_of
+        if rate_of is None:
             return self._rng.choice(eligible)
-        cands = self._cands[vertex]
-        rates = [self._throughput_of(self._node_name(cands[p])) for p in eligible]
+        cands, name = self._cands[vertex], self._node_name
+        rates = [rate_of(name(cands[p])) for p in eligible]
         measured = [r for r in rates if 0 < r < math.inf]
         if not measured:
             return self._rng.choice(eligible)
-        fill = sum(measured) / len(measured)
-        weights = [r if 0 < r < math.inf else fill for r in rates]
-        return self._rng.choices(eligible, weights)[0]
+        total = sum(measured)
+        if len(measured) < len(rates):
+            fill = total / len(measured)
+            rates = [r if 0 < r < math.inf else fill for r in rates]
+            total += fill * (len(rates) - len(measured))
+        x = self._rng.random() * total
+        for p, r in zip(eligible, rates, strict=True):
+            x -= r
+            if x < 0:
+                return p
+        return eligible[-1]  # x landed on the total itself, by rounding
 
 
 SCHEDULERS: dict[str, type[PipelineScheduler]] = {
