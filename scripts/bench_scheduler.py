@@ -33,9 +33,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hetnode.coordinator.routing import make_scheduler, scheduler_names
 from hetnode.coordinator.scheduler import PipelineScheduler, plan_edges
+from hetnode.planner.cluster import load_cluster
 from hetnode.planner.model import PRESETS
 from hetnode.planner.plan import SINK, SOURCE, NodePlacement, PlacementPlan
 from hetnode.planner.profile import kv_tokens
+from hetnode.planner.profile_sources import profile_table_for
 
 TARGET = 20_000  # decisions/s
 CLUSTER_FILE = Path(__file__).resolve().parents[1] / "hetnode" / "testnet" / "clusters" / "helix-hetero.toml"
@@ -96,32 +98,41 @@ def synthetic_plan() -> tuple[PlacementPlan, dict[str, int], dict[str, float]]:
     return plan, {name: kv for name, _, _, kv in nodes}, throughput
 
 
-def planner_plan() -> PlacementPlan | None:
-    """The planner's Petals plan of helix-hetero.toml, if the planner and the file are there (else None)."""
+def planner_plan() -> tuple[PlacementPlan, dict[str, int], dict[str, float]] | None:
+    """The planner's Petals plan of helix-hetero.toml (as `hetnode plan --method petals` makes it), with each
+    node's KV capacity and T_j from the same profiles; None when the planner or the file is not there."""
     if not CLUSTER_FILE.exists():
         return None
     try:
-        from hetnode.planner import placement
+        from hetnode.planner.placement import plan_placement
     except ImportError:
         return None
-    try:  # the planner's entry point is not this script's to pin down: any failure falls back
-        plan = placement.plan_placement(str(CLUSTER_FILE), "llama-70b", method="petals")
+    model = PRESETS["llama-70b"]
+    try:  # the planner is not this benchmark's subject: whatever goes wrong there, fall back
+        cluster = load_cluster(CLUSTER_FILE)
+        profiles = profile_table_for(cluster, model)
+        plan = plan_placement(cluster, model, profiles, method="petals")
+        kv, throughput = {}, {}
+        for p in plan.placements:
+            prof = profiles.for_node(p.node, cluster.node(p.node).device)
+            kv[p.node] = kv_tokens(prof.memory_bytes, model, p.layers)
+            throughput[p.node] = prof.tokens_per_s(p.layers)
     except Exception as exc:
-        print(f"(planner plan unavailable: {type(exc).__name__}: {exc}; using the synthetic plan)", file=sys.stderr)
+        print(f"(no planner plan: {type(exc).__name__}: {exc}; using the synthetic plan)", file=sys.stderr)
         return None
-    return plan if isinstance(plan, PlacementPlan) else None
+    return plan, kv, throughput
 
 
 def load_plan(path: str | None) -> tuple[PlacementPlan, dict[str, int], dict[str, float], str]:
-    plan, kv, throughput = synthetic_plan()
-    source = "synthetic 42-node plan"
-    chosen = PlacementPlan.from_json(json.loads(Path(path).read_text())) if path else planner_plan()
-    if chosen is not None:
-        model = PRESETS.get(chosen.model, PRESETS["llama-70b"])
-        kv = {p.node: kv_tokens(24 << 30, model, p.layers) for p in chosen.placements}  # unknown memory: 24 GiB
-        throughput = {p.node: 1.0 for p in chosen.placements}
-        plan, source = chosen, (path or f"planner petals plan of {CLUSTER_FILE.name}")
-    return plan, kv, throughput, source
+    if path:
+        plan = PlacementPlan.from_json(json.loads(Path(path).read_text()))
+        model = PRESETS.get(plan.model, PRESETS["llama-70b"])
+        kv = {p.node: kv_tokens(24 << 30, model, p.layers) for p in plan.placements}  # memory unknown: 24 GiB
+        return plan, kv, {p.node: 1.0 for p in plan.placements}, path
+    planned = planner_plan()
+    if planned is not None:
+        return (*planned, f"planner's petals plan of {CLUSTER_FILE.name}")
+    return (*synthetic_plan(), "synthetic 42-node plan")
 
 
 def describe(plan: PlacementPlan) -> dict[str, Any]:
