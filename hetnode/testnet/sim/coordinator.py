@@ -1,0 +1,283 @@
+"""The simulated coordinator: the runtime's scheduler object decides, the simulator carries the tokens.
+
+A request arrives; `scheduler.submit(id, input_len, now)` gives it a pipeline (or queues or refuses it). The
+coordinator then does what `hetnode.coordinator.sessions.PipelineGenerator` does over the network: it sends
+the prompt's token ids to the first stage in chunks of `prefill_chunk` tokens (the next chunk only after the
+last stage has answered the previous one, as `SessionCursor` drives it), then one token per decode step,
+each time after the previous token came back from the last stage. When the request has its output, every
+stage gets a Release (it frees the session's KV there, a link latency later) and `scheduler.finish` may admit
+requests the scheduler had queued.
+
+Token ids travel as 4 bytes per token (`TOKEN_BYTES`), on the links between the coordinator and the first
+and last stages; the coordinator itself takes no time. All per-token work happens in `on_message`, one call
+per link message, with the items of a message handled in a plain loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+from hetnode.errors import HetnodeError
+from hetnode.testnet.sim.node import SimNode
+
+
+class SimulationError(HetnodeError):
+    """The simulated system did something impossible (an invalid pipeline from the scheduler, ...)."""
+
+
+class Decision(Protocol):
+    @property
+    def pipeline(self) -> Sequence[Any] | None: ...
+    @property
+    def queued(self) -> bool: ...
+
+
+class Scheduler(Protocol):
+    """What the simulator needs of `hetnode.coordinator.scheduler`'s schedulers."""
+
+    def submit(self, request_id: str, input_len: int, now: float) -> Any: ...
+
+    def finish(self, request_id: str, output_len: int, now: float) -> Sequence[Any]: ...
+
+
+class SimRequest:
+    __slots__ = ("admitted", "arrival", "depth", "done", "first", "first_token", "gen", "idx", "input_len",
+                 "kv_blocks", "kv_since", "kv_wait", "last_token", "max_tbt", "ntok", "nxt", "output_len", "path",
+                 "pf", "pos", "prefill_end", "rejected", "rid", "seg", "stages")
+
+    def __init__(self, idx: int, arrival: float, input_len: int, output_len: int) -> None:
+        self.idx = idx
+        self.rid = f"r{idx}"
+        self.arrival = arrival
+        self.input_len = input_len
+        self.output_len = output_len
+        self.admitted = -1.0  # when the scheduler gave it a pipeline
+        self.first_token = -1.0
+        self.last_token = -1.0
+        self.done = -1.0
+        self.max_tbt = 0.0  # the longest gap between two of its tokens
+        self.kv_wait = 0.0  # time its prompt waited for KV memory at nodes
+        self.kv_since = -1.0
+        self.rejected = ""
+        self.gen = 0  # tokens generated
+        # The item in flight: `ntok` tokens at positions [pos, pos + ntok); pf while it is a prompt chunk.
+        self.pos = 0
+        self.ntok = 0
+        self.pf = True
+        self.prefill_end = input_len
+        self.kv_blocks = 0  # KV blocks it holds at each stage
+        self.first = -1  # index of the first stage's node
+        self.nxt: dict[int, int] = {}  # node index -> the next hop's index (the coordinator after the last)
+        self.seg: dict[int, int] = {}  # node index -> its layer-range slot there
+        self.stages: tuple[tuple[SimNode, int], ...] = ()  # (node, layers it runs there)
+        self.depth = 0
+        self.path = ""
+
+
+class Route:
+    """One pipeline, prepared once and shared (read-only) by every request the scheduler sends along it."""
+
+    __slots__ = ("depth", "first", "nxt", "path", "seg", "stages")
+
+    def __init__(self, first: int, nxt: dict[int, int], seg: dict[int, int], stages: tuple[tuple[SimNode, int], ...],
+                 path: str) -> None:
+        self.first = first
+        self.nxt = nxt
+        self.seg = seg
+        self.stages = stages  # (node, layers it runs)
+        self.depth = len(stages)
+        self.path = path
+
+
+Send = Callable[[int, int, list[Any], float], None]
+Push = Callable[[float, int, Any, Any], None]
+
+
+class SimCoordinator:
+    def __init__(self, scheduler: Scheduler, nodes: Sequence[SimNode], *, num_layers: int, send: Send,
+                 release: Callable[[SimNode, int, float], None], prefill_chunk: int, block_size: int,
+                 window: tuple[float, float], bin_s: float) -> None:
+        self.scheduler = scheduler
+        self.nodes = nodes
+        self.by_name = {n.name: n for n in nodes}
+        self.index = len(nodes)  # the coordinator's endpoint index
+        self.num_layers = num_layers
+        self.send = send
+        self.release = release
+        self.chunk = prefill_chunk if prefill_chunk > 0 else 1 << 62
+        self.block = block_size
+        self.window = window
+        self.bin_s = bin_s
+        self.routes: dict[tuple[tuple[str, int, int], ...], Route] = {}
+        self.requests: list[SimRequest] = []  # every request that arrived, in arrival order
+        self.waiting: dict[str, SimRequest] = {}  # queued by the scheduler
+        self.inflight = 0  # admitted and not finished
+        self.finished = 0
+        self.on_finish: Callable[[float], None] | None = None  # the offline workload's closed loop
+        # Tokens over time and inside the measured window.
+        self.decode_bins: list[float] = []  # tokens generated per bin
+        self.prompt_bins: list[float] = []  # prompt tokens whose prefill completed per bin
+        self.window_generated = 0
+        self.window_prompt = 0
+
+    # -- admission --------------------------------------------------------------------------------------
+
+    def arrive(self, r: SimRequest, now: float) -> None:
+        self.requests.append(r)
+        self._decided(r, self.scheduler.submit(r.rid, r.input_len, now), now)
+
+    def _decided(self, r: SimRequest, decision: Any, now: float) -> None:
+        if decision.pipeline is not None:
+            self._start(r, decision.pipeline, now)
+        elif decision.queued:
+            self.waiting[r.rid] = r
+        else:
+            r.rejected = str(getattr(decision, "reason", "") or "refused by the scheduler")
+
+    def _start(self, r: SimRequest, pipeline: Sequence[Any], now: float) -> None:
+        key = tuple((s.node, s.first_layer, s.last_layer) for s in pipeline)
+        route = self.routes.get(key)
+        if route is None:
+            route = self.routes[key] = self._route(key)
+        r.admitted = now
+        r.first = route.first
+        r.nxt = route.nxt
+        r.seg = route.seg
+        r.depth = route.depth
+        r.path = route.path
+        r.stages = route.stages
+        r.pf = True
+        r.pos = 0
+        r.prefill_end = r.input_len
+        r.ntok = min(self.chunk, r.input_len)
+        r.kv_blocks = -(-r.input_len // self.block)
+        self.inflight += 1
+        self.send(self.index, r.first, [r], now)
+
+    def _route(self, key: tuple[tuple[str, int, int], ...]) -> Route:
+        if not key:
+            raise SimulationError("the scheduler returned an empty pipeline")
+        expect = 0
+        nodes: list[SimNode] = []
+        for name, first, last in key:
+            node = self.by_name.get(name)
+            if node is None:
+                raise SimulationError(f"the scheduler's pipeline {key} names node {name!r}, which holds no layers")
+            if first != expect or not first < last:
+                raise SimulationError(f"the scheduler's pipeline {key} does not run every layer once, in order")
+            if node in nodes:
+                raise SimulationError(f"the scheduler's pipeline {key} visits {name} twice")
+            nodes.append(node)
+            expect = last
+        if expect != self.num_layers:
+            raise SimulationError(f"the scheduler's pipeline {key} ends at layer {expect}, not {self.num_layers}")
+        nxt: dict[int, int] = {}
+        seg: dict[int, int] = {}
+        for i, (node, (_, first, last)) in enumerate(zip(nodes, key, strict=True)):
+            nxt[node.index] = nodes[i + 1].index if i + 1 < len(nodes) else self.index
+            node.add_next_hop(nxt[node.index])
+            seg[node.index] = node.slot(first, last)
+        stages = tuple((node, last - first) for node, (_, first, last) in zip(nodes, key, strict=True))
+        path = ">".join(f"{name}[{first},{last})" for name, first, last in key)
+        return Route(nodes[0].index, nxt, seg, stages, path)
+
+    # -- tokens back from the last stage --------------------------------------------------------------
+
+    def on_message(self, items: list[SimRequest], now: float) -> None:
+        """Results from a last stage: next prompt chunks, first tokens, decode tokens; send what follows."""
+        chunk = self.chunk
+        block = self.block
+        produced = 0
+        prompt_done = 0
+        going: list[SimRequest] = []
+        for r in items:
+            if r.pf:
+                p = r.pos + r.ntok
+                end = r.prefill_end
+                r.pos = p
+                if p < end:  # the next prompt chunk
+                    r.ntok = chunk if p + chunk <= end else end - p
+                else:  # the prompt is in: the first token
+                    r.pf = False
+                    r.ntok = 1
+                    r.first_token = r.last_token = now
+                    r.gen = 1
+                    produced += 1
+                    prompt_done += end
+                    if r.output_len <= 1:
+                        self._finish(r, now)
+                        continue
+                    if p % block == 0:
+                        self._grow(r, now)
+            else:
+                gap = now - r.last_token
+                if gap > r.max_tbt:
+                    r.max_tbt = gap
+                r.last_token = now
+                g = r.gen + 1
+                r.gen = g
+                produced += 1
+                if g >= r.output_len:
+                    self._finish(r, now)
+                    continue
+                p = r.pos + 1
+                r.pos = p
+                if p % block == 0:
+                    self._grow(r, now)
+            going.append(r)
+        if produced:
+            self._count(now, produced, prompt_done)
+        if not going:
+            return
+        me = self.index
+        firsts = [r.first for r in going]
+        f = firsts[0]
+        if firsts.count(f) == len(firsts):
+            self.send(me, f, going, now)
+            return
+        sends: dict[int, list[SimRequest]] = {}
+        for f, r in zip(firsts, going, strict=True):
+            out = sends.get(f)
+            if out is None:
+                sends[f] = [r]
+            else:
+                out.append(r)
+        for f, out in sends.items():
+            self.send(me, f, out, now)
+
+    def _count(self, now: float, produced: int, prompt_done: int) -> None:
+        b = int(now / self.bin_s)
+        bins = self.decode_bins
+        if b >= len(bins):
+            bins.extend([0.0] * (b + 1 - len(bins)))
+            self.prompt_bins.extend([0.0] * (b + 1 - len(self.prompt_bins)))
+        bins[b] += produced
+        self.prompt_bins[b] += prompt_done
+        lo, hi = self.window
+        if lo <= now < hi:
+            self.window_generated += produced
+            self.window_prompt += prompt_done
+
+    def _grow(self, r: SimRequest, now: float) -> None:
+        """One more KV block at every stage (the item about to be sent starts a new block)."""
+        r.kv_blocks += 1
+        for node, _ in r.stages:  # node.kv_change(now, 1), inlined
+            node.kv_area += node.kv_used * (now - node.kv_t)
+            node.kv_t = now
+            used = node.kv_used = node.kv_used + 1
+            if used > node.kv_peak:
+                node.kv_peak = used
+
+    def _finish(self, r: SimRequest, now: float) -> None:
+        r.done = now
+        self.inflight -= 1
+        self.finished += 1
+        for node, _ in r.stages:
+            self.release(node, r.kv_blocks, now)
+        for decision in self.scheduler.finish(r.rid, r.gen, now):
+            queued = self.waiting.pop(decision.request_id, None)
+            if queued is not None:
+                self._decided(queued, decision, now)
+        if self.on_finish is not None:
+            self.on_finish(now)

@@ -1,0 +1,173 @@
+"""The simulation proper: compute nodes, links and the coordinator, wired together by the event loop.
+
+Events are few and coarse, which is what makes a 42-node, 30-minute run take seconds rather than hours: one
+event per node step (its end) and one per link message (its arrival), never one per token. When a step ends,
+its items are grouped by their next hop and each group travels as one message; the coordinator answers each
+message with at most one message per first stage. Per-item work stays in plain loops over lists of
+`SimRequest`s (slots classes), with sums done by `map` and `attrgetter` in C.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Sequence
+from operator import attrgetter
+from typing import Any
+
+from hetnode.planner.cluster import COORDINATOR, ClusterSpec
+from hetnode.planner.model import TOKEN_BYTES, ModelSpec
+from hetnode.testnet.sim.coordinator import SimCoordinator
+from hetnode.testnet.sim.events import (
+    ARRIVAL,
+    COORD_MESSAGE,
+    NODE_MESSAGE,
+    RELEASE,
+    STEP_DONE,
+    EventQueue,
+)
+from hetnode.testnet.sim.links import SimLink
+from hetnode.testnet.sim.node import SimNode
+
+_NTOK = attrgetter("ntok")
+_PF = attrgetter("pf")
+
+
+class Network:
+    """Nodes and the directed links between every two endpoints (the coordinator is index len(nodes))."""
+
+    def __init__(self, cluster: ClusterSpec, model: ModelSpec, nodes: Sequence[SimNode],
+                 window: tuple[float, float]) -> None:
+        self.cluster = cluster
+        self.nodes = list(nodes)
+        self.coordinator = len(self.nodes)
+        self.window = window
+        self._names = [n.name for n in self.nodes] + [COORDINATOR]
+        self._activation = model.activation_bytes
+        size = len(self._names)
+        self.table: list[list[SimLink | None]] = [[None] * size for _ in range(size)]
+
+    def link(self, src: int, dst: int) -> SimLink:
+        found = self.table[src][dst]
+        if found is None:
+            a, b = self._names[src], self._names[dst]
+            spec = self.cluster.link(a, b)
+            per_token = TOKEN_BYTES if COORDINATOR in (a, b) else self._activation
+            found = self.table[src][dst] = SimLink(f"{a}->{b}", spec.bytes_per_s, spec.latency_s, per_token)
+        return found
+
+    def links(self) -> list[SimLink]:
+        """Every link that carried a message, in a stable order."""
+        return [link for row in self.table for link in row if link is not None and link.messages]
+
+
+class Simulation:
+    def __init__(self, network: Network, events: EventQueue | None = None) -> None:
+        self.network = network
+        self.nodes = network.nodes
+        self.events = events or EventQueue()
+        self.coordinator: SimCoordinator | None = None
+        self.on_arrival: Callable[[int, float], None] = _no_arrivals
+        self.processed = 0
+
+    # -- the wiring the coordinator uses --------------------------------------------------------------
+
+    def send(self, src: int, dst: int, items: list[Any], now: float) -> None:
+        """One message of `items` from endpoint src to dst, over their link's FIFO queue."""
+        net = self.network
+        link = net.table[src][dst] or net.link(src, dst)
+        n = len(items)
+        if dst == net.coordinator:  # one sampled token (or a chunk's done) per item
+            arrive = link.send(now, n, n, sum(map(_PF, items)), net.window)
+            kind = COORD_MESSAGE
+        else:  # token ids from the coordinator, hidden states between nodes: every token of every item
+            arrive = link.send(now, sum(map(_NTOK, items)), n, sum(map(_PF, items)), net.window)
+            kind = NODE_MESSAGE
+        heapq.heappush(self.events.heap, (arrive, next(self.events.seq), kind, dst, items))
+
+    def release(self, node: SimNode, blocks: int, now: float) -> None:
+        """The coordinator's Release for a session: it frees `blocks` at `node` one link latency later."""
+        link = self.network.link(self.network.coordinator, node.index)
+        self.events.push(now + link.latency_s, RELEASE, node.index, blocks)
+
+    def arrive_at(self, time: float, workload_index: int) -> None:
+        self.events.push(time, ARRIVAL, workload_index)
+
+    # -- the loop ---------------------------------------------------------------------------------------
+
+    def run(self, until: float, progress: Callable[[float], None] | None = None) -> float:
+        """Process events up to simulated time `until` (inclusive); returns the time of the last one."""
+        coord = self.coordinator
+        if coord is None:
+            raise RuntimeError("the simulation has no coordinator")
+        events = self.events
+        heap = events.heap
+        seq = events.seq
+        nodes = self.nodes
+        pop = heapq.heappop
+        push = heapq.heappush
+        send = self.send
+        on_message = coord.on_message
+        on_arrival = self.on_arrival
+        processed = 0
+        now = events.now
+        while heap and heap[0][0] <= until:
+            now, _, kind, a, b = pop(heap)
+            processed += 1
+            if kind == NODE_MESSAGE:
+                node = nodes[a]
+                if node.queue:
+                    node.queue.extend(b)
+                else:
+                    node.queue = b
+                if node.batch is None:
+                    dur = node.form_batch(now)
+                    if dur >= 0:
+                        push(heap, (now + dur, next(seq), STEP_DONE, a, None))
+            elif kind == STEP_DONE:
+                node = nodes[a]
+                batch = node.batch
+                node.batch = None
+                assert batch is not None
+                # Group the items by their next hop: one message per hop, in order of first appearance.
+                d = node.only_next
+                if d >= 0 or len(batch) == 1:
+                    send(a, batch[0].nxt[a], batch, now)
+                else:
+                    dests = [r.nxt[a] for r in batch]
+                    d = dests[0]
+                    if dests.count(d) == len(dests):
+                        send(a, d, batch, now)
+                    else:
+                        groups: dict[int, list[Any]] = {}
+                        for d, r in zip(dests, batch, strict=True):
+                            g = groups.get(d)
+                            if g is None:
+                                groups[d] = [r]
+                            else:
+                                g.append(r)
+                        for d, g in groups.items():
+                            send(a, d, g, now)
+                if node.queue:
+                    dur = node.form_batch(now)
+                    if dur >= 0:
+                        push(heap, (now + dur, next(seq), STEP_DONE, a, None))
+            elif kind == COORD_MESSAGE:
+                on_message(b, now)
+            elif kind == ARRIVAL:
+                on_arrival(a, now)
+            else:  # RELEASE
+                node = nodes[a]
+                node.kv_change(now, -b)
+                if node.batch is None and node.queue:
+                    dur = node.form_batch(now)
+                    if dur >= 0:
+                        push(heap, (now + dur, next(seq), STEP_DONE, a, None))
+            if progress is not None and not processed & 0x3FFF:
+                progress(now)
+        events.now = max(events.now, now)
+        self.processed += processed
+        return now
+
+
+def _no_arrivals(index: int, now: float) -> None:
+    raise RuntimeError("an arrival event without a workload")

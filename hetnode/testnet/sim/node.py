@@ -1,0 +1,383 @@
+"""A simulated compute node: the runtime's dynamic batching, step times from a profile table, KV memory.
+
+Batching mirrors `hetnode.node.batcher.BatchLoop._next_batch`: when the node is idle and work is waiting, it
+starts a step at once (no waiting for more) with everything already queued, in arrival order, one item per
+session (a session never has two items in flight here: the coordinator sends the next one only after the
+previous came back), skipping an item whose tokens would take the step over `max_batch_tokens` unless the
+batch is still empty; skipped items keep their place for the next step.
+
+Step time follows the profile's per-layer model, summed over the layers the step runs:
+
+    step = prefill_time(prompt tokens, L) + decode_time(decode items, L, context tokens)
+
+with context = the sum over decode items of the tokens each attends to (its position + 1). With partial
+inference a request may run only part of the node's layers ([a, b) inside the node's [first, last)); the
+node then splits its layers at every a and b of the ranges its requests run, and each slice of layers costs
+the per-layer time of the items that run it. This is exact under the profiles' per-layer model (a layer's
+time depends on the tokens that pass through that layer); what it leaves out is any fixed per-step cost
+outside the layers, which Helix's tables do not measure either.
+
+KV memory is counted the way the runtime's paged pool (`hetnode.kv`, vLLM) and the scheduler's estimate count
+it: in blocks of `block_size` tokens, each block a slot in every layer the node holds (so a request that runs
+only part of the node's layers still takes whole slots), against `profile.kv_tokens(memory, model, layers
+held)`. A session's first prompt chunk at this node reserves its whole prompt (so later chunks cannot run
+out); when that does not fit, the item waits in the queue, and so does every later first chunk (first come,
+first admitted) while decode items keep running. A node that holds no KV admits any prompt, so a prompt
+larger than the memory still makes progress. Decode growth (one block every `block_size` tokens) is never
+refused: vLLM would swap or recompute, the runtime's scheduler keeps nodes under its high-water mark so that
+it rarely matters, and a refused decode could deadlock the pipeline; `kv_peak` over `kv_capacity` shows where
+memory was overcommitted. Released sessions free their blocks when the coordinator's Release arrives.
+"""
+
+from __future__ import annotations
+
+from itertools import pairwise
+from operator import attrgetter
+from typing import Any
+
+from hetnode.planner.profile import DeviceProfile, interpolate
+
+_POS = attrgetter("pos")
+_PF = attrgetter("pf")
+_NTOK = attrgetter("ntok")
+
+
+def add_to_bins(bins: list[float], bin_s: float, t0: float, t1: float) -> None:
+    """Add the interval [t0, t1) to time bins of width bin_s, splitting it at bin edges."""
+    b = int(t0 / bin_s)
+    while True:
+        if b >= len(bins):
+            bins.extend([0.0] * (b + 1 - len(bins)))
+        edge = (b + 1) * bin_s
+        if t1 <= edge:
+            bins[b] += t1 - t0
+            return
+        bins[b] += edge - t0
+        t0 = edge
+        b += 1
+
+
+class SimNode:
+    __slots__ = (
+        "batch",
+        "bin_s",
+        "block_size",
+        "budget",
+        "busy_bins",
+        "busy_s",
+        "context_s",
+        "decode_curve",
+        "decode_memo",
+        "device",
+        "first_layer",
+        "index",
+        "items",
+        "kv_area",
+        "kv_capacity",
+        "kv_peak",
+        "kv_t",
+        "kv_used",
+        "kv_wait_s",
+        "kv_waits",
+        "last_layer",
+        "max_batch_items",
+        "name",
+        "only_next",
+        "prefill_memo",
+        "prompt_curve",
+        "prompt_tokens",
+        "queue",
+        "range_slot",
+        "ranges",
+        "segments",
+        "single",
+        "single_len",
+        "steps",
+        "throughput",
+        "tokens",
+        "track_throughput",
+        "window",
+        "window_busy_s",
+    )
+
+    def __init__(self, index: int, name: str, device: str, profile: DeviceProfile, first_layer: int,
+                 last_layer: int, *, kv_capacity_tokens: int, block_size: int, max_batch_tokens: int,
+                 window: tuple[float, float], bin_s: float) -> None:
+        if not 0 <= first_layer <= last_layer:
+            raise ValueError(f"node {name}: bad layer range [{first_layer}, {last_layer})")
+        self.index = index
+        self.name = name
+        self.device = device
+        self.first_layer = first_layer
+        self.last_layer = last_layer
+        self.prompt_curve = profile.prompt_curve
+        self.decode_curve = profile.decode_curve
+        self.context_s = profile.decode_context_s
+        self.prefill_memo: dict[int, float] = {}  # prompt tokens -> seconds per layer
+        self.decode_memo: dict[int, float] = {}  # decode batch -> seconds per layer
+        self.budget = max_batch_tokens
+        self.block_size = block_size
+        self.kv_capacity = kv_capacity_tokens // block_size  # blocks (each a slot in every layer held)
+        self.kv_used = 0
+        self.kv_peak = 0
+        self.kv_area = 0.0  # integral of kv_used over time, for the mean
+        self.kv_t = 0.0
+        self.kv_waits = 0  # prompts that found the memory full
+        self.kv_wait_s = 0.0
+        self.queue: list[Any] = []
+        self.batch: list[Any] | None = None  # the step under way
+        # The layer ranges requests run here; the usual case is one, the node's whole range.
+        self.ranges: list[tuple[int, int]] = []
+        self.range_slot: dict[tuple[int, int], int] = {}
+        self.segments: list[tuple[int, list[int]]] = []
+        self.single = True
+        self.single_len = last_layer - first_layer
+        # Statistics.
+        self.window = window
+        self.bin_s = bin_s
+        self.busy_bins: list[float] = []
+        self.steps = 0
+        self.items = 0
+        self.tokens = 0
+        self.prompt_tokens = 0
+        self.max_batch_items = 0
+        self.busy_s = 0.0
+        self.window_busy_s = 0.0
+        self.throughput = profile.tokens_per_s(last_layer - first_layer)  # tokens/s: T_j, then an EMA of steps
+        self.track_throughput = False  # keep the EMA (only SWARM's scheduler reads it)
+        self.only_next = -2  # the one next hop of every route through here; -1 once there are several
+
+    @property
+    def layers(self) -> int:
+        return self.last_layer - self.first_layer
+
+    def add_next_hop(self, hop: int) -> None:
+        if self.only_next == -2:
+            self.only_next = hop
+        elif self.only_next != hop:
+            self.only_next = -1
+
+    def slot(self, first: int, last: int) -> int:
+        """The index of the layer range [first, last) among those requests run here."""
+        found = self.range_slot.get((first, last))
+        if found is not None:
+            return found
+        if not self.first_layer <= first < last <= self.last_layer:
+            raise ValueError(f"node {self.name} holds [{self.first_layer}, {self.last_layer}), "
+                             f"not [{first}, {last})")
+        k = len(self.ranges)
+        self.range_slot[(first, last)] = k
+        self.ranges.append((first, last))
+        self.single = k == 0
+        self.single_len = last - first if k == 0 else 0
+        points = sorted({a for a, _ in self.ranges} | {b for _, b in self.ranges})
+        self.segments = []
+        for x, y in pairwise(points):
+            active = [i for i, (a, b) in enumerate(self.ranges) if a <= x and b >= y]
+            if active:
+                self.segments.append((y - x, active))
+        return k
+
+    # -- per-layer costs ----------------------------------------------------------------------------------
+
+    def prefill_per_layer(self, tokens: int) -> float:
+        t = self.prefill_memo.get(tokens)
+        if t is None:
+            t = self.prefill_memo[tokens] = interpolate(self.prompt_curve, tokens) if tokens > 0 else 0.0
+        return t
+
+    def decode_per_layer(self, batch: int) -> float:
+        t = self.decode_memo.get(batch)
+        if t is None:
+            t = self.decode_memo[batch] = interpolate(self.decode_curve, batch) if batch > 0 else 0.0
+        return t
+
+    # -- a step ---------------------------------------------------------------------------------------------
+
+    def form_batch(self, now: float) -> float:
+        """Take the next step's batch from the queue into `batch`; the step's duration, or -1.0 when nothing
+        can run (every waiting item is a prompt blocked on KV memory)."""
+        q = self.queue
+        n = len(q)
+        if n > self.budget:
+            return self._form_general(now)
+        if self.single and not any(map(_PF, q)):
+            # The usual step: decode items only, one layer range, within the budget. The whole queue runs.
+            self.queue = []
+            self.batch = q
+            t = self.decode_memo.get(n)
+            if t is None:
+                t = self.decode_per_layer(n)
+            dur: float = self.single_len * (t + self.context_s * (sum(map(_POS, q)) + n))
+            self._account(now, dur, n, n, 0)
+            return dur
+        tokens = sum(map(_NTOK, q))
+        if tokens > self.budget:
+            return self._form_general(now)
+        # Everything fits the budget: only the prompts' KV admission can hold an item back (the same decisions
+        # as the general loop, with per-item work on the few prompt items only).
+        prompts = [r for r in q if r.pf]
+        blocked = False
+        for r in prompts:
+            if r.pos == 0 and (blocked or not self._admit(r, now)):
+                blocked = True
+                if r.kv_since < 0:
+                    r.kv_since = now
+                    self.kv_waits += 1
+        if blocked:  # the prompts still waiting for KV have kv_since set; everything else runs
+            batch = [r for r in q if r.kv_since < 0]
+            if not batch:
+                return -1.0
+            self.queue = [r for r in q if r.kv_since >= 0]
+            prompts = [r for r in prompts if r.kv_since < 0]
+            tokens = sum(map(_NTOK, batch))
+        else:
+            batch = q
+            self.queue = []
+        self.batch = batch
+        ptok = sum(map(_NTOK, prompts))
+        if self.single:
+            dur = self._cost(self.single_len, ptok, len(batch) - len(prompts), batch, prompts)
+        else:
+            ni = self.index
+            slots = [r.seg[ni] for r in batch]
+            k = slots[0]
+            if slots.count(k) == len(slots):  # every item runs the same range here
+                a, b = self.ranges[k]
+                dur = self._cost(b - a, ptok, len(batch) - len(prompts), batch, prompts)
+            else:
+                dur = self._segmented(batch, slots)
+        self._account(now, dur, len(batch), tokens, ptok)
+        return dur
+
+    def _cost(self, layers: int, ptok: int, decodes: int, batch: list[Any], prompts: list[Any]) -> float:
+        """prefill_time(ptok, layers) + decode_time(decodes, layers, context of the batch's decode items)."""
+        dur = layers * self.prefill_per_layer(ptok) if ptok else 0.0
+        if decodes:
+            context = sum(map(_POS, batch)) - sum(map(_POS, prompts)) + decodes
+            dur += layers * (self.decode_per_layer(decodes) + self.context_s * context)
+        return dur
+
+    def _segmented(self, batch: list[Any], slots: list[int]) -> float:
+        """Items running different layer ranges: per slice of layers, the cost of the items that run it."""
+        nr = len(self.ranges)
+        prompt = [0] * nr
+        decode = [0] * nr
+        context = [0] * nr
+        for r, k in zip(batch, slots, strict=True):
+            if r.pf:
+                prompt[k] += r.ntok
+            else:
+                decode[k] += 1
+                context[k] += r.pos + 1
+        return self._sum_segments(prompt, decode, context)
+
+    def _sum_segments(self, prompt: list[int], decode: list[int], context: list[int]) -> float:
+        dur = 0.0
+        ctx_s = self.context_s
+        for length, active in self.segments:
+            p = d = c = 0
+            for k in active:
+                p += prompt[k]
+                d += decode[k]
+                c += context[k]
+            if p:
+                dur += length * self.prefill_per_layer(p)
+            if d:
+                dur += length * (self.decode_per_layer(d) + ctx_s * c)
+        return dur
+
+    def _form_general(self, now: float) -> float:
+        budget = self.budget
+        single = self.single
+        ni = self.index
+        nr = len(self.ranges) or 1
+        prompt = [0] * nr
+        decode = [0] * nr
+        context = [0] * nr
+        batch: list[Any] = []
+        later: list[Any] = []
+        tokens = 0
+        blocked = False
+        for r in self.queue:
+            n = r.ntok
+            if tokens + n > budget and batch:
+                later.append(r)
+                continue
+            k = 0 if single else r.seg[ni]
+            if r.pf:
+                # The session's first chunk here: its whole prompt's KV must fit.
+                if r.pos == 0 and (blocked or not self._admit(r, now)):
+                    blocked = True
+                    if r.kv_since < 0:
+                        r.kv_since = now
+                        self.kv_waits += 1
+                    later.append(r)
+                    continue
+                prompt[k] += n
+            else:
+                decode[k] += 1
+                context[k] += r.pos + 1
+            batch.append(r)
+            tokens += n
+        self.queue = later
+        if not batch:
+            return -1.0
+        self.batch = batch
+        if single:
+            layers = self.single_len
+            dur = layers * self.prefill_per_layer(prompt[0]) if prompt[0] else 0.0
+            if decode[0]:
+                dur += layers * (self.decode_per_layer(decode[0]) + self.context_s * context[0])
+        else:
+            dur = self._sum_segments(prompt, decode, context)
+        ptok = sum(prompt)
+        self._account(now, dur, len(batch), tokens, ptok)
+        return dur
+
+    def _account(self, now: float, dur: float, items: int, tokens: int, prompt_tokens: int) -> None:
+        self.steps += 1
+        self.items += items
+        self.tokens += tokens
+        self.prompt_tokens += prompt_tokens
+        if items > self.max_batch_items:
+            self.max_batch_items = items
+        self.busy_s += dur
+        end = now + dur
+        lo, hi = self.window
+        if end > lo and now < hi:
+            self.window_busy_s += (end if end < hi else hi) - (now if now > lo else lo)
+        if dur > 0:
+            bins = self.busy_bins
+            b = int(now / self.bin_s)
+            if b < len(bins) and end <= (b + 1) * self.bin_s:
+                bins[b] += dur
+            else:
+                add_to_bins(bins, self.bin_s, now, end)
+            if self.track_throughput:
+                self.throughput += 0.2 * (tokens / dur - self.throughput)
+
+    # -- KV memory ------------------------------------------------------------------------------------------
+
+    def _admit(self, r: Any, now: float) -> bool:
+        need = r.kv_blocks
+        if self.kv_used and self.kv_used + need > self.kv_capacity:
+            return False
+        if r.kv_since >= 0:
+            waited = now - r.kv_since
+            r.kv_wait += waited
+            self.kv_wait_s += waited
+            r.kv_since = -1.0
+        self.kv_change(now, need)
+        return True
+
+    def kv_change(self, now: float, delta: int) -> None:
+        self.kv_area += self.kv_used * (now - self.kv_t)
+        self.kv_t = now
+        self.kv_used += delta
+        if self.kv_used > self.kv_peak:
+            self.kv_peak = self.kv_used
+
+    def queued_tokens(self) -> int:
+        """Tokens waiting for a step (what join-the-shortest-queue compares)."""
+        return sum(r.ntok for r in self.queue)
