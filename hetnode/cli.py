@@ -164,6 +164,14 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--picture", default=None, metavar="OUT",
                     help="also draw the plan to OUT: .svg (no dependency) or .png (matplotlib)")
     pl.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+
+    from hetnode.testnet.sim.cli import add_arguments as add_sim_arguments
+
+    sim = sub.add_parser("sim", help="simulate serving a trace on a planned cluster (discrete-event)",
+                         description="Plan a cluster with the runtime's planner and simulate serving an Azure "
+                                     "trace (or Poisson arrivals) on it with the runtime's scheduler: latency, "
+                                     "throughput, node and link utilization. No GPU and no network.")
+    add_sim_arguments(sim, clusters=_shipped_clusters())
     return parser
 
 
@@ -213,6 +221,8 @@ def main(argv: list[str] | None = None) -> int:
             return launcher.main(args)
         elif args.command == "plan":
             return _run_plan(args)
+        elif args.command == "sim":
+            return _run_sim(args)
         return 0
     except BaseException as exc:  # mapped to an exit code when it is ours, re-raised otherwise
         leaf = _hetnode_error(exc)
@@ -256,6 +266,13 @@ def _validate_bootstrap(addrs: list[str]) -> None:
                 raise ValueError("it has no /p2p/<peer id> part")
         except Exception as exc:  # multiaddr raises several unrelated types for bad input
             raise ConfigError(f"malformed bootstrap address {addr!r}: {exc}", key="--bootstrap") from exc
+
+
+def _run_sim(args: argparse.Namespace) -> int:
+    """`hetnode sim`: plan, simulate, report (hetnode.testnet.sim.cli); configuration mistakes exit 2."""
+    from hetnode.testnet.sim.cli import run
+
+    return run(args, clusters_dir=_clusters_dir())
 
 
 def _run_plan(args: argparse.Namespace) -> int:

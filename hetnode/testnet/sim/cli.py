@@ -1,0 +1,211 @@
+"""`hetnode sim`: plan a cluster with the runtime's planner, then simulate serving a trace on it.
+
+    hetnode sim --cluster helix-hetero --model llama-70b --method helix --trace conv --duration 1800 --plots out/
+
+The load is `--rate R` requests/s, `--offline` (a saturating closed loop), or by default Helix's online
+setting: `--load 0.75` of the plan's max flow, in requests of the trace's mean length. `hetnode.cli` adds the
+subcommand with `add_arguments` and calls `run`; this module imports nothing heavy until `run`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from hetnode.errors import ConfigError
+
+log = logging.getLogger("hetnode.sim")
+
+SCHEDULER_NAMES = ("iwrr", "random", "shortest-queue", "swarm")
+
+
+def _positive(value: str) -> float:
+    try:
+        x = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {value!r}") from None
+    if not x > 0:
+        raise argparse.ArgumentTypeError(f"must be positive: {value!r}")
+    return x
+
+
+def _non_negative(value: str) -> float:
+    try:
+        x = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {value!r}") from None
+    if not x >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0: {value!r}")
+    return x
+
+
+def add_arguments(p: argparse.ArgumentParser, *, clusters: Sequence[str] = ()) -> None:
+    p.add_argument("--cluster", required=True, metavar="FILE",
+                   help="cluster file (TOML), or a shipped name" + (f": {', '.join(clusters)}" if clusters else ""))
+    p.add_argument("--model", required=True, metavar="NAME", help="model preset or a .toml/.json model file")
+    p.add_argument("--profile", default="auto", metavar="FILE|roofline|helix",
+                   help="profile table: Helix's measured profiles, the roofline cost model, or a table file "
+                        "(measured on the live testnet, say); default auto")
+    p.add_argument("--method", default="helix", choices=["helix", "petals", "swarm", "sp"],
+                   help="placement method of the runtime's planner (default: helix)")
+    p.add_argument("--plan", default=None, metavar="FILE",
+                   help="use this plan (JSON from `hetnode plan --json`) instead of planning")
+    p.add_argument("--scheduler", default="iwrr", choices=SCHEDULER_NAMES,
+                   help="the runtime's request scheduler (default: iwrr, Helix's)")
+    p.add_argument("--trace", default="conv", metavar="conv|code|FILE",
+                   help="Azure trace: conv, code (the full trace from ../shared/data or $HETNODE_TRACE_DIR when "
+                        "found, else the shipped sample) or a CSV file (default: conv)")
+    p.add_argument("--no-length-filter", action="store_true",
+                   help="keep requests longer than Helix's filter (input <= 2048, output <= 1024)")
+    p.add_argument("--poisson", action="store_true",
+                   help="Poisson arrivals with lengths drawn from the trace, instead of the trace's own arrivals")
+    load = p.add_mutually_exclusive_group()
+    load.add_argument("--rate", type=_positive, default=None, metavar="R", help="mean arrival rate, requests/s")
+    load.add_argument("--offline", action="store_true",
+                      help="offline serving: a closed loop that keeps the scheduler's queue non-empty")
+    load.add_argument("--load", type=_positive, default=0.75, metavar="F",
+                      help="without --rate: this share of the plan's max flow (default: 0.75, Helix's online)")
+    p.add_argument("--duration", type=_positive, default=None, metavar="S",
+                   help="simulated seconds of arrivals (default: 1800 online, 600 offline, as Helix)")
+    p.add_argument("--warmup", type=_non_negative, default=None, metavar="S",
+                   help="seconds before the measured window (default: 30 online, 60 offline)")
+    p.add_argument("--seed", type=int, default=0, metavar="N", help="seed of the scheduler and Poisson draws")
+    p.add_argument("--slo-ttft", type=_positive, default=None, metavar="S", help="TTFT bound for SLO attainment")
+    p.add_argument("--slo-tpot", type=_positive, default=None, metavar="S", help="TPOT bound for SLO attainment")
+    p.add_argument("--slo-e2e", type=_positive, default=None, metavar="S", help="E2E bound for SLO attainment")
+    p.add_argument("--prefill-chunk", type=int, default=512, metavar="N",
+                   help="prompt tokens per chunk, as the runtime's coordinator (0: whole prompts; default 512)")
+    p.add_argument("--max-batch-tokens", type=int, default=8192, metavar="N",
+                   help="most tokens one node step carries (default: 8192, the runtime's)")
+    p.add_argument("--high-water", type=float, default=None, metavar="F",
+                   help="the scheduler's KV high-water mark (default: the scheduler's)")
+    p.add_argument("--time-limit", type=_positive, default=None, metavar="S",
+                   help="seconds the placement MILP may run (default: the planner's)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON (summary, nodes, links)")
+    p.add_argument("--requests", action="store_true", help="with --json: include every request")
+    p.add_argument("--csv", default=None, metavar="DIR", help="write requests/nodes/links/timeseries CSV files")
+    p.add_argument("--plots", default=None, metavar="DIR", help="write PNG plots to DIR")
+    p.add_argument("--progress", default="auto", choices=["auto", "on", "off"],
+                   help="progress bar on stderr (default: when stderr is a terminal)")
+    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+
+
+def resolve_cluster(name: str, clusters_dir: Path) -> Path:
+    path = Path(name)
+    if path.exists():
+        return path
+    shipped = clusters_dir / f"{name}.toml"
+    if shipped.is_file():
+        return shipped
+    known = ", ".join(sorted(p.stem for p in clusters_dir.glob("*.toml")))
+    raise ConfigError(f"no such cluster file (shipped ones: {known})", file=name, key="--cluster")
+
+
+def run(args: argparse.Namespace, *, clusters_dir: Path) -> int:
+    from hetnode.planner.cluster import load_cluster
+    from hetnode.planner.model import model_spec
+    from hetnode.planner.plan import PlacementPlan
+    from hetnode.planner.profile_sources import profile_table_for
+    from hetnode.testnet.sim import workload as wl
+    from hetnode.testnet.sim.runner import SimOptions, simulate
+
+    cluster = load_cluster(resolve_cluster(args.cluster, clusters_dir))
+    model = model_spec(args.model)
+    profiles = profile_table_for(cluster, model, args.profile)
+    if args.plan is not None:
+        try:
+            plan = PlacementPlan.from_json(json.loads(Path(args.plan).read_text()))
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ConfigError(f"cannot read the plan: {exc}", file=args.plan, key="--plan") from exc
+    else:
+        from hetnode.planner.placement import PlannerOptions, plan_placement
+
+        options = PlannerOptions(**({"time_limit_s": args.time_limit} if args.time_limit else {}))
+        _say(args, f"planning {model.name} on {cluster.name} ({args.method}) ...")
+        plan = plan_placement(cluster, model, profiles, method=args.method, options=options)
+    _say(args, f"plan: {plan.method}, {len(plan.placements)} nodes, max flow {plan.max_flow:.1f} tokens/s")
+
+    trace = wl.load_trace(args.trace, length_filter=not args.no_length_filter)
+    _say(args, f"trace: {len(trace)} requests from {trace.source}")
+    duration = args.duration or (600.0 if args.offline else 1800.0)
+    warmup = args.warmup if args.warmup is not None else (60.0 if args.offline else 30.0)
+    if warmup >= duration:
+        raise ConfigError(f"the warm-up ({warmup:g} s) must be shorter than the duration ({duration:g} s)",
+                          key="--warmup")
+    if args.offline:
+        workload = wl.offline(trace)
+    else:
+        rate = args.rate or wl.helix_online_rate(plan.max_flow, trace.mean_input, trace.mean_output, args.load)
+        if args.poisson:
+            workload = wl.poisson(rate, lengths=trace, duration_s=duration, seed=args.seed)
+        else:
+            workload = wl.replay(trace, rate=rate, duration_s=duration)
+    _say(args, f"workload: {workload.description}")
+    slos = {k: v for k, v in (("ttft", args.slo_ttft), ("tpot", args.slo_tpot), ("e2e", args.slo_e2e)) if v}
+    try:
+        options = SimOptions(prefill_chunk=args.prefill_chunk, max_batch_tokens=args.max_batch_tokens,
+                             high_water=args.high_water)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
+    progress = args.progress == "on" or (args.progress == "auto" and sys.stderr.isatty())
+    result = simulate(cluster, model, profiles, plan, workload=workload, scheduler=args.scheduler,
+                      duration_s=duration, warmup_s=warmup, seed=args.seed, slos=slos, progress=progress,
+                      options=options)
+    result.config["trace_source"] = trace.source
+    if args.csv:
+        for path in result.to_csv(args.csv):
+            _say(args, f"wrote {path}")
+    if args.plots:
+        from hetnode.testnet.sim.plots import write_plots
+
+        for path in write_plots(result, args.plots):
+            _say(args, f"wrote {path}")
+    if args.json:
+        print(result.dumps(requests=args.requests))
+    else:
+        print(format_summary(result), end="")
+    return 0
+
+
+def _say(args: argparse.Namespace, text: str) -> None:
+    """Progress notes for a person: stderr, so that --json output stays clean."""
+    if args.log_level in ("debug", "info", "warning"):
+        print(text, file=sys.stderr, flush=True)
+
+
+def format_summary(result: Any) -> str:
+    s, c = result.summary, result.config
+    lines = [
+        f"cluster      {c['cluster']} ({c['method']} placement, plan max flow {c['plan_max_flow']:.1f} tokens/s)",
+        f"model        {c['model']}; profiles {c['profiles']}",
+        f"scheduler    {c['scheduler']}",
+        f"workload     {c['workload_description']}",
+        f"window       [{s['window_s'][0]:g}, {s['window_s'][1]:g}) s simulated in {result.wall_s:.1f} s wall "
+        f"({result.events} events)",
+        "requests     " + ", ".join(f"{k} {v}" for k, v in s["requests"].items()),
+        f"throughput   decode {s['decode_throughput']:.1f} tokens/s, prompt {s['prompt_throughput']:.1f} tokens/s, "
+        f"{s['request_throughput']:.3f} requests/s",
+        "latency (s)  " + "        mean      p50      p90      p99",
+    ]
+    for key in ("ttft", "tpot", "e2e", "queue"):
+        row = s["latency"][key]
+        cells = "".join(f"{_num(row[q]):>9}" for q in ("mean", "p50", "p90", "p99"))
+        lines.append(f"  {key:<10}{cells}")
+    if s["slo_attainment"]:
+        lines.append("SLO          " + ", ".join(f"{k} {v:.1%}" for k, v in s["slo_attainment"].items()))
+    lines.append(f"nodes        mean utilization {s['node_utilization_mean']:.1%}, peak KV {s['kv_peak_max']:.1%}, "
+                 f"mean pipeline depth {_num(s['mean_depth'])}")
+    if s["busiest_link"]:
+        lines.append(f"links        busiest {s['busiest_link']['name']} ({s['busiest_link']['utilization']:.1%}); "
+                     f"longest prompt wait {s['worst_prompt_queue_link']['name']} "
+                     f"({s['worst_prompt_queue_link']['mean_prompt_queue_s']:.3g} s)")
+    return "\n".join(lines) + "\n"
+
+
+def _num(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3g}"

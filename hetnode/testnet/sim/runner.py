@@ -1,0 +1,316 @@
+"""`simulate`: one run of a cluster, a placement plan and a scheduler on a workload, measured.
+
+    plan = plan_placement(cluster, model, profiles, method="helix")
+    result = simulate(cluster, model, profiles, plan, scheduler="iwrr",
+                      workload=replay(load_trace("conv"), rate=2.0, duration_s=1800), duration_s=1800)
+    print(result.summary["decode_throughput"])
+
+The scheduler is the runtime's own object (`hetnode.coordinator.routing.make_scheduler`, the same code the
+coordinator daemon runs), driven by the simulated clock; a scheduler object may be passed instead of a name.
+The plan comes from the runtime's planner unchanged. Nothing here reads the wall clock except to report how
+long the run took.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from hetnode.errors import ConfigError
+from hetnode.planner.cluster import ClusterSpec
+from hetnode.planner.model import ModelSpec
+from hetnode.planner.plan import PlacementPlan
+from hetnode.planner.profile import ProfileTable, kv_tokens
+from hetnode.testnet.sim.coordinator import Scheduler, SimCoordinator, SimRequest
+from hetnode.testnet.sim.core import Network, Simulation
+from hetnode.testnet.sim.metrics import (
+    LATENCY_METRICS,
+    LinkStats,
+    NodeStats,
+    RequestRecord,
+    SimResult,
+    TimeSeries,
+    percentiles,
+    slo_attainment,
+)
+from hetnode.testnet.sim.node import SimNode
+from hetnode.testnet.sim.workload import Workload
+
+SCHEDULERS = ("iwrr", "random", "shortest-queue", "swarm")
+NAN = math.nan
+
+
+@dataclass(frozen=True)
+class SimOptions:
+    """Knobs of the simulated system; the defaults are the runtime's."""
+
+    prefill_chunk: int = 512  # prompt tokens per chunk, as SessionCursor (0: the whole prompt at once)
+    max_batch_tokens: int = 8192  # EngineConfig.max_batch_tokens: most tokens one step carries
+    block_size: int = 16  # KV block, in tokens (vLLM's and hetnode.kv's)
+    drain_s: float = 600.0  # online: after the last arrival, run at most this long for requests to finish
+    high_water: float | None = None  # the scheduler's KV high-water mark (None: the scheduler's default)
+    queue_limit: int | None = None  # the scheduler's queue bound (None: its default)
+    bin_s: float | None = None  # width of the time-series bins (None: about 1/150 of the run)
+
+    def __post_init__(self) -> None:
+        if self.prefill_chunk < 0 or self.max_batch_tokens < 1 or self.block_size < 1 or self.drain_s < 0:
+            raise ConfigError(f"bad simulation options: {self}")
+        if self.bin_s is not None and not self.bin_s > 0:
+            raise ConfigError(f"bin_s must be > 0, not {self.bin_s}")
+
+
+def _nice_bin(span: float) -> float:
+    for step in (0.1, 0.2, 0.5, 1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 1800, 3600):
+        if span / step <= 150:
+            return float(step)
+    return span / 150
+
+
+def make_runtime_scheduler(name: str, plan: PlacementPlan, nodes: Mapping[str, SimNode], *, seed: int,
+                           avg_output_len: float, kv_capacity: Mapping[str, int],
+                           options: SimOptions) -> Scheduler:
+    """The runtime's scheduler by name, with the simulated nodes' queues and throughput where it asks."""
+    from hetnode.coordinator.routing import make_scheduler
+
+    if name not in SCHEDULERS:
+        raise ConfigError(f"unknown scheduler {name!r}; known: {', '.join(SCHEDULERS)}", key="--scheduler")
+    kwargs: dict[str, Any] = {"kv_capacity": dict(kv_capacity), "avg_output_len": avg_output_len, "seed": seed}
+    if options.high_water is not None:
+        kwargs["high_water"] = options.high_water
+    if options.queue_limit is not None:
+        kwargs["queue_limit"] = options.queue_limit
+    if name == "shortest-queue":
+        kwargs["queue_len"] = lambda node: float(nodes[node].queued_tokens())
+    if name == "swarm":
+        for n in nodes.values():
+            n.track_throughput = True
+        kwargs["throughput"] = lambda node: float(nodes[node].throughput)
+    scheduler: Scheduler = make_scheduler(name, plan, **kwargs)
+    return scheduler
+
+
+def simulate(cluster: ClusterSpec, model: ModelSpec, profiles: ProfileTable, plan: PlacementPlan, *,
+             workload: Workload, scheduler: str | Scheduler = "iwrr", duration_s: float = 1800.0,
+             warmup_s: float = 30.0, seed: int = 0, slos: Mapping[str, float] | None = None,
+             progress: bool = False, options: SimOptions | None = None) -> SimResult:
+    """Simulate serving `workload` for `duration_s` seconds; measure over [warmup_s, duration_s)."""
+    opts = options or SimOptions()
+    if not duration_s > 0 or not 0 <= warmup_s < duration_s:
+        raise ConfigError(f"need 0 <= warmup ({warmup_s}) < duration ({duration_s})")
+    if plan.num_layers != model.num_layers:
+        raise ConfigError(f"the plan is for {plan.num_layers} layers, the model {model.name} has {model.num_layers}")
+    if not plan.placements:
+        raise ConfigError("the plan places no layers")
+    wall0 = time.perf_counter()
+    window = (float(warmup_s), float(duration_s))
+    horizon = duration_s if workload.offline else duration_s + opts.drain_s
+    bin_s = opts.bin_s or _nice_bin(horizon)
+
+    # Nodes holding layers, in the cluster file's order.
+    ranges = plan.ranges()
+    nodes: list[SimNode] = []
+    kv_capacity: dict[str, int] = {}
+    for spec in cluster.nodes:
+        if spec.name not in ranges:
+            continue
+        first, last = ranges[spec.name]
+        profile = profiles.for_node(spec.name, spec.device)
+        cap = kv_tokens(profile.memory_bytes, model, last - first)
+        kv_capacity[spec.name] = cap
+        nodes.append(SimNode(len(nodes), spec.name, spec.device, profile, first, last, kv_capacity_tokens=cap,
+                             block_size=opts.block_size, max_batch_tokens=opts.max_batch_tokens, window=window,
+                             bin_s=bin_s))
+    unknown = set(ranges) - {n.name for n in nodes}
+    if unknown:
+        raise ConfigError(f"the plan places layers on {', '.join(sorted(unknown))}, not in cluster {cluster.name}")
+    by_name = {n.name: n for n in nodes}
+
+    network = Network(cluster, model, nodes, window)
+    sim = Simulation(network)
+    if isinstance(scheduler, str):
+        sched = make_runtime_scheduler(scheduler, plan, by_name, seed=seed, avg_output_len=workload.mean_output,
+                                       kv_capacity=kv_capacity, options=opts)
+        scheduler_name = scheduler
+    else:
+        sched, scheduler_name = scheduler, type(scheduler).__name__
+    coord = SimCoordinator(sched, nodes, num_layers=model.num_layers, send=sim.send, release=sim.release,
+                           prefill_chunk=opts.prefill_chunk, block_size=opts.block_size, window=window, bin_s=bin_s)
+    sim.coordinator = coord
+
+    inputs, outputs = workload.inputs, workload.outputs
+    if workload.offline:
+        _closed_loop(coord, workload, duration_s, _auto_inflight(workload, kv_capacity))
+    else:
+        def on_arrival(i: int, now: float) -> None:
+            coord.arrive(SimRequest(i, now, inputs[i], outputs[i]), now)
+
+        sim.on_arrival = on_arrival
+        for i, t in enumerate(workload.arrivals):
+            if t < duration_s:
+                sim.arrive_at(t, i)
+
+    bar = _progress_bar(progress, duration_s)
+    try:
+        report = None if bar is None else _reporter(bar)
+        end = sim.run(duration_s, report)
+        if not workload.offline:
+            if bar is not None:
+                bar.set_description("draining")
+                bar.total = horizon
+            end = max(end, sim.run(horizon, report))
+        if bar is not None:
+            bar.n = min(end, bar.total)
+            bar.refresh()
+    finally:
+        if bar is not None:
+            bar.close()
+    end = max(end, duration_s)
+    wall = time.perf_counter() - wall0
+
+    config = {
+        "cluster": cluster.name, "model": model.name, "method": plan.method, "plan_max_flow": plan.max_flow,
+        "scheduler": scheduler_name, "profiles": profiles.source, "workload": workload.name,
+        "workload_description": workload.description, "offline": workload.offline,
+        "rate": None if workload.offline else workload.rate, "duration_s": duration_s, "warmup_s": warmup_s,
+        "seed": seed, "slos": dict(slos or {}), **{f"option_{k}": v for k, v in asdict(opts).items()},
+    }
+    records = [_record(r, window) for r in coord.requests]
+    node_stats = [_node_stats(n, end, window) for n in nodes]
+    node_stats += [NodeStats(s.name, s.device, 0, 0, 0.0, 0.0, 0, 0.0, 0, 0, 0, 0, 0.0, 0.0, 0, 0.0, 0)
+                   for s in cluster.nodes if s.name not in by_name]
+    link_stats = [_link_stats(link, cluster, network, window) for link in network.links()]
+    nbins = max(1, math.ceil(end / bin_s))
+    series = TimeSeries(
+        bin_s=bin_s,
+        decode_tokens_per_s=tuple(v / bin_s for v in _pad(coord.decode_bins, nbins)),
+        prompt_tokens_per_s=tuple(v / bin_s for v in _pad(coord.prompt_bins, nbins)),
+        node_utilization={n.name: tuple(min(1.0, v / bin_s) for v in _pad(n.busy_bins, nbins)) for n in nodes},
+    )
+    summary = _summary(records, node_stats, link_stats, coord, window, slos or {})
+    return SimResult(config=config, summary=summary, requests=records, nodes=node_stats, links=link_stats,
+                     timeseries=series, wall_s=wall, events=sim.processed, sim_end_s=end)
+
+
+# -- workload drivers -----------------------------------------------------------------------------------------
+
+
+def _auto_inflight(workload: Workload, kv_capacity: Mapping[str, int]) -> int:
+    """The offline loop's bound on unfinished requests: what every node's KV together could hold."""
+    per_request = workload.mean_input + workload.mean_output
+    return max(workload.backlog, min(workload.max_inflight, math.ceil(sum(kv_capacity.values()) / per_request)))
+
+
+def _closed_loop(coord: SimCoordinator, workload: Workload, duration_s: float, max_inflight: int) -> None:
+    n = len(workload)
+    counter = [0]
+
+    def top_up(now: float) -> None:
+        while (now < duration_s and len(coord.waiting) < workload.backlog
+               and coord.inflight + len(coord.waiting) < max_inflight):
+            i = counter[0]
+            counter[0] += 1
+            r = SimRequest(i, now, workload.inputs[i % n], workload.outputs[i % n])
+            coord.arrive(r, now)
+            if r.rejected:  # a scheduler that refuses rather than queues: try again when one finishes
+                break
+
+    coord.on_finish = top_up
+    top_up(0.0)
+
+
+# -- results ----------------------------------------------------------------------------------------------
+
+
+def _pad(values: list[float], n: int) -> list[float]:
+    return (values + [0.0] * n)[:n]
+
+
+def _when(t: float) -> float:
+    return t if t >= 0 else NAN
+
+
+def _record(r: SimRequest, window: tuple[float, float]) -> RequestRecord:
+    first, done, admitted = _when(r.first_token), _when(r.done), _when(r.admitted)
+    tpot = (r.last_token - r.first_token) / (r.gen - 1) if r.gen > 1 and r.done >= 0 else NAN
+    return RequestRecord(
+        id=r.rid, arrival=r.arrival, input_len=r.input_len, output_len=r.output_len, generated=r.gen,
+        admitted=admitted, first_token=first, finish=done, ttft=first - r.arrival, tpot=tpot, e2e=done - r.arrival,
+        queue=admitted - r.arrival, kv_wait=r.kv_wait, max_tbt=r.max_tbt if r.gen > 1 else NAN, depth=r.depth,
+        path=r.path, measured=window[0] <= r.arrival < window[1], rejected=r.rejected)
+
+
+def _node_stats(n: SimNode, end: float, window: tuple[float, float]) -> NodeStats:
+    length = window[1] - window[0]
+    n.kv_change(end, 0)  # close the KV integral at the end
+    cap = n.kv_capacity
+    return NodeStats(
+        name=n.name, device=n.device, first_layer=n.first_layer, last_layer=n.last_layer,
+        utilization=n.window_busy_s / length, busy_s=n.busy_s, steps=n.steps,
+        mean_batch=n.items / n.steps if n.steps else 0.0, max_batch=n.max_batch_items, tokens=n.tokens,
+        prompt_tokens=n.prompt_tokens, kv_capacity_blocks=cap, kv_peak=n.kv_peak / cap if cap else NAN,
+        kv_mean=n.kv_area / end / cap if cap and end > 0 else NAN, kv_waits=n.kv_waits, kv_wait_s=n.kv_wait_s,
+        layer_ranges=len(n.ranges))
+
+
+def _link_stats(link: Any, cluster: ClusterSpec, network: Network, window: tuple[float, float]) -> LinkStats:
+    src, _, dst = link.name.partition("->")
+    spec = cluster.link(src, dst)
+    return LinkStats(
+        name=link.name, src=src, dst=dst, bandwidth_mbps=spec.bandwidth_mbps, latency_ms=spec.latency_ms,
+        utilization=link.window_busy_s / (window[1] - window[0]), messages=link.messages, items=link.items,
+        bytes=link.bytes, queued_messages=link.queued_messages,
+        mean_queue_s=link.queue_s / link.messages if link.messages else 0.0, max_queue_s=link.queue_max_s,
+        mean_item_queue_s=link.queue_item_s / link.items if link.items else 0.0, prompt_items=link.pf_items,
+        mean_prompt_queue_s=link.pf_queue_s / link.pf_items if link.pf_items else 0.0)
+
+
+def _summary(records: list[RequestRecord], nodes: list[NodeStats], links: list[LinkStats], coord: SimCoordinator,
+             window: tuple[float, float], slos: Mapping[str, float]) -> dict[str, Any]:
+    length = window[1] - window[0]
+    measured = [r for r in records if r.measured and not r.rejected]
+    done = [r for r in measured if r.finished]
+    used = [n for n in nodes if n.last_layer > n.first_layer]
+    busiest = max(links, key=lambda link: link.utilization, default=None)
+    slowest = max(links, key=lambda link: link.mean_prompt_queue_s, default=None)
+    return {
+        "window_s": list(window),
+        "requests": {
+            "arrived": len(records), "measured": len(measured), "finished": len(done),
+            "unfinished": len(measured) - len(done), "rejected": sum(1 for r in records if r.rejected),
+            "still_queued": len(coord.waiting),
+        },
+        "decode_throughput": coord.window_generated / length,  # generated tokens/s
+        "prompt_throughput": coord.window_prompt / length,  # prompt tokens/s
+        "request_throughput": sum(1 for r in records if r.finished and window[0] <= r.finish < window[1]) / length,
+        "latency": {m: percentiles([getattr(r, m) for r in done]) for m in LATENCY_METRICS},
+        "slo_attainment": slo_attainment(measured, slos),
+        "mean_depth": sum(r.depth for r in done) / len(done) if done else None,
+        "node_utilization_mean": sum(n.utilization for n in used) / len(used) if used else 0.0,
+        "kv_peak_max": max((n.kv_peak for n in used if not math.isnan(n.kv_peak)), default=0.0),
+        "busiest_link": None if busiest is None else {"name": busiest.name, "utilization": busiest.utilization},
+        "worst_prompt_queue_link": None if slowest is None else {
+            "name": slowest.name, "mean_prompt_queue_s": slowest.mean_prompt_queue_s},
+    }
+
+
+# -- progress -----------------------------------------------------------------------------------------------
+
+
+def _progress_bar(enabled: bool, total: float) -> Any:
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="sim s", desc="simulating", dynamic_ncols=True, leave=False,
+                bar_format="{desc}: {percentage:3.0f}%|{bar}| {n:.0f}/{total:.0f} sim s [{elapsed}<{remaining}]")
+
+
+def _reporter(bar: Any) -> Callable[[float], None]:
+    def report(now: float) -> None:
+        bar.n = min(now, bar.total)
+        bar.refresh()
+
+    return report

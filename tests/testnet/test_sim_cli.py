@@ -1,0 +1,79 @@
+"""`hetnode sim`: JSON that parses, CSV and PNG files written, configuration mistakes exit 2."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from hetnode.cli import main
+from hetnode.planner.plan import SINK, SOURCE, NodePlacement, PlacementPlan
+
+CLUSTER = """
+name = "pair"
+[[nodes]]
+name = "a"
+device = "a100"
+region = "us"
+[[nodes]]
+name = "b"
+device = "a100"
+region = "us"
+[links.default]
+bandwidth_mbps = 10000
+latency_ms = 1
+"""
+
+
+@pytest.fixture
+def setup(tmp_path: Path) -> tuple[Path, Path]:
+    cluster = tmp_path / "pair.toml"
+    cluster.write_text(CLUSTER)
+    plan = PlacementPlan(cluster="pair", model="llama3-8b", num_layers=32, method="given",
+                         placements=(NodePlacement("a", 0, 16), NodePlacement("b", 16, 32)),
+                         flows={(SOURCE, "a"): 500.0, ("a", "b"): 500.0, ("b", SINK): 500.0}, max_flow=500.0)
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(plan.to_json()))
+    return cluster, path
+
+
+def test_sim_json_csv_and_plots(setup: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cluster, plan = setup
+    plots, csvs = tmp_path / "plots", tmp_path / "csv"
+    code = main(["sim", "--cluster", str(cluster), "--model", "llama3-8b", "--profile", "roofline", "--plan", str(plan),
+                 "--trace", "conv", "--rate", "0.5", "--duration", "40", "--warmup", "5", "--slo-ttft", "5",
+                 "--json", "--requests", "--plots", str(plots), "--csv", str(csvs), "--progress", "off"])
+    assert code == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["config"]["cluster"] == "pair" and out["config"]["scheduler"] == "iwrr"
+    assert out["config"]["rate"] == pytest.approx(0.5, rel=0.05)
+    s = out["summary"]
+    assert s["requests"]["arrived"] == 20 and s["decode_throughput"] > 0
+    assert set(s["slo_attainment"]) == {"ttft", "all"}
+    assert {n["name"] for n in out["nodes"]} == {"a", "b"}
+    assert len(out["requests"]) == 20
+    for name in ("latency_cdf", "throughput", "node_utilization", "node_utilization_time", "links"):
+        png = plots / f"{name}.png"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert sorted(p.name for p in csvs.iterdir()) == ["links.csv", "nodes.csv", "requests.csv", "timeseries.csv"]
+    assert len((csvs / "requests.csv").read_text().splitlines()) == 21
+
+
+def test_sim_table_and_offline(setup: tuple[Path, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    cluster, plan = setup
+    code = main(["sim", "--cluster", str(cluster), "--model", "llama3-8b", "--profile", "roofline", "--plan", str(plan),
+                 "--offline", "--duration", "20", "--warmup", "5", "--scheduler", "random", "--progress", "off"])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "decode" in out and "offline" in out and "random" in out
+
+
+def test_sim_configuration_mistakes_exit_2(setup: tuple[Path, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    cluster, plan = setup
+    assert main(["sim", "--cluster", "no-such-cluster", "--model", "llama3-8b", "--plan", str(plan)]) == 2
+    assert "no such cluster" in capsys.readouterr().err
+    assert main(["sim", "--cluster", str(cluster), "--model", "llama3-8b", "--profile", "roofline",
+                 "--plan", str(plan), "--trace", "nothing.csv"]) == 2
+    assert main(["sim", "--cluster", str(cluster), "--model", "llama3-8b", "--profile", "roofline",
+                 "--plan", str(plan), "--duration", "10", "--warmup", "20"]) == 2

@@ -1,0 +1,180 @@
+"""Whole runs: one request on an idle pipeline takes exactly what the profiles and links predict; the simulator
+drives the runtime's own scheduler and planner objects; runs are deterministic."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from sim_helpers import PROFILE, PROFILES, TOY, two_node_cluster, two_node_plan
+
+import hetnode.coordinator.routing as routing
+from hetnode.coordinator.scheduler import IwrrScheduler
+from hetnode.planner.model import TOKEN_BYTES
+from hetnode.testnet.sim import SimOptions, Workload, simulate
+from hetnode.testnet.sim.coordinator import SimulationError
+
+COORD_BPS, COORD_LAT = 1e6, 0.005  # 8 Mb/s, 5 ms
+MID_BPS, MID_LAT = 1e7, 0.020  # 80 Mb/s, 20 ms
+ACT = TOY.activation_bytes  # 128 bytes per token
+
+
+def one_request(input_len: int, output_len: int, *, arrival: float = 1.0) -> Workload:
+    return Workload(name="one", inputs=(input_len,), outputs=(output_len,), arrivals=(arrival,))
+
+
+def hop(tokens: int, bytes_per_token: float, bps: float, latency: float) -> float:
+    return tokens * bytes_per_token / bps + latency
+
+
+def prompt_round_trip(tokens: int) -> float:
+    """Token ids to a, two layers on a, hidden states to b, two layers on b, one token back."""
+    return (hop(tokens, TOKEN_BYTES, COORD_BPS, COORD_LAT) + PROFILE.prefill_time(tokens, 2)
+            + hop(tokens, ACT, MID_BPS, MID_LAT) + PROFILE.prefill_time(tokens, 2)
+            + hop(1, TOKEN_BYTES, COORD_BPS, COORD_LAT))
+
+
+def decode_round_trip(position: int) -> float:
+    """The token at `position` through both nodes (each attends to position + 1 tokens)."""
+    return (hop(1, TOKEN_BYTES, COORD_BPS, COORD_LAT) + PROFILE.decode_time(1, 2, position + 1)
+            + hop(1, ACT, MID_BPS, MID_LAT) + PROFILE.decode_time(1, 2, position + 1)
+            + hop(1, TOKEN_BYTES, COORD_BPS, COORD_LAT))
+
+
+def run(workload: Workload, **kwargs: Any) -> Any:
+    return simulate(two_node_cluster(), TOY, PROFILES, two_node_plan(), workload=workload,
+                    duration_s=kwargs.pop("duration_s", 100.0), warmup_s=0.0, **kwargs)
+
+
+def test_one_request_on_an_idle_two_node_pipeline_takes_what_profiles_and_links_predict() -> None:
+    result = run(one_request(100, 4))
+    (r,) = result.requests
+    ttft = prompt_round_trip(100)
+    decodes = [decode_round_trip(p) for p in (100, 101, 102)]
+    assert r.ttft == pytest.approx(ttft, rel=1e-12, abs=1e-12)
+    assert r.e2e == pytest.approx(ttft + sum(decodes), rel=1e-12)
+    assert r.tpot == pytest.approx(sum(decodes) / 3, rel=1e-12)
+    assert r.max_tbt == pytest.approx(max(decodes), rel=1e-12)
+    assert r.first_token == pytest.approx(1.0 + ttft, rel=1e-12)
+    assert r.generated == 4 and r.queue == 0.0 and r.kv_wait == 0.0 and r.depth == 2
+    assert r.path == "a[0,2)>b[2,4)"
+    assert result.summary["requests"]["finished"] == 1
+
+
+def test_prompt_chunks_each_make_a_round_trip() -> None:
+    result = run(one_request(700, 2), options=SimOptions(prefill_chunk=512))
+    (r,) = result.requests
+    ttft = prompt_round_trip(512) + prompt_round_trip(188)
+    assert r.ttft == pytest.approx(ttft, rel=1e-12)
+    assert r.e2e == pytest.approx(ttft + decode_round_trip(700), rel=1e-12)
+    unchunked = run(one_request(700, 2), options=SimOptions(prefill_chunk=0)).requests[0]
+    assert unchunked.ttft == pytest.approx(prompt_round_trip(700), rel=1e-12)
+
+
+def test_link_and_node_statistics_of_one_request() -> None:
+    result = run(one_request(100, 4))
+    links = {link.name: link for link in result.links}
+    assert set(links) == {"coordinator->a", "a->b", "b->coordinator"}
+    mid = links["a->b"]
+    assert mid.messages == 4 and mid.items == 4 and mid.prompt_items == 1
+    assert mid.bytes == (100 + 3) * ACT and mid.queued_messages == 0
+    a = next(n for n in result.nodes if n.name == "a")
+    assert a.steps == 4 and a.tokens == 103 and a.prompt_tokens == 100
+    assert a.busy_s == pytest.approx(PROFILE.prefill_time(100, 2) + sum(PROFILE.decode_time(1, 2, p + 1)
+                                                                        for p in (100, 101, 102)))
+    assert result.summary["decode_throughput"] == pytest.approx(4 / 100.0)
+    assert result.summary["prompt_throughput"] == pytest.approx(100 / 100.0)
+
+
+def test_two_requests_share_steps_and_queue_on_links() -> None:
+    # Both arrive together: the second waits on the coordinator's link behind the first one's prompt.
+    wl = Workload(name="two", inputs=(100, 100), outputs=(2, 2), arrivals=(1.0, 1.0))
+    result = run(wl)
+    first, second = result.requests
+    link = next(link for link in result.links if link.name == "coordinator->a")
+    assert link.queued_messages == 1
+    assert link.max_queue_s == pytest.approx(100 * TOKEN_BYTES / COORD_BPS)
+    assert second.ttft > first.ttft
+
+
+def test_the_simulator_drives_the_runtime_scheduler(monkeypatch: pytest.MonkeyPatch) -> None:
+    made: list[Any] = []
+    real = routing.make_scheduler
+
+    def spy(name: str, plan: Any, **kwargs: Any) -> Any:
+        made.append(real(name, plan, **kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(routing, "make_scheduler", spy)
+    run(one_request(100, 2), scheduler="iwrr")
+    assert len(made) == 1 and type(made[0]) is IwrrScheduler
+    assert made[0].running == 0  # the request was submitted and finished through it
+
+
+@pytest.mark.parametrize("name", ["iwrr", "random", "shortest-queue", "swarm"])
+def test_every_runtime_policy_runs(name: str) -> None:
+    wl = Workload(name="few", inputs=(50, 60, 70), outputs=(3, 4, 5), arrivals=(0.0, 0.1, 0.2))
+    result = run(wl, scheduler=name, seed=3)
+    assert result.summary["requests"]["finished"] == 3
+    assert result.config["scheduler"] == name
+
+
+def test_runs_are_deterministic() -> None:
+    wl = Workload(name="many", inputs=tuple(20 + 7 * i for i in range(40)), outputs=tuple(2 + i % 9 for i in range(40)),
+                  arrivals=tuple(0.05 * i for i in range(40)))
+    a = run(wl, scheduler="random", seed=7).to_json(requests=True)
+    b = run(wl, scheduler="random", seed=7).to_json(requests=True)
+    a["run"] = b["run"] = None  # wall-clock time
+    assert a == b
+
+
+def test_an_invalid_pipeline_from_a_scheduler_is_an_error() -> None:
+    class Broken:
+        def submit(self, request_id: str, input_len: int, now: float) -> Any:
+            from hetnode.coordinator.scheduler import Decision, PipelineStage
+
+            return Decision(request_id, (PipelineStage("a", 0, 2), PipelineStage("b", 3, 4)))
+
+        def finish(self, request_id: str, output_len: int, now: float) -> list[Any]:
+            return []
+
+    with pytest.raises(SimulationError, match="every layer once"):
+        run(one_request(10, 2), scheduler=Broken())
+
+
+def test_offline_closed_loop_keeps_the_cluster_busy() -> None:
+    wl = Workload(name="off", inputs=(100, 200, 50), outputs=(20, 10, 30), offline=True, backlog=4)
+    result = simulate(two_node_cluster(), TOY, PROFILES, two_node_plan(), workload=wl, duration_s=20.0, warmup_s=2.0)
+    s = result.summary
+    assert s["requests"]["arrived"] > 10 and s["decode_throughput"] > 0
+    assert all(n.utilization > 0.5 for n in result.nodes)
+
+
+_RUN_SNIPPET = """
+import hashlib, json, sys
+sys.path.insert(0, sys.argv[1])
+from sim_helpers import PROFILES, TOY, two_node_cluster, two_node_plan
+from hetnode.testnet.sim import Workload, simulate
+wl = Workload(name="many", inputs=tuple(20 + 7 * i for i in range(30)), outputs=tuple(2 + i % 9 for i in range(30)),
+              arrivals=tuple(0.05 * i for i in range(30)))
+out = simulate(two_node_cluster(), TOY, PROFILES, two_node_plan(), workload=wl, duration_s=50.0, warmup_s=1.0,
+               scheduler="shortest-queue", seed=5).to_json(requests=True)
+del out["run"]
+print(hashlib.sha256(json.dumps(out, sort_keys=True).encode()).hexdigest())
+"""
+
+
+def test_runs_do_not_depend_on_hash_randomization() -> None:
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    here = str(Path(__file__).parent)
+    digests = set()
+    for seed in ("1", "2"):
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        r = subprocess.run([sys.executable, "-c", _RUN_SNIPPET, here], capture_output=True, text=True, env=env,
+                           timeout=120, check=True)
+        digests.add(r.stdout.strip())
+    assert len(digests) == 1
