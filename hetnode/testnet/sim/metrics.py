@@ -10,7 +10,10 @@ latency figures cover the requests that arrived inside it.
   longest single gap is `max_tbt`.
 - E2E: arrival to the last token. Queue: arrival to the scheduler's admission.
 - SLO attainment: the fraction of the window's requests within every given bound (a request that never
-  finished meets none).
+  finished, or that the scheduler refused, meets none).
+- Requests: `measured` arrived inside the window; of those, `finished`, `rejected` (refused by the scheduler:
+  its queue was full, or no pipeline could ever hold it) and `unfinished` (still running or queued when the
+  run ended).
 """
 
 from __future__ import annotations
@@ -64,6 +67,7 @@ class NodeStats:
     utilization: float  # busy fraction of the measured window
     busy_s: float  # over the whole run
     steps: int
+    items: int  # items run (an item: one request's tokens in one step)
     mean_batch: float  # items per step
     max_batch: int
     tokens: int  # tokens through the node (prompt and decode)

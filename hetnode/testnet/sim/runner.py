@@ -179,7 +179,7 @@ def simulate(cluster: ClusterSpec, model: ModelSpec, profiles: ProfileTable, pla
     }
     records = [_record(r, window) for r in coord.requests]
     node_stats = [_node_stats(n, end, window) for n in nodes]
-    node_stats += [NodeStats(s.name, s.device, 0, 0, 0.0, 0.0, 0, 0.0, 0, 0, 0, 0, 0.0, 0.0, 0, 0.0, 0)
+    node_stats += [NodeStats(s.name, s.device, 0, 0, 0.0, 0.0, 0, 0, 0.0, 0, 0, 0, 0, 0.0, 0.0, 0, 0.0, 0)
                    for s in cluster.nodes if s.name not in by_name]
     link_stats = [_link_stats(link, cluster, network, window) for link in network.links()]
     nbins = max(1, math.ceil(end / bin_s))
@@ -248,7 +248,7 @@ def _node_stats(n: SimNode, end: float, window: tuple[float, float]) -> NodeStat
     cap = n.kv_capacity
     return NodeStats(
         name=n.name, device=n.device, first_layer=n.first_layer, last_layer=n.last_layer,
-        utilization=n.window_busy_s / length, busy_s=n.busy_s, steps=n.steps,
+        utilization=n.window_busy_s / length, busy_s=n.busy_s, steps=n.steps, items=n.items,
         mean_batch=n.items / n.steps if n.steps else 0.0, max_batch=n.max_batch_items, tokens=n.tokens,
         prompt_tokens=n.prompt_tokens, kv_capacity_blocks=cap, kv_peak=n.kv_peak / cap if cap else NAN,
         kv_mean=n.kv_area / end / cap if cap and end > 0 else NAN, kv_waits=n.kv_waits, kv_wait_s=n.kv_wait_s,
@@ -270,8 +270,9 @@ def _link_stats(link: Any, cluster: ClusterSpec, network: Network, window: tuple
 def _summary(records: list[RequestRecord], nodes: list[NodeStats], links: list[LinkStats], coord: SimCoordinator,
              window: tuple[float, float], slos: Mapping[str, float]) -> dict[str, Any]:
     length = window[1] - window[0]
-    measured = [r for r in records if r.measured and not r.rejected]
+    measured = [r for r in records if r.measured]
     done = [r for r in measured if r.finished]
+    refused = sum(1 for r in measured if r.rejected)
     used = [n for n in nodes if n.last_layer > n.first_layer]
     busiest = max(links, key=lambda link: link.utilization, default=None)
     slowest = max(links, key=lambda link: link.mean_prompt_queue_s, default=None)
@@ -279,8 +280,8 @@ def _summary(records: list[RequestRecord], nodes: list[NodeStats], links: list[L
         "window_s": list(window),
         "requests": {
             "arrived": len(records), "measured": len(measured), "finished": len(done),
-            "unfinished": len(measured) - len(done), "rejected": sum(1 for r in records if r.rejected),
-            "still_queued": len(coord.waiting),
+            "unfinished": len(measured) - len(done) - refused, "rejected": refused,
+            "rejected_all": sum(1 for r in records if r.rejected), "still_queued": len(coord.waiting),
         },
         "decode_throughput": coord.window_generated / length,  # generated tokens/s
         "prompt_throughput": coord.window_prompt / length,  # prompt tokens/s
