@@ -178,3 +178,10 @@ def test_runs_do_not_depend_on_hash_randomization() -> None:
                            timeout=120, check=True)
         digests.add(r.stdout.strip())
     assert len(digests) == 1
+
+
+def test_progress_bar_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    wl = Workload(name="few", inputs=(50,) * 20, outputs=(30,) * 20, arrivals=tuple(0.5 * i for i in range(20)))
+    result = run(wl, progress=True, duration_s=20.0)
+    assert result.summary["requests"]["finished"] == 20
+    assert "sim s" in capsys.readouterr().err

@@ -86,6 +86,10 @@ def add_arguments(p: argparse.ArgumentParser, *, clusters: Sequence[str] = ()) -
                    help="the scheduler's KV high-water mark (default: the scheduler's)")
     p.add_argument("--time-limit", type=_positive, default=None, metavar="S",
                    help="seconds the placement MILP may run (default: the planner's)")
+    p.add_argument("--no-partial", action="store_true",
+                   help="plan without partial inference (a node's successor starts exactly at its last layer)")
+    p.add_argument("--kv-share", type=float, default=0.5, metavar="F",
+                   help="share of device memory kept for the KV cache when planning, in [0, 1) (default: 0.5)")
     p.add_argument("--json", action="store_true", help="print the result as JSON (summary, nodes, links)")
     p.add_argument("--requests", action="store_true", help="with --json: include every request")
     p.add_argument("--csv", default=None, metavar="DIR", help="write requests/nodes/links/timeseries CSV files")
@@ -116,7 +120,7 @@ def run(args: argparse.Namespace, *, clusters_dir: Path) -> int:
 
     cluster = load_cluster(resolve_cluster(args.cluster, clusters_dir))
     model = model_spec(args.model)
-    profiles = profile_table_for(cluster, model, args.profile)
+    profiles = profile_table_for(cluster, model, args.profile, kv_share=args.kv_share)
     if args.plan is not None:
         try:
             plan = PlacementPlan.from_json(json.loads(Path(args.plan).read_text()))
@@ -125,7 +129,8 @@ def run(args: argparse.Namespace, *, clusters_dir: Path) -> int:
     else:
         from hetnode.planner.placement import PlannerOptions, plan_placement
 
-        options = PlannerOptions(**({"time_limit_s": args.time_limit} if args.time_limit else {}))
+        options = PlannerOptions(partial_inference=not args.no_partial,
+                                 **({"time_limit_s": args.time_limit} if args.time_limit else {}))
         _say(args, f"planning {model.name} on {cluster.name} ({args.method}) ...")
         plan = plan_placement(cluster, model, profiles, method=args.method, options=options)
     _say(args, f"plan: {plan.method}, {len(plan.placements)} nodes, max flow {plan.max_flow:.1f} tokens/s")
