@@ -185,3 +185,26 @@ def test_progress_bar_runs(capsys: pytest.CaptureFixture[str]) -> None:
     result = run(wl, progress=True, duration_s=20.0)
     assert result.summary["requests"]["finished"] == 20
     assert "sim s" in capsys.readouterr().err
+
+
+def test_a_prompt_waits_at_a_node_until_kv_is_released() -> None:
+    from dataclasses import replace
+
+    from hetnode.planner.profile import ProfileTable, kv_tokens
+
+    # Room for 20 tokens of KV beside two layers: one block of 16. No KV limit in the scheduler, so the nodes'
+    # own memory does the gating.
+    memory = int(2 * TOY.layer_bytes + 20 * 2 * TOY.kv_bytes_per_token_layer) + 1
+    assert kv_tokens(memory, TOY, 2) == 20
+    small = ProfileTable("toy", {"a100": replace(PROFILE, memory_bytes=memory)}, source="test")
+    wl = Workload(name="two", inputs=(10, 10), outputs=(3, 3), arrivals=(1.0, 1.0))
+    result = simulate(two_node_cluster(), TOY, small, two_node_plan(), workload=wl,
+                      scheduler=IwrrScheduler(two_node_plan()), duration_s=100.0, warmup_s=0.0)
+    first, second = result.requests
+    assert first.kv_wait == 0.0 and second.kv_wait > 0
+    # The second prompt starts at a when the first one's Release gets there (one coordinator->a latency).
+    expected = (first.finish + COORD_LAT + PROFILE.prefill_time(10, 2) + hop(10, ACT, MID_BPS, MID_LAT)
+                + PROFILE.prefill_time(10, 2) + hop(1, TOKEN_BYTES, COORD_BPS, COORD_LAT))
+    assert second.first_token == pytest.approx(expected, rel=1e-12)
+    a = next(n for n in result.nodes if n.name == "a")
+    assert a.kv_waits == 1 and a.kv_capacity_blocks == 1 and a.kv_peak == 1.0
