@@ -208,3 +208,19 @@ def test_a_prompt_waits_at_a_node_until_kv_is_released() -> None:
     assert second.first_token == pytest.approx(expected, rel=1e-12)
     a = next(n for n in result.nodes if n.name == "a")
     assert a.kv_waits == 1 and a.kv_capacity_blocks == 1 and a.kv_peak == 1.0
+
+
+def test_dilated_profiles_and_kv_capacity_override() -> None:
+    from hetnode.testnet.sim.profiles import dilated
+
+    slow = dilated(PROFILES, 10.0)
+    p = slow.profiles["a100"]
+    assert p.prefill_time(100, 2) == pytest.approx(10 * PROFILE.prefill_time(100, 2))
+    assert p.decode_time(3, 2, 40) == pytest.approx(10 * PROFILE.decode_time(3, 2, 40))
+    assert p.tokens_per_s(1) == pytest.approx(PROFILE.tokens_per_s(1) / 10)
+    result = simulate(two_node_cluster(), TOY, slow, two_node_plan(), workload=one_request(100, 2),
+                      duration_s=100.0, warmup_s=0.0, options=SimOptions(kv_capacity={"a": 160}))
+    r = result.requests[0]
+    compute = 2 * slow.profiles["a100"].prefill_time(100, 2)
+    assert r.ttft == pytest.approx(prompt_round_trip(100) - 2 * PROFILE.prefill_time(100, 2) + compute, rel=1e-12)
+    assert {n.name: n.kv_capacity_blocks for n in result.nodes}["a"] == 10

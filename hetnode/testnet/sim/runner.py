@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from hetnode.errors import ConfigError
@@ -54,6 +54,9 @@ class SimOptions:
     high_water: float | None = None  # the scheduler's KV high-water mark (None: the scheduler's default)
     queue_limit: int | None = None  # the scheduler's queue bound (None: its default)
     bin_s: float | None = None  # width of the time-series bins (None: about 1/150 of the run)
+    # Tokens of KV per node, where it is not what the profile's memory leaves beside the layers (a testnet
+    # node's --kv-cache-mb, say); nodes not named keep kv_tokens(profile memory, model, layers held).
+    kv_capacity: Mapping[str, int] | None = field(default=None, hash=False)
 
     def __post_init__(self) -> None:
         if self.prefill_chunk < 0 or self.max_batch_tokens < 1 or self.block_size < 1 or self.drain_s < 0:
@@ -118,7 +121,7 @@ def simulate(cluster: ClusterSpec, model: ModelSpec, profiles: ProfileTable, pla
             continue
         first, last = ranges[spec.name]
         profile = profiles.for_node(spec.name, spec.device)
-        cap = kv_tokens(profile.memory_bytes, model, last - first)
+        cap = (opts.kv_capacity or {}).get(spec.name, kv_tokens(profile.memory_bytes, model, last - first))
         kv_capacity[spec.name] = cap
         nodes.append(SimNode(len(nodes), spec.name, spec.device, profile, first, last, kv_capacity_tokens=cap,
                              block_size=opts.block_size, max_batch_tokens=opts.max_batch_tokens, window=window,
@@ -175,7 +178,8 @@ def simulate(cluster: ClusterSpec, model: ModelSpec, profiles: ProfileTable, pla
         "scheduler": scheduler_name, "profiles": profiles.source, "workload": workload.name,
         "workload_description": workload.description, "offline": workload.offline,
         "rate": None if workload.offline else workload.rate, "duration_s": duration_s, "warmup_s": warmup_s,
-        "seed": seed, "slos": dict(slos or {}), **{f"option_{k}": v for k, v in asdict(opts).items()},
+        "seed": seed, "slos": dict(slos or {}),
+        **{f"option_{k}": dict(v) if isinstance(v, Mapping) else v for k, v in asdict(opts).items()},
     }
     records = [_record(r, window) for r in coord.requests]
     node_stats = [_node_stats(n, end, window) for n in nodes]
