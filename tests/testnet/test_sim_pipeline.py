@@ -11,6 +11,7 @@ from sim_helpers import PROFILE, PROFILES, TOY, two_node_cluster, two_node_plan
 import hetnode.coordinator.routing as routing
 from hetnode.coordinator.scheduler import IwrrScheduler
 from hetnode.planner.model import TOKEN_BYTES
+from hetnode.planner.profile import ProfileTable
 from hetnode.testnet.sim import SimOptions, Workload, simulate
 from hetnode.testnet.sim.coordinator import SimulationError
 
@@ -190,7 +191,7 @@ def test_progress_bar_runs(capsys: pytest.CaptureFixture[str]) -> None:
 def test_a_prompt_waits_at_a_node_until_kv_is_released() -> None:
     from dataclasses import replace
 
-    from hetnode.planner.profile import ProfileTable, kv_tokens
+    from hetnode.planner.profile import kv_tokens
 
     # Room for 20 tokens of KV beside two layers: one block of 16. No KV limit in the scheduler, so the nodes'
     # own memory does the gating.
@@ -224,3 +225,16 @@ def test_dilated_profiles_and_kv_capacity_override() -> None:
     compute = 2 * slow.profiles["a100"].prefill_time(100, 2)
     assert r.ttft == pytest.approx(prompt_round_trip(100) - 2 * PROFILE.prefill_time(100, 2) + compute, rel=1e-12)
     assert {n.name: n.kv_capacity_blocks for n in result.nodes}["a"] == 10
+
+
+def test_offline_loop_skips_requests_the_scheduler_refuses() -> None:
+    from dataclasses import replace
+
+    memory = int(2 * TOY.layer_bytes + 40 * 2 * TOY.kv_bytes_per_token_layer) + 1  # 40 tokens of KV per node
+    small = ProfileTable("toy", {"a100": replace(PROFILE, memory_bytes=memory)}, source="test")
+    wl = Workload(name="off", inputs=(5, 500, 6), outputs=(4, 4, 4), offline=True, backlog=2)
+    result = simulate(two_node_cluster(), TOY, small, two_node_plan(), workload=wl, duration_s=10.0, warmup_s=1.0)
+    s = result.summary["requests"]
+    assert s["rejected_all"] > 0 and s["finished"] > 0
+    assert all(r.input_len == 500 for r in result.requests if r.rejected)
+    assert not any(r.input_len == 500 and r.finished for r in result.requests)

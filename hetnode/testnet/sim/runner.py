@@ -212,13 +212,17 @@ def _closed_loop(coord: SimCoordinator, workload: Workload, duration_s: float, m
     counter = [0]
 
     def top_up(now: float) -> None:
+        refused = 0
         while (now < duration_s and len(coord.waiting) < workload.backlog
                and coord.inflight + len(coord.waiting) < max_inflight):
             i = counter[0]
             counter[0] += 1
             r = SimRequest(i, now, workload.inputs[i % n], workload.outputs[i % n])
             coord.arrive(r, now)
-            if r.rejected:  # a scheduler that refuses rather than queues: try again when one finishes
+            # A refused request (too long for any pipeline, or a full queue) is skipped; a whole pass of the
+            # trace refused means nothing can be served now: try again when something finishes.
+            refused = refused + 1 if r.rejected else 0
+            if refused >= n:
                 break
 
     coord.on_finish = top_up
