@@ -51,8 +51,9 @@ def add_arguments(p: argparse.ArgumentParser, *, clusters: Sequence[str] = ()) -
     p.add_argument("--profile", default="auto", metavar="FILE|roofline|helix",
                    help="profile table: Helix's measured profiles, the roofline cost model, or a table file "
                         "(measured on the live testnet, say); default auto")
-    p.add_argument("--method", default="helix", choices=["helix", "petals", "swarm", "sp"],
-                   help="placement method of the runtime's planner (default: helix)")
+    p.add_argument("--method", default="helix", choices=["helix", "petals", "swarm", "sp", "sp+"],
+                   help="placement method of the runtime's planner: helix (MILP), or the baselines petals, swarm, sp "
+                        "(separate pipelines), sp+ (plus a mixed pipeline of the rest); default helix")
     p.add_argument("--plan", default=None, metavar="FILE",
                    help="use this plan (JSON from `hetnode plan --json`) instead of planning")
     p.add_argument("--scheduler", default="iwrr", choices=SCHEDULER_NAMES,
