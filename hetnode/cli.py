@@ -148,9 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="where T_j comes from: Helix's measured profiles, the roofline of the papers' GPU "
                          "tables, or a profile-table file (default: auto, helix where it measured the model "
                          "and every device type, roofline otherwise)")
-    pl.add_argument("--method", default="helix", choices=["helix", "petals", "swarm", "sp"],
-                    help="helix: MILP over the max-flow graph; petals, swarm, sp (separate pipelines): the "
-                         "papers' baselines (default: helix)")
+    pl.add_argument("--method", default="helix", choices=["helix", "petals", "swarm", "sp", "sp+"],
+                    help="helix: MILP over the max-flow graph; petals, swarm, sp (separate pipelines), sp+ "
+                         "(plus a mixed pipeline of the leftovers): the papers' baselines (default: helix)")
     pl.add_argument("--time-limit", type=_positive, default=None, metavar="S",
                     help="seconds the MILP solver may run (default: the planner's)")
     pl.add_argument("--no-partial", action="store_true",

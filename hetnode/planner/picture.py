@@ -62,6 +62,13 @@ class Curve:
 
 
 @dataclass(frozen=True)
+class Poly:
+    points: tuple[tuple[float, float], ...]
+    fill: str
+    opacity: float = 0.85
+
+
+@dataclass(frozen=True)
 class Text:
     x: float
     y: float
@@ -77,7 +84,7 @@ class Text:
 class Scene:
     width: float
     height: float
-    shapes: list[Rect | Curve | Text] = field(default_factory=list)
+    shapes: list[Rect | Curve | Poly | Text] = field(default_factory=list)
 
 
 def draw_plan(plan: PlacementPlan, cluster: ClusterSpec, path: str | Path, *,
@@ -191,7 +198,9 @@ def layout(plan: PlacementPlan, cluster: ClusterSpec, *, profiles: ProfileTable 
         region_a = cluster.coordinator_region if a in (SOURCE, SINK) else known[a].region
         region_b = cluster.coordinator_region if b in (SOURCE, SINK) else known[b].region
         color = CROSS if region_a != region_b else ENDS if SOURCE in (a, b) or SINK in (a, b) else INTRA
-        s.append(Curve(pts, width=1.0 + (MAX_EDGE_W - 1.0) * f / top_flow, color=color))
+        w = 1.0 + (MAX_EDGE_W - 1.0) * f / top_flow
+        s.append(Curve(pts, width=w, color=color))
+        s.append(_arrowhead(pts, 6.0 + w / 2, color))
         lx, ly = _bezier(pts, LABEL_AT)
         labels.append(Text(lx, ly + 4, _short(f), size=10.5, color=color, halo=True, bold=True))
 
@@ -244,6 +253,17 @@ def layout(plan: PlacementPlan, cluster: ClusterSpec, *, profiles: ProfileTable 
     return scene
 
 
+def _arrowhead(p: tuple[tuple[float, float], ...], size: float, color: str) -> Poly:
+    """A triangle at the end of a Bézier, pointing along its last tangent."""
+    (ax, ay), (bx, by) = p[2], p[3]
+    dx, dy = bx - ax, by - ay
+    norm = math.hypot(dx, dy) or 1.0
+    ux, uy = dx / norm, dy / norm
+    base = (bx - ux * size, by - uy * size)
+    return Poly(((bx, by), (base[0] - uy * size * 0.55, base[1] + ux * size * 0.55),
+                 (base[0] + uy * size * 0.55, base[1] - ux * size * 0.55)), fill=color)
+
+
 def _band_height(rows: int) -> float:
     return rows * ROW_H - (ROW_H - BOX_H) + 2 * BAND_PAD + 6
 
@@ -279,6 +299,9 @@ def _svg(scene: Scene) -> str:
             out.append(f'<path d="M {x0:.1f} {y0:.1f} C {x1:.1f} {y1:.1f}, {x2:.1f} {y2:.1f}, {x3:.1f} {y3:.1f}" '
                        f'fill="none" stroke="{shape.color}" stroke-width="{shape.width:.2f}" '
                        f'stroke-opacity="{shape.opacity}" stroke-linecap="round"/>')
+        elif isinstance(shape, Poly):
+            pts = " ".join(f"{x:.1f},{y:.1f}" for x, y in shape.points)
+            out.append(f'<polygon points="{pts}" fill="{shape.fill}" fill-opacity="{shape.opacity}"/>')
         else:
             attrs = (f'x="{shape.x:.1f}" y="{shape.y:.1f}" font-size="{shape.size}" text-anchor="{shape.anchor}" '
                      f'fill="{shape.color}"')
@@ -298,7 +321,7 @@ def _png(scene: Scene, path: Path) -> None:
         from matplotlib import patheffects
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
-        from matplotlib.patches import FancyBboxPatch, PathPatch
+        from matplotlib.patches import FancyBboxPatch, PathPatch, Polygon
         from matplotlib.path import Path as MplPath
     except ImportError as exc:  # pragma: no cover - matplotlib is a dependency, but keep the message useful
         raise ConfigError("a PNG picture needs matplotlib; write an .svg instead", file=str(path)) from exc
@@ -322,6 +345,9 @@ def _png(scene: Scene, path: Path) -> None:
             codes = [MplPath.MOVETO, MplPath.CURVE4, MplPath.CURVE4, MplPath.CURVE4]
             ax.add_patch(PathPatch(MplPath(list(shape.points), codes), facecolor="none", edgecolor=shape.color,
                                    alpha=shape.opacity, linewidth=shape.width * pt, capstyle="round", zorder=z))
+        elif isinstance(shape, Poly):
+            ax.add_patch(Polygon(list(shape.points), closed=True, facecolor=shape.fill, edgecolor="none",
+                                 alpha=shape.opacity, zorder=z))
         else:
             text = ax.text(shape.x, shape.y, shape.text, fontsize=shape.size * pt, ha=anchors[shape.anchor],
                            va="baseline", color=shape.color, fontweight="bold" if shape.bold else "normal",
