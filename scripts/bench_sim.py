@@ -5,7 +5,8 @@ The scenario is the issue's target: hetnode/testnet/clusters/helix-hetero.toml (
 types), LLaMA-2 70B with Helix's measured profiles, a plan from the runtime's planner (`--method`, default
 helix; or a plan JSON from `hetnode plan --json` with `--plan`), and 30 minutes of the Azure conversation trace
 (Helix's length filter) replayed online at `--rate` requests/s (default: Helix's online rate, 75% of the
-plan's max flow in requests of the trace's mean length), 30 s of warm-up, IWRR scheduling, then the drain.
+peak in requests of the trace's mean length; the peak measured by an untimed offline run, or with
+`--peak maxflow` the plan's max flow), 30 s of warm-up, IWRR scheduling, then the drain.
 Only `simulate` is timed (not planning or loading the trace): wall time and the CPU time of this process,
 against the target of 60 s on one core. `--cprofile N` also prints the N functions with the most own time.
 
@@ -32,6 +33,7 @@ from hetnode.planner.model import model_spec
 from hetnode.planner.plan import PlacementPlan
 from hetnode.planner.profile_sources import profile_table_for
 from hetnode.testnet.sim import helix_online_rate, load_trace, replay, simulate
+from hetnode.testnet.sim.runner import measured_peak
 
 TARGET_S = 60.0  # the whole 30-minute run, on one core
 CLUSTER_FILE = Path(__file__).resolve().parents[1] / "hetnode" / "testnet" / "clusters" / "helix-hetero.toml"
@@ -50,15 +52,23 @@ def make_plan(cluster: Any, model: Any, profiles: Any, method: str, time_limit: 
     return plan, time.perf_counter() - t0
 
 
-def run_benchmark(*, method: str = "helix", rate: float | None = None, duration_s: float = 1800.0,
-                  warmup_s: float = 30.0, time_limit: float | None = None, plan_path: str | None = None,
-                  cprofile: int = 0, seed: int = 0) -> dict[str, Any]:
+def run_benchmark(*, method: str = "helix", rate: float | None = None, peak: str = "measured",
+                  duration_s: float = 1800.0, warmup_s: float = 30.0, time_limit: float | None = None,
+                  plan_path: str | None = None, cprofile: int = 0, seed: int = 0) -> dict[str, Any]:
     cluster = load_cluster(CLUSTER_FILE)
     model = model_spec("llama-70b")
     profiles = profile_table_for(cluster, model, "auto")
     plan, plan_s = make_plan(cluster, model, profiles, method, time_limit, plan_path)
     trace = load_trace("conv")
-    rate = rate or helix_online_rate(plan.max_flow, trace.mean_input, trace.mean_output)
+    peak_tokens_s = None
+    if rate is None:
+        if peak == "maxflow":
+            peak_tokens_s = plan.max_flow
+        else:  # an offline run of the same configuration, a third as long as the online one (at most 600 s)
+            offline_s = min(600.0, duration_s / 3)
+            peak_tokens_s = measured_peak(cluster, model, profiles, plan, trace=trace, seed=seed,
+                                          duration_s=offline_s, warmup_s=offline_s / 10)
+        rate = helix_online_rate(peak_tokens_s, trace.mean_input, trace.mean_output)
     workload = replay(trace, rate=rate, duration_s=duration_s)
 
     profiler = cProfile.Profile() if cprofile else None
@@ -76,7 +86,8 @@ def run_benchmark(*, method: str = "helix", rate: float | None = None, duration_
     out: dict[str, Any] = {
         "cluster": cluster.name, "nodes": len(cluster.nodes), "model": model.name, "profiles": profiles.source,
         "method": plan.method, "plan_nodes": len(plan.placements), "plan_max_flow": plan.max_flow,
-        "plan_s": plan_s, "trace": trace.source, "rate": rate, "duration_s": duration_s,
+        "plan_s": plan_s, "trace": trace.source, "peak": None if peak_tokens_s is None else peak,
+        "peak_tokens_s": peak_tokens_s, "rate": rate, "duration_s": duration_s,
         "requests": len(result.requests), "finished": sum(1 for r in result.requests if r.finished),
         "rejected": s["requests"]["rejected_all"], "generated_tokens": tokens, "item_hops": hops,
         "events": result.events, "sim_end_s": result.sim_end_s, "wall_s": wall, "cpu_s": cpu,
@@ -101,7 +112,10 @@ def main() -> None:
     parser.add_argument("--plan", default=None, help="a plan JSON (hetnode plan --json) instead of planning")
     parser.add_argument("--time-limit", type=float, default=None, help="seconds for the placement MILP")
     parser.add_argument("--rate", type=float, default=None,
-                        help="requests/s (default: Helix's online rate, 75%% of the plan's max flow)")
+                        help="requests/s (default: Helix's online rate, 75%% of the peak)")
+    parser.add_argument("--peak", default="measured", choices=["measured", "maxflow"],
+                        help="without --rate: the peak measured by an offline run (untimed), or the plan's max "
+                             "flow (an upper bound; 75%% of it overloads the cluster)")
     parser.add_argument("--duration", type=float, default=1800.0, help="simulated seconds of arrivals")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="2 simulated minutes of a Petals plan: a smoke run")
@@ -112,13 +126,16 @@ def main() -> None:
         args.duration = 120.0
         if args.plan is None:
             args.method = "petals"
-    r = run_benchmark(method=args.method, rate=args.rate, duration_s=args.duration, time_limit=args.time_limit,
-                      plan_path=args.plan, cprofile=args.cprofile, seed=args.seed)
+    r = run_benchmark(method=args.method, rate=args.rate, peak=args.peak, duration_s=args.duration,
+                      time_limit=args.time_limit, plan_path=args.plan, cprofile=args.cprofile, seed=args.seed)
     if args.json:
         print(json.dumps(r, indent=2))
         return
     print(f"{r['cluster']}: {r['nodes']} nodes, {r['model']}; {r['method']} plan over {r['plan_nodes']} nodes, "
           f"max flow {r['plan_max_flow']:.0f} tokens/s (planned in {r['plan_s']:.1f} s)")
+    if r["peak"] is not None:
+        how = "measured by an offline run" if r["peak"] == "measured" else "the plan's max flow"
+        print(f"rate: 75% of a peak of {r['peak_tokens_s']:.0f} tokens/s ({how})")
     print(f"workload: {r['duration_s']:g} s of {r['trace']} at {r['rate']:.3g} req/s: {r['requests']} requests "
           f"({r['finished']} finished, {r['rejected']} refused by the scheduler), {r['generated_tokens']:,} tokens "
           f"generated, {r['item_hops']:,} item-hops through nodes, {r['events']:,} events, "

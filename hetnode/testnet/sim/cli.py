@@ -3,8 +3,10 @@
     hetnode sim --cluster helix-hetero --model llama-70b --method helix --trace conv --duration 1800 --plots out/
 
 The load is `--rate R` requests/s, `--offline` (a saturating closed loop), or by default Helix's online
-setting: `--load 0.75` of the plan's max flow, in requests of the trace's mean length. `hetnode.cli` adds the
-subcommand with `add_arguments` and calls `run`; this module imports nothing heavy until `run`.
+setting: `--load 0.75` of the peak, in requests of the trace's mean length; the peak is measured by an offline
+run of the same plan and scheduler (`--peak measured`) or taken to be the plan's max flow (`--peak maxflow`).
+`hetnode.cli` adds the subcommand with `add_arguments` and calls `run`; this module imports nothing heavy
+until `run`.
 """
 
 from __future__ import annotations
@@ -70,7 +72,11 @@ def add_arguments(p: argparse.ArgumentParser, *, clusters: Sequence[str] = ()) -
     load.add_argument("--offline", action="store_true",
                       help="offline serving: a closed loop that keeps the scheduler's queue non-empty")
     load.add_argument("--load", type=_positive, default=0.75, metavar="F",
-                      help="without --rate: this share of the plan's max flow (default: 0.75, Helix's online)")
+                      help="without --rate: this share of the peak (default: 0.75, Helix's online setting)")
+    p.add_argument("--peak", default="measured", choices=["measured", "maxflow"],
+                   help="without --rate, the peak that --load scales: measured by an offline run of the same "
+                        "plan and scheduler (10 simulated minutes), or the plan's max flow, an upper bound that "
+                        "per-request pipelines seldom reach (default: measured)")
     p.add_argument("--duration", type=_positive, default=None, metavar="S",
                    help="simulated seconds of arrivals (default: 1800 online, 600 offline, as Helix)")
     p.add_argument("--warmup", type=_non_negative, default=None, metavar="S",
@@ -117,7 +123,7 @@ def run(args: argparse.Namespace, *, clusters_dir: Path) -> int:
     from hetnode.planner.plan import PlacementPlan
     from hetnode.planner.profile_sources import profile_table_for
     from hetnode.testnet.sim import workload as wl
-    from hetnode.testnet.sim.runner import SimOptions, simulate
+    from hetnode.testnet.sim.runner import SimOptions, measured_peak, simulate
 
     cluster = load_cluster(resolve_cluster(args.cluster, clusters_dir))
     model = model_spec(args.model)
@@ -130,10 +136,10 @@ def run(args: argparse.Namespace, *, clusters_dir: Path) -> int:
     else:
         from hetnode.planner.placement import PlannerOptions, plan_placement
 
-        options = PlannerOptions(partial_inference=not args.no_partial,
-                                 **({"time_limit_s": args.time_limit} if args.time_limit else {}))
+        planning = PlannerOptions(partial_inference=not args.no_partial,
+                                  **({"time_limit_s": args.time_limit} if args.time_limit else {}))
         _say(args, f"planning {model.name} on {cluster.name} ({args.method}) ...")
-        plan = plan_placement(cluster, model, profiles, method=args.method, options=options)
+        plan = plan_placement(cluster, model, profiles, method=args.method, options=planning)
     _say(args, f"plan: {plan.method}, {len(plan.placements)} nodes, max flow {plan.max_flow:.1f} tokens/s")
 
     trace = wl.load_trace(args.trace, length_filter=not args.no_length_filter)
@@ -143,21 +149,30 @@ def run(args: argparse.Namespace, *, clusters_dir: Path) -> int:
     if warmup >= duration:
         raise ConfigError(f"the warm-up ({warmup:g} s) must be shorter than the duration ({duration:g} s)",
                           key="--warmup")
-    if args.offline:
-        workload = wl.offline(trace)
-    else:
-        rate = args.rate or wl.helix_online_rate(plan.max_flow, trace.mean_input, trace.mean_output, args.load)
-        if args.poisson:
-            workload = wl.poisson(rate, lengths=trace, duration_s=duration, seed=args.seed)
-        else:
-            workload = wl.replay(trace, rate=rate, duration_s=duration)
-    _say(args, f"workload: {workload.description}")
     slos = {k: v for k, v in (("ttft", args.slo_ttft), ("tpot", args.slo_tpot), ("e2e", args.slo_e2e)) if v}
     try:
         options = SimOptions(prefill_chunk=args.prefill_chunk, max_batch_tokens=args.max_batch_tokens,
                              high_water=args.high_water)
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
+    if args.offline:
+        workload = wl.offline(trace)
+    else:
+        rate = args.rate
+        if rate is None:
+            if args.peak == "maxflow":
+                peak = plan.max_flow
+                _say(args, f"peak: the plan's max flow, {peak:.1f} tokens/s")
+            else:
+                peak = measured_peak(cluster, model, profiles, plan, trace=trace, scheduler=args.scheduler,
+                                     seed=args.seed, options=options)
+                _say(args, f"peak: {peak:.1f} tokens/s (prompt + generated), measured by an offline run")
+            rate = wl.helix_online_rate(peak, trace.mean_input, trace.mean_output, args.load)
+        if args.poisson:
+            workload = wl.poisson(rate, lengths=trace, duration_s=duration, seed=args.seed)
+        else:
+            workload = wl.replay(trace, rate=rate, duration_s=duration)
+    _say(args, f"workload: {workload.description}")
     progress = args.progress == "on" or (args.progress == "auto" and sys.stderr.isatty())
     result = simulate(cluster, model, profiles, plan, workload=workload, scheduler=args.scheduler,
                       duration_s=duration, warmup_s=warmup, seed=args.seed, slos=slos, progress=progress,

@@ -37,7 +37,7 @@ from hetnode.testnet.sim.metrics import (
     slo_attainment,
 )
 from hetnode.testnet.sim.node import SimNode
-from hetnode.testnet.sim.workload import Workload
+from hetnode.testnet.sim.workload import Trace, Workload, offline
 
 SCHEDULERS = ("iwrr", "random", "shortest-queue", "swarm")
 NAN = math.nan
@@ -196,6 +196,20 @@ def simulate(cluster: ClusterSpec, model: ModelSpec, profiles: ProfileTable, pla
     summary = _summary(records, node_stats, link_stats, coord, window, slos or {})
     return SimResult(config=config, summary=summary, requests=records, nodes=node_stats, links=link_stats,
                      timeseries=series, wall_s=wall, events=sim.processed, sim_end_s=end)
+
+
+def measured_peak(cluster: ClusterSpec, model: ModelSpec, profiles: ProfileTable, plan: PlacementPlan, *,
+                  trace: Trace, scheduler: str = "iwrr", duration_s: float = 600.0, warmup_s: float = 60.0,
+                  seed: int = 0, options: SimOptions | None = None) -> float:
+    """The cluster's peak in tokens/s (prompt + generated) as an offline run of this configuration measures
+    it: Helix §6.2's "peak throughput", which the online setting loads to 75%. (The plan's max flow assumes
+    every node runs full decode batches; per-request pipelines rarely do, so it is an upper bound.)"""
+    result = simulate(cluster, model, profiles, plan, workload=offline(trace), scheduler=scheduler,
+                      duration_s=duration_s, warmup_s=warmup_s, seed=seed, options=options)
+    peak: float = result.summary["decode_throughput"] + result.summary["prompt_throughput"]
+    if not peak > 0:
+        raise ConfigError(f"an offline run of the {plan.method} plan served nothing: no peak to scale to")
+    return peak
 
 
 # -- workload drivers -----------------------------------------------------------------------------------------
