@@ -77,3 +77,16 @@ def test_sim_configuration_mistakes_exit_2(setup: tuple[Path, Path], capsys: pyt
                  "--plan", str(plan), "--trace", "nothing.csv"]) == 2
     assert main(["sim", "--cluster", str(cluster), "--model", "llama3-8b", "--profile", "roofline",
                  "--plan", str(plan), "--duration", "10", "--warmup", "20"]) == 2
+
+
+@pytest.mark.parametrize("peak", ["measured", "maxflow"])
+def test_sim_online_rate_from_the_peak(setup: tuple[Path, Path], peak: str, capsys: pytest.CaptureFixture[str]) -> None:
+    cluster, plan = setup
+    code = main(["sim", "--cluster", str(cluster), "--model", "llama3-8b", "--profile", "roofline", "--plan", str(plan),
+                 "--duration", "30", "--warmup", "5", "--peak", peak, "--json", "--progress", "off"])
+    assert code == 0
+    captured = capsys.readouterr()
+    out = json.loads(captured.out)
+    assert "peak:" in captured.err and out["config"]["rate"] > 0
+    if peak == "maxflow":  # 75% of 500 tokens/s in requests of the trace's mean length
+        assert "max flow" in captured.err
