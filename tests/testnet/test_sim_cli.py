@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -90,3 +91,24 @@ def test_sim_online_rate_from_the_peak(setup: tuple[Path, Path], peak: str, caps
     assert "peak:" in captured.err and out["config"]["rate"] > 0
     if peak == "maxflow":  # 75% of 500 tokens/s in requests of the trace's mean length
         assert "max flow" in captured.err
+
+
+def test_sim_plans_with_the_runtime_planner(setup: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    import hetnode.planner.placement as placement
+
+    calls: list[str] = []
+    real = placement.plan_placement
+
+    def spy(*args: Any, **kwargs: Any) -> PlacementPlan:
+        calls.append(kwargs["method"])
+        plan: PlacementPlan = real(*args, **kwargs)
+        return plan
+
+    monkeypatch.setattr(placement, "plan_placement", spy)
+    cluster, _ = setup
+    code = main(["sim", "--cluster", str(cluster), "--model", "llama3-8b", "--profile", "roofline", "--method",
+                 "petals", "--rate", "0.5", "--duration", "20", "--warmup", "2", "--json", "--progress", "off"])
+    assert code == 0 and calls == ["petals"]
+    out = json.loads(capsys.readouterr().out)
+    assert out["config"]["method"] == "petals" and out["summary"]["requests"]["arrived"] == 10
