@@ -58,7 +58,8 @@ def test_format_plan_tables() -> None:
     assert f"edges carrying flow ({len(carrying_edges(PLAN))}):" in text
     assert re.search(r"^source\s+a100-0\s", text, re.M)
     assert re.search(r"^a100-3\s+sink\s", text, re.M)
-    assert re.search(r"^t4-0\s+a100-1\s.*eu -> us$", text, re.M)  # crosses regions
+    # Which eu node hands over to the us side depends on the flow decomposition; some edge must cross.
+    assert re.search(r"^(l4-0|t4-0)\s+a100-[0-3]\s.*eu -> us$", text, re.M)
     assert re.search(r"^source\s+l4-0\s.*us -> eu$", text, re.M)
     assert f"max flow     {PLAN.max_flow:,.1f} tokens/s" in text
     assert "upper bound  5,000.0 tokens/s" in text
