@@ -41,7 +41,11 @@ PLAN = make_plan()
 
 
 def test_format_plan_tables() -> None:
-    text = format_plan(PLAN, CLUSTER, profiles=PROFILES, model=MODEL)
+    # A little flow through the eu nodes too, so the report has region-crossing edges to show (which of the
+    # equally maximal flows the max-flow algorithm returns is not this test's business).
+    plan = replace(PLAN, flows={**PLAN.flows, (SOURCE, "l4-0"): 10.0, ("l4-0", "t4-0"): 10.0,
+                                ("t4-0", "a100-1"): 10.0})
+    text = format_plan(plan, CLUSTER, profiles=PROFILES, model=MODEL)
     lines = text.splitlines()
     assert lines[0] == "Plan for llama-30b on two-regions: method helix, partial inference on, 60 layers"
     header = next(line for line in lines if line.startswith("node "))
@@ -55,11 +59,10 @@ def test_format_plan_tables() -> None:
     order = [line.split()[0] for line in lines[3:9]]
     assert order == ["l4-0", "a100-0", "t4-0", "a100-1", "a100-2", "a100-3"]
     assert "holding no layers (1): t4-9" in text
-    assert f"edges carrying flow ({len(carrying_edges(PLAN))}):" in text
+    assert f"edges carrying flow ({len(carrying_edges(plan))}):" in text
     assert re.search(r"^source\s+a100-0\s", text, re.M)
     assert re.search(r"^a100-3\s+sink\s", text, re.M)
-    # Which eu node hands over to the us side depends on the flow decomposition; some edge must cross.
-    assert re.search(r"^(l4-0|t4-0)\s+a100-[0-3]\s.*eu -> us$", text, re.M)
+    assert re.search(r"^t4-0\s+a100-1\s.*eu -> us$", text, re.M)  # crosses regions
     assert re.search(r"^source\s+l4-0\s.*us -> eu$", text, re.M)
     assert f"max flow     {PLAN.max_flow:,.1f} tokens/s" in text
     assert "upper bound  5,000.0 tokens/s" in text
@@ -89,7 +92,7 @@ def test_layout_follows_first_layer_and_region() -> None:
     shapes = scene.shapes
     for i, shape in enumerate(shapes):
         if isinstance(shape, Text) and shape.text in RANGES and shape.bold:
-            boxes[shape.text] = next(s for s in reversed(shapes[:i]) if isinstance(s, Rect) and s.w > 100)
+            boxes[shape.text] = next(s for s in reversed(shapes[:i]) if isinstance(s, Rect) and s.w > 100 and s.h > 10)
     assert set(boxes) == set(RANGES)
     for a, ra in RANGES.items():
         for b, rb in RANGES.items():
