@@ -1,6 +1,10 @@
 """Where one generation stands: which item to run next (prefill chunks, then one decode token at a time), and
 when it is finished. Both generators (local and pipeline) drive sessions with it, so they cannot disagree on
 positions, chunking or stopping.
+
+A generation that loses its pipeline moves to another one under a new session id (`restart`): the new pipeline
+holds no KV, so the cursor prefills the prompt plus every token generated so far, in chunks, and samples only
+after the last chunk; that sample is the next token of the same stream.
 """
 
 from __future__ import annotations
@@ -25,18 +29,33 @@ class SessionCursor:
         self.generated: list[int] = []
         self.finished = False
         self.finish_reason = ""
+        # Tokens to prefill before decoding: the prompt, or after a restart the prompt and the generated tokens.
+        self._prefill_end = len(self.prompt)
+
+    def restart(self, session: SessionId) -> None:
+        """Start over on a pipeline that holds nothing for this generation, under a new session id."""
+        if self.finished:
+            raise RuntimeError("the session is finished")
+        self.session = session
+        self.position = 0
+        self._prefill_end = len(self.prompt) + len(self.generated)
 
     def next_item(self) -> StepItem:
         """The next item to send to the first stage."""
         if self.finished:
             raise RuntimeError("the session is finished")
-        if self.position < len(self.prompt):
-            chunk = self.prompt[self.position:self.position + self.prefill_chunk]
-            last = self.position + len(chunk) == len(self.prompt)
-            return StepItem(self.session, self.position, token_ids=chunk,
+        if self.position < self._prefill_end:
+            end = min(self.position + self.prefill_chunk, self._prefill_end)
+            last = end == self._prefill_end
+            return StepItem(self.session, self.position, token_ids=self._tokens(self.position, end),
                             sampling=self.params.sampling if last else None)
         return StepItem(self.session, self.position, token_ids=[self.generated[-1]],
                         sampling=self.params.sampling)
+
+    def _tokens(self, start: int, end: int) -> list[int]:
+        """Positions [start, end) of the prompt followed by the generated tokens."""
+        n = len(self.prompt)
+        return self.prompt[start:end] + self.generated[max(0, start - n):max(0, end - n)]
 
     def advance(self, item: StepItem, token: int | None, stopped: bool) -> bool:
         """Record the result of `item`; True when a token came out of it."""
