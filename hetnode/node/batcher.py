@@ -4,6 +4,8 @@ Work arrives on a bounded channel, so a full node pushes back on its senders ins
 loop waits for the first item, then drains whatever else is already queued (never waiting for more), up to
 the step's token budget, and runs one engine step in the device's worker thread (CapacityLimiter(1): the
 engine is not thread-safe). Results go to `deliver`; items that cannot run go to `fail` with a reason.
+`stop` ends the loop without stranding anyone: the step under way completes and delivers, and every item still
+queued goes to `fail`, so its requester hears about it instead of waiting for an answer that never comes.
 
 The node's network stage and the single-process `LocalGenerator` both drive an engine through this loop.
 """
@@ -59,6 +61,8 @@ class BatchLoop:
         self.kv = engine.kv_usage()
         self._idle = trio.Event()
         self._busy = False
+        self._stopping: str | None = None
+        self._stopped = trio.Event()
 
     async def wait_idle(self) -> None:
         """Until nothing is queued, deferred or waiting to be released (tests and graceful shutdown)."""
@@ -67,15 +71,21 @@ class BatchLoop:
             await idle.wait()
 
     def _is_idle(self) -> bool:
+        if self._stopped.is_set():
+            return True
         return (not self._busy and not self._deferred and not self._releases
                 and self._recv.statistics().current_buffer_used == 0)
 
     # -- producers ---------------------------------------------------------------------------------------
 
     async def submit(self, work: Work) -> None:
-        """Queue one item (waits while the queue is full)."""
+        """Queue one item (waits while the queue is full); trio.ClosedResourceError once the loop is stopping."""
         self.queued_tokens += work.item.num_tokens
-        await self._send.send(work)
+        try:
+            await self._send.send(work)
+        except trio.ClosedResourceError:
+            self.queued_tokens -= work.item.num_tokens
+            raise
 
     def release(self, session: SessionId) -> None:
         """Free the session's KV before the next step, and drop its work still queued."""
@@ -89,17 +99,50 @@ class BatchLoop:
 
     # -- the loop ----------------------------------------------------------------------------------------
 
+    async def stop(self, reason: str) -> None:
+        """Take no more work, finish the step under way, fail what is still queued with `reason`; returns when
+        the loop has ended."""
+        if self._stopping is None:
+            self._stopping = reason
+            self._send.close()  # wakes an idle loop, and refuses later submits
+        await self._stopped.wait()
+
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
+        try:
+            while self._stopping is None:
+                if self._is_idle():
+                    self._idle.set()
+                try:
+                    batch = await self._next_batch()
+                except trio.EndOfChannel:
+                    break
+                self._busy = True
+                try:
+                    await self._run_step(batch)
+                finally:
+                    self._busy = False
+            await self._fail_pending(self._stopping or "the batch loop stopped")
+        finally:
+            self._stopped.set()
+            self._idle.set()
+
+    async def _fail_pending(self, reason: str) -> None:
+        pending, self._deferred = list(self._deferred), deque()
         while True:
-            if self._is_idle():
-                self._idle.set()
-            batch = await self._next_batch()
-            self._busy = True
             try:
-                await self._run_step(batch)
-            finally:
-                self._busy = False
+                work = self._recv.receive_nowait()
+            except (trio.WouldBlock, trio.EndOfChannel):
+                break
+            if work is not None:
+                self.queued_tokens -= work.item.num_tokens
+                pending.append(work)
+        for work in pending:
+            if work.item.session not in self._released:
+                await self._fail(work, reason)
+        releases, self._releases = self._releases, []
+        if releases:
+            await trio.to_thread.run_sync(self._release_sync, releases, limiter=self._limiter)
 
     async def _run_step(self, batch: list[Work]) -> None:
         releases, self._releases = self._releases, []
@@ -133,7 +176,7 @@ class BatchLoop:
         while True:
             try:
                 work = self._recv.receive_nowait()
-            except trio.WouldBlock:
+            except (trio.WouldBlock, trio.EndOfChannel):
                 break
             if work is not None:
                 self.queued_tokens -= work.item.num_tokens

@@ -1,0 +1,88 @@
+"""The batch loop's stop: what was running is delivered, what was waiting is failed, nothing is left hanging."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+import pytest
+import trio
+import trio.testing
+
+from hetnode.ids import SessionId
+from hetnode.kv import KVUsage
+from hetnode.node.batcher import BatchLoop, Work
+from hetnode.node.engine.base import EngineConfig, ItemResult, StepItem
+
+
+class _GatedEngine:
+    """Steps block (in the worker thread) until the test opens the gate."""
+
+    engine_config = EngineConfig()
+
+    def __init__(self) -> None:
+        self.entered = threading.Event()
+        self.gate = threading.Event()
+        self.steps: list[list[SessionId]] = []
+
+    def step(self, items: Sequence[StepItem]) -> list[ItemResult]:
+        self.steps.append([it.session for it in items])
+        self.entered.set()
+        self.gate.wait(10)
+        return [ItemResult(it.session, token=1) for it in items]
+
+    def release(self, session: SessionId) -> int:
+        return 0
+
+    def kv_usage(self) -> KVUsage:
+        return KVUsage(block_size=16, total_blocks=8, used_blocks=0, free_blocks=8, sessions=0, tokens=0)
+
+
+def work(session: str) -> Work:
+    return Work(StepItem(SessionId(session), 0, token_ids=[1, 2]))
+
+
+async def test_stop_finishes_the_step_under_way_and_fails_what_waits() -> None:
+    engine = _GatedEngine()
+    delivered: list[SessionId] = []
+    failed: list[tuple[SessionId, str]] = []
+
+    async def deliver(done: list[tuple[Work, ItemResult]]) -> None:
+        delivered.extend(w.item.session for w, _ in done)
+
+    async def fail(w: Work, reason: str) -> None:
+        failed.append((w.item.session, reason))
+
+    loop = BatchLoop(engine, deliver=deliver, fail=fail)  # type: ignore[arg-type]
+    async with trio.open_nursery() as nursery:
+        await nursery.start(loop.run)
+        await loop.submit(work("running"))
+        await trio.to_thread.run_sync(engine.entered.wait)
+        await loop.submit(work("queued-1"))
+        await loop.submit(work("queued-2"))
+        loop.release(SessionId("queued-2"))  # released work is dropped, not failed
+        await loop.submit(work("queued-3"))
+        async with trio.open_nursery() as stopping:
+            stopping.start_soon(loop.stop, "shard replaced")
+            await trio.testing.wait_all_tasks_blocked()
+            engine.gate.set()
+        # The loop task ended by itself: the outer nursery exits without a cancel.
+    assert engine.steps == [[SessionId("running")]]
+    assert delivered == [SessionId("running")]
+    assert failed == [(SessionId("queued-1"), "shard replaced"), (SessionId("queued-3"), "shard replaced")]
+    with pytest.raises(trio.ClosedResourceError):
+        await loop.submit(work("late"))
+    assert loop.queued_tokens == 0
+    await loop.wait_idle()
+
+
+async def test_stop_of_an_idle_loop_returns_at_once() -> None:
+    async def nothing(*_: object) -> None:
+        raise AssertionError("nothing ran")
+
+    loop = BatchLoop(_GatedEngine(), deliver=nothing, fail=nothing)  # type: ignore[arg-type]
+    async with trio.open_nursery() as nursery:
+        await nursery.start(loop.run)
+        with trio.fail_after(5):
+            await loop.stop("idle")
+            await loop.stop("again")  # idempotent
