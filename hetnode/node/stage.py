@@ -1,10 +1,15 @@
 """A node's part of the data path: hold the assigned layers, run what arrives, pass the result on.
 
 An Assignment names a model and a layer range; the node loads only that shard (in the worker thread) and
-reports ready. Forward messages become batch-loop work; after a step, a middle stage streams each item's
-hidden states to the next stage of that item's own route, and the last stage returns the sampled token (or
-ChunkDone for a prefill chunk that does not sample) to the coordinator. Anything that cannot run gets a
-StageFailed back to the coordinator with the reason; Release frees a session's KV.
+reports ready. A new layer range is loaded beside the old shard, which goes on serving the old plan's requests
+meanwhile (many finish on it); then the new shard takes over and the old one's queued work gets StageFailed
+("shard replaced"), so those requests move to the new plan at once instead of waiting out a timeout. Only when
+both shards do not fit is the old one dropped first.
+
+Forward messages become batch-loop work; after a step, a middle stage streams each item's hidden states to the
+next stage of that item's own route, and the last stage returns the sampled token (or ChunkDone for a prefill
+chunk that does not sample) to the coordinator. Anything that cannot run gets a StageFailed back to the
+coordinator with the reason; Release frees a session's KV.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 
+import torch
 import trio
 
 from hetnode.errors import HetnodeError
@@ -39,6 +45,7 @@ log = logging.getLogger(__name__)
 
 ReportStatus = Callable[[AssignmentStatus], Awaitable[None]]
 PaceFactory = Callable[[TorchEngine], Pace | None]
+_RETIRE_TIMEOUT_S = 30.0
 
 
 def sampling_params(s: Sampling) -> SamplingParams:
@@ -87,24 +94,34 @@ class StageServer:
     async def assign(self, a: Assignment, report: ReportStatus) -> None:
         """Serve `a`: (re)load the shard if it changed, then report ready or failed."""
         async with self._assign_lock:
-            current = self.assignment
+            current = self.assignment  # what the engine serves
             same = (current is not None and self.engine is not None and current.model == a.model
                     and (current.first_layer, current.last_layer) == (a.first_layer, a.last_layer))
-            self.assignment = a
             if same or a.role == "idle":
+                self.assignment = a
                 if a.role == "idle":
-                    await self._unload()
+                    await self._unload(f"this node is idle under plan {a.plan_version}")
                 await report(AssignmentStatus(plan_version=a.plan_version, state="ready"))
                 return
-            await self._unload()
             await report(AssignmentStatus(plan_version=a.plan_version, state="loading"))
+            reason = f"shard replaced by layers [{a.first_layer}, {a.last_layer}) for plan {a.plan_version}"
             try:
-                engine = await trio.to_thread.run_sync(self._load_engine, a)
-            except (HetnodeError, OSError, ValueError, RuntimeError) as exc:
+                try:
+                    engine = await trio.to_thread.run_sync(self._load_engine, a)
+                except (MemoryError, torch.OutOfMemoryError):
+                    if self.engine is None:
+                        raise
+                    log.info("layers [%d, %d) do not fit beside the old shard; dropping it first",
+                             a.first_layer, a.last_layer)
+                    await self._unload(reason)
+                    engine = await trio.to_thread.run_sync(self._load_engine, a)
+            except (HetnodeError, OSError, ValueError, RuntimeError, MemoryError) as exc:
+                # The old shard (if any) stays: the old plan's requests on it can still finish.
                 log.error("loading layers [%d, %d) of %s failed: %s", a.first_layer, a.last_layer, a.model, exc)
                 await report(AssignmentStatus(plan_version=a.plan_version, state="failed", detail=str(exc)))
                 return
-            self.engine = engine
+            old_engine, old_loop, old_scope = self.engine, self.loop, self._loop_scope
+            self.assignment, self.engine = a, engine
             self.loop = BatchLoop(engine, deliver=self._deliver, fail=self._fail,
                                   pace=self.pace_factory(engine) if self.pace_factory else None)
             assert self._nursery is not None
@@ -112,6 +129,7 @@ class StageServer:
             log.info("serving layers [%d, %d) of %s (plan %d)", a.first_layer, a.last_layer, a.model,
                      a.plan_version)
             await report(AssignmentStatus(plan_version=a.plan_version, state="ready"))
+            await self._retire(old_engine, old_loop, old_scope, reason)
 
     def _load_engine(self, a: Assignment) -> TorchEngine:
         return TorchEngine.load(a.model, a.first_layer, a.last_layer, device=self.device, dtype=self.dtype,
@@ -122,13 +140,21 @@ class StageServer:
             task_status.started(scope)
             await loop.run()
 
-    async def _unload(self) -> None:
-        if self._loop_scope is not None:
-            self._loop_scope.cancel()
-            self._loop_scope = None
-        self.loop = None
-        if self.engine is not None:
-            engine, self.engine = self.engine, None
+    async def _unload(self, reason: str) -> None:
+        engine, loop, scope = self.engine, self.loop, self._loop_scope
+        self.engine, self.loop, self._loop_scope = None, None, None
+        await self._retire(engine, loop, scope, reason)
+
+    async def _retire(self, engine: TorchEngine | None, loop: BatchLoop | None, scope: trio.CancelScope | None,
+                      reason: str) -> None:
+        """Stop a shard that is no longer current: its step under way finishes, its queued work fails."""
+        if loop is not None:
+            # Bounded: a step is seconds at most; a loop stuck past that is cancelled, its work lost.
+            with trio.move_on_after(_RETIRE_TIMEOUT_S):
+                await loop.stop(reason)
+        if scope is not None:
+            scope.cancel()
+        if engine is not None:
             await trio.to_thread.run_sync(engine.close)
 
     # -- messages ----------------------------------------------------------------------------------------
@@ -171,7 +197,10 @@ class StageServer:
             item = StepItem(session, fwd.start, token_ids=tensor.tolist(), sampling=sampling)
         else:
             item = StepItem(session, fwd.start, hidden=tensor.to(engine.dtype), sampling=sampling)
-        await loop.submit(Work(item, fwd))
+        try:
+            await loop.submit(Work(item, fwd))
+        except trio.ClosedResourceError:
+            await self._report_failure(fwd, "shard replaced while the item waited (plan changed)")
 
     async def _deliver(self, done: Sequence[tuple[Work, ItemResult]]) -> None:
         for work, result in done:
@@ -192,17 +221,19 @@ class StageServer:
                         top_logprobs=list(result.top_logprobs) if result.top_logprobs else None,
                         stopped=result.stopped))
             except HetnodeError as exc:
-                await self._report_failure(fwd, f"could not pass the result on: {exc}")
+                nxt_peer = fwd.route[fwd.stage + 1].peer if fwd.stage + 1 < len(fwd.route) else fwd.reply_to
+                await self._report_failure(fwd, f"could not pass the result on: {exc}", unreachable=nxt_peer)
 
     async def _fail(self, work: Work, reason: str) -> None:
         await self._report_failure(work.ctx, reason)
 
-    async def _report_failure(self, fwd: Forward, reason: str) -> None:
+    async def _report_failure(self, fwd: Forward, reason: str, unreachable: str = "") -> None:
         log.warning("session %s at position %d failed here: %s", fwd.session, fwd.start, reason)
         if self.loop is not None:
             self.loop.release(SessionId(fwd.session))
         try:
             await self.mailbox.send(NodeId(fwd.reply_to), StageFailed(
-                session=fwd.session, start=fwd.start, stage_peer=self.transport.peer_id, reason=reason))
+                session=fwd.session, start=fwd.start, stage_peer=self.transport.peer_id, reason=reason,
+                unreachable=unreachable))
         except HetnodeError as exc:
             log.warning("could not report the failure to %s: %s", fwd.reply_to, exc)

@@ -266,10 +266,13 @@ class ChunkDone(_Msg, tag="chunk_done", frozen=True, kw_only=True):
 
 
 class StageFailed(_Msg, tag="stage_failed", frozen=True, kw_only=True):
+    """`stage_peer` could not run the item (or pass its result on); the coordinator moves the request."""
+
     session: SessionStr
     start: Count
     stage_peer: PeerStr
     reason: Text
+    unreachable: PeerStr = ""  # the next stage, when passing the result on to it failed (a suspect, not proof)
 
 
 class Release(_Msg, tag="release", frozen=True, kw_only=True):

@@ -87,7 +87,8 @@ MESSAGES = st.one_of(
               logprob=st.none() | st.floats(-100, 0), stopped=st.booleans(),
               top_logprobs=st.none() | st.lists(st.tuples(count, st.floats(-100, 0)), max_size=3)),
     built(m.ChunkDone, session=short_text, start=count),
-    built(m.StageFailed, session=short_text, start=count, stage_peer=peer, reason=short_text),
+    built(m.StageFailed, session=short_text, start=count, stage_peer=peer, reason=short_text,
+              unreachable=st.just("") | peer),
     built(m.Release, session=short_text),
 )
 
