@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass, field
 
 import trio
 
-from hetnode.coordinator.registry import Registry
+from hetnode.coordinator.registry import NodeRecord, Registry
 from hetnode.errors import ConfigError
 from hetnode.ids import NodeId
 from hetnode.models.config import ModelConfig
@@ -104,6 +104,8 @@ class Deployment:
             return
         stages = [Stage(peer=p.node, first_layer=p.first_layer, last_layer=p.last_layer) for p in layout]
         if self.plan is not None and self.plan.stages == stages:
+            # The same layout, but a member that joined again (a restarted node) lost its shard: assign it anew.
+            await self._assign(self.plan, [r for r in members if r.assignment is None])
             self._notify()
             return
         self._versions += 1
@@ -115,16 +117,20 @@ class Deployment:
         self.history.append({"version": plan.version, "reason": reason, "at": plan.created_at, "stages": described})
         del self.history[:-100]
         log.info("plan %d (%s): %s", plan.version, reason, " -> ".join(described))
-        by_peer = {NodeId(s.peer): s for s in stages}
+        await self._assign(plan, members)
+        self._notify()
+
+    async def _assign(self, plan: Plan, members: list[NodeRecord]) -> None:
+        by_peer = {NodeId(s.peer): s for s in plan.stages}
         for r in members:
             s = by_peer.get(r.peer_id)
             a = Assignment(plan_version=plan.version, model=self.model,
                            first_layer=s.first_layer if s else 0, last_layer=s.last_layer if s else 0,
                            role="mixed" if s else "idle")
             r.assignment, r.assignment_state = a, "sent"
+            plan.ready.discard(r.peer_id)
             if not await self.send(r.peer_id, a) and s is not None:
                 plan.failed[r.peer_id] = "could not send the assignment"
-        self._notify()
 
     def on_status(self, peer: NodeId, status: AssignmentStatus) -> None:
         plan = self.plan
@@ -144,13 +150,22 @@ class Deployment:
         self._changed.set()
         self._changed = trio.Event()
 
-    async def wait_ready(self, timeout_s: float) -> Plan | None:
-        """The ready plan, waiting up to timeout_s for one; None if there is none by then."""
+    async def wait_ready(self, timeout_s: float, avoid: Collection[NodeId] = ()) -> Plan | None:
+        """The ready plan whose nodes are all up and none in `avoid`, waiting up to timeout_s for one (and for
+        a pending re-plan, which may change it); None if there is none by then."""
         with trio.move_on_after(timeout_s):
-            while self.plan is None or not self.plan.is_ready or self._dirty.is_set():
+            while self._dirty.is_set() or self._usable(avoid) is None:
                 await self._changed.wait()
+        return self._usable(avoid)
+
+    def _usable(self, avoid: Collection[NodeId]) -> Plan | None:
         plan = self.plan
-        return plan if plan is not None and plan.is_ready else None
+        if plan is None or not plan.is_ready:
+            return None
+        # A node marked down leaves the plan "ready" until the debounced re-plan replaces it: never hand it out.
+        if any(p in avoid or not self.registry.is_member(p) for p in plan.peers()):
+            return None
+        return plan
 
     def why_not_ready(self) -> str:
         if self.plan is None:
