@@ -1,19 +1,28 @@
 """Requests through the network: the coordinator's `Generator` over a pipeline of nodes (Helix §2.1).
 
-For each request the coordinator takes the ready plan's pipeline, sends the prompt's token ids to the first
-stage (in prefill chunks), and waits for the last stage's token; each decode step sends that token back to
-the first stage over the same route. Each stage keeps the session's KV for its layers; leaving the generation
-(finished, client gone, failure) sends a Release to every stage. A stage that fails, or a node that goes down,
-ends the request with a clear error (re-routing arrives with the Helix scheduler).
+For each request the coordinator asks `route_for` for a pipeline (today: the ready plan's stages), sends the
+prompt's token ids to the first stage (in prefill chunks), and waits for the last stage's token; each decode
+step sends that token back to the first stage over the same route. Each stage keeps the session's KV for its
+layers; leaving the generation (finished, client gone, failure) sends a Release to every stage.
+
+A request outlives the route it started on. When a node of its route goes down, a stage fails the step
+(StageFailed: a dead neighbour, or "unknown session"/"shard replaced" after a re-plan), the first stage is
+unreachable, or a step times out, the request moves: its session on the old route is released on the stages
+still up, `route_for` gives a route that avoids the nodes that failed it, and a fresh session there re-prefills
+the prompt plus every token generated so far, sampling the next token from the last chunk. The client's
+stream just goes on (greedy output equals an undisturbed run). After `max_reroutes` moves, or when no route of
+live nodes appears in time, the request ends with a clear error.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import math
 import secrets
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager, suppress
+from dataclasses import dataclass
 
 import trio
 from transformers import PreTrainedTokenizerBase
@@ -25,6 +34,7 @@ from hetnode.coordinator.registry import Registry
 from hetnode.errors import HetnodeError
 from hetnode.ids import NodeId, SessionId
 from hetnode.models.config import ModelConfig
+from hetnode.node.engine.base import StepItem
 from hetnode.node.engine.sampling import SamplingParams
 from hetnode.protocol.mailbox import Mailbox
 from hetnode.protocol.messages import (
@@ -45,6 +55,10 @@ log = logging.getLogger(__name__)
 
 _Inbound = TokenOut | ChunkDone | StageFailed | str  # str: the coordinator's own verdict (a node went down)
 
+RouteFor = Callable[[set[NodeId]], Awaitable[list[Stage]]]
+"""A pipeline of up nodes that covers every layer once and uses no node of `exclude`. It waits until there
+is one; the caller bounds the wait."""
+
 
 def wire_sampling(p: SamplingParams) -> Sampling:
     return Sampling(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
@@ -53,16 +67,35 @@ def wire_sampling(p: SamplingParams) -> Sampling:
 
 
 class _Session:
-    def __init__(self, route: list[Stage], send: trio.MemorySendChannel[_Inbound]) -> None:
+    """One request's presence on one route: the session id its stages know it by, and its inbox."""
+
+    def __init__(self, session_id: SessionId, route: list[Stage]) -> None:
+        self.id = session_id
         self.route = route
         self.peers = {NodeId(s.peer) for s in route}
-        self.send = send
+        # At most one item is in flight, so a few slots hold its answer and any failure notices beside it.
+        self.send, self.recv = trio.open_memory_channel[_Inbound](16)
+
+
+@dataclass(frozen=True)
+class _Lost:
+    """Why a route cannot go on with a request; `suspects` are nodes to avoid until liveness judges them."""
+
+    reason: str
+    code: str  # node_down, stage_failed, stage_unreachable, timeout
+    suspects: frozenset[NodeId] = frozenset()
+
+
+class _Request:
+    def __init__(self, session: _Session) -> None:
+        self.session = session
 
 
 class PipelineGenerator:
     def __init__(self, transport: Transport, registry: Registry, deployment: Deployment, *, model_name: str,
                  model_config: ModelConfig, tokenizer: PreTrainedTokenizerBase, prefill_chunk: int = 512,
-                 step_timeout_s: float = 120.0, ready_timeout_s: float = 30.0) -> None:
+                 step_timeout_s: float = 120.0, ready_timeout_s: float = 30.0, max_reroutes: int = 3,
+                 route_for: RouteFor | None = None) -> None:
         self.transport = transport
         self.registry = registry
         self.deployment = deployment
@@ -72,12 +105,17 @@ class PipelineGenerator:
         self.prefill_chunk = prefill_chunk
         self.step_timeout_s = step_timeout_s
         self.ready_timeout_s = ready_timeout_s
+        self.max_reroutes = max_reroutes
+        # Where requests go; a scheduler replaces it to give each request its own pipeline.
+        self.route_for: RouteFor = route_for or self.plan_route
         self.mailbox = Mailbox(transport, INFER_PROTOCOL, infer_decoder, self._on_message, registry.is_member)
         self._sessions: dict[SessionId, _Session] = {}
         self._ids = itertools.count()
         self._nursery: trio.Nursery | None = None
         self._releasing = 0
         self._released = trio.Event()
+        self._active = 0
+        self.reroutes = 0  # moves of requests to another route, since start
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
@@ -88,7 +126,14 @@ class PipelineGenerator:
 
     @property
     def active_sessions(self) -> int:
-        return len(self._sessions)
+        """Requests in flight (a request that is moving between routes counts once)."""
+        return self._active
+
+    async def plan_route(self, exclude: set[NodeId]) -> list[Stage]:
+        """The default `route_for`: the ready plan's pipeline, once no node of it is down or in `exclude`."""
+        plan = await self.deployment.wait_ready(math.inf, avoid=exclude)
+        assert plan is not None  # an unbounded wait returns only with a plan
+        return list(plan.stages)
 
     # -- inbound -----------------------------------------------------------------------------------------
 
@@ -97,7 +142,7 @@ class PipelineGenerator:
             log.warning("unexpected %s from %s on the data path", type(msg).__name__, peer)
             return
         session = self._sessions.get(SessionId(msg.session))
-        # Only a stage of the session's own route may speak for it.
+        # Only a stage of the session's own route may speak for it (a moved request's old session is gone).
         if session is None or peer not in session.peers:
             return
         try:
@@ -106,46 +151,49 @@ class PipelineGenerator:
             log.warning("session %s: result from %s dropped (inbox full)", msg.session, peer)
 
     def node_down(self, peer: NodeId, reason: str) -> None:
-        """Fail every session whose route runs through `peer`."""
-        name = self.registry.nodes[peer].name if peer in self.registry.nodes else str(peer)
+        """Tell every session whose route runs through `peer`: its request moves to another route."""
         for session in self._sessions.values():
             if peer in session.peers:
                 with suppress(trio.WouldBlock):
-                    session.send.send_nowait(f"node {name} went down ({reason})")
+                    session.send.send_nowait(f"node {self._name(peer)} went down ({reason})")
         self._nursery_soon(self.mailbox.forget, peer)
+
+    def _name(self, peer: NodeId) -> str:
+        record = self.registry.nodes.get(peer)
+        return record.name if record else str(peer)
 
     def _nursery_soon(self, fn: object, *args: object) -> None:
         if self._nursery is not None:
             self._nursery.start_soon(fn, *args)  # type: ignore[arg-type]
 
-    # -- generation --------------------------------------------------------------------------------------
+    # -- sessions ----------------------------------------------------------------------------------------
 
-    @asynccontextmanager
-    async def generate(self, prompt_ids: list[int], params: GenerationParams,
-                       ) -> AsyncIterator[AsyncIterator[TokenEvent]]:
-        plan = await self.deployment.wait_ready(self.ready_timeout_s)
-        if plan is None:
-            raise GenerationError(f"no pipeline is ready to serve: {self.deployment.why_not_ready()}",
-                                  status=503, code="no_capacity")
-        session_id = SessionId(f"s{next(self._ids)}-{secrets.token_hex(6)}")
-        send, recv = trio.open_memory_channel[_Inbound](16)
-        session = _Session(list(plan.stages), send)
-        self._sessions[session_id] = session
-        try:
-            yield self._events(session_id, session, prompt_ids, params, recv)
-        finally:
-            del self._sessions[session_id]
-            self._nursery_soon(self._release, session_id, session.route)
+    def _open(self, route: list[Stage]) -> _Session:
+        session = _Session(SessionId(f"s{next(self._ids)}-{secrets.token_hex(6)}"), route)
+        self._sessions[session.id] = session
+        return session
+
+    def _close(self, session: _Session) -> None:
+        """Forget the session and free its KV on every stage of its route."""
+        if self._sessions.pop(session.id, None) is None:
+            return
+        self._releasing += 1
+        self._nursery_soon(self._release, session.id, session.route)
 
     async def _release(self, session: SessionId, route: list[Stage]) -> None:
-        self._releasing += 1
+        async def one(peer: NodeId) -> None:
+            with trio.move_on_after(5):
+                try:
+                    await self.mailbox.send(peer, Release(session=session))
+                except HetnodeError as exc:
+                    log.info("release of %s at %s failed: %s", session, self._name(peer), exc)
+
         try:
-            for stage in route:
-                with trio.move_on_after(5):
-                    try:
-                        await self.mailbox.send(NodeId(stage.peer), Release(session=session))
-                    except HetnodeError as exc:
-                        log.info("release of %s at %s failed: %s", session, stage.peer, exc)
+            # Every stage, even one marked down: it may be back, still holding the KV. Concurrently, so a dead
+            # one does not hold up the others.
+            async with trio.open_nursery() as nursery:
+                for stage in route:
+                    nursery.start_soon(one, NodeId(stage.peer))
         finally:
             self._releasing -= 1
             if not self._releasing:
@@ -157,36 +205,40 @@ class PipelineGenerator:
         if self._releasing:
             await self._released.wait()
 
-    async def _events(self, session_id: SessionId, session: _Session, prompt_ids: list[int],
-                      params: GenerationParams, recv: trio.MemoryReceiveChannel[_Inbound],
-                      ) -> AsyncIterator[TokenEvent]:
-        cursor = SessionCursor(session_id, prompt_ids, params, self.prefill_chunk)
-        sampling = wire_sampling(params.sampling)
-        first = NodeId(session.route[0].peer)
+    # -- generation --------------------------------------------------------------------------------------
+
+    @asynccontextmanager
+    async def generate(self, prompt_ids: list[int], params: GenerationParams,
+                       ) -> AsyncIterator[AsyncIterator[TokenEvent]]:
+        cursor = SessionCursor(SessionId(""), prompt_ids, params, self.prefill_chunk)
+        route = None
+        with trio.move_on_after(self.ready_timeout_s):
+            route = await self.route_for(set())
+        if route is None:
+            raise GenerationError(f"no pipeline is ready to serve: {self.deployment.why_not_ready()}",
+                                  status=503, code="no_capacity")
+        request = _Request(self._open(route))
+        cursor.restart(request.session.id)
+        self._active += 1
+        try:
+            yield self._events(request, cursor)
+        finally:
+            self._active -= 1
+            self._close(request.session)
+
+    async def _events(self, request: _Request, cursor: SessionCursor) -> AsyncIterator[TokenEvent]:
+        sampling = wire_sampling(cursor.params.sampling)
+        moves = 0
         while not cursor.finished:
             item = cursor.next_item()
-            assert item.token_ids is not None
-            meta, raw = to_wire(token_tensor(list(item.token_ids)))
-            fwd = Forward(session=session_id, start=item.start, route=session.route, stage=0,
-                          reply_to=self.transport.peer_id, sampling=sampling if item.sampling else None,
-                          tensor=meta)
-            try:
-                await self.mailbox.send(first, fwd, raw)
-            except HetnodeError as exc:
-                raise GenerationError(f"the first stage is unreachable: {exc}", status=502,
-                                      code="stage_unreachable") from exc
-            msg = None
-            with trio.move_on_after(self.step_timeout_s):
-                msg = await recv.receive()
-            if msg is None:
-                raise GenerationError(f"no answer from the pipeline within {self.step_timeout_s:g} s",
-                                      status=504, code="timeout")
-            if isinstance(msg, str):
-                raise GenerationError(msg, status=502, code="node_down")
-            if isinstance(msg, StageFailed):
-                who = self.registry.nodes.get(NodeId(msg.stage_peer))
-                raise GenerationError(f"stage {who.name if who else msg.stage_peer} failed: {msg.reason}",
-                                      status=502, code="stage_failed")
+            msg = await self._step(request.session, item, sampling)
+            if isinstance(msg, _Lost):
+                moves += 1
+                if moves > self.max_reroutes:
+                    raise GenerationError(f"{msg.reason}; giving up after {self.max_reroutes} re-routes",
+                                          status=502, code=msg.code)
+                await self._move(request, cursor, msg, moves)
+                continue
             if msg.start != item.start:
                 raise GenerationError(f"out-of-order result (position {msg.start}, expected {item.start})",
                                       status=502, code="protocol_error")
@@ -196,3 +248,55 @@ class PipelineGenerator:
                 assert isinstance(msg, TokenOut)
                 top = tuple((int(t), float(lp)) for t, lp in msg.top_logprobs) if msg.top_logprobs else None
                 yield TokenEvent(msg.token, msg.logprob, top, msg.stopped)
+
+    async def _step(self, session: _Session, item: StepItem, sampling: Sampling) -> TokenOut | ChunkDone | _Lost:
+        """Run one item through the session's route: its result, or why the route lost the request."""
+        assert item.token_ids is not None
+        meta, raw = to_wire(token_tensor(list(item.token_ids)))
+        fwd = Forward(session=session.id, start=item.start, route=session.route, stage=0,
+                      reply_to=self.transport.peer_id, sampling=sampling if item.sampling else None, tensor=meta)
+        first = NodeId(session.route[0].peer)
+        # The send is under the deadline too: a stream to a dying peer can block before it fails.
+        with trio.move_on_after(self.step_timeout_s):
+            try:
+                await self.mailbox.send(first, fwd, raw)
+            except HetnodeError as exc:
+                return _Lost(f"the first stage {self._name(first)} is unreachable: {exc}", "stage_unreachable",
+                             frozenset({first}))
+            msg = await session.recv.receive()
+            if isinstance(msg, str):
+                return _Lost(msg, "node_down")
+            if isinstance(msg, StageFailed):
+                suspects = frozenset({NodeId(msg.unreachable)}) if msg.unreachable else frozenset()
+                return _Lost(f"stage {self._name(NodeId(msg.stage_peer))} failed: {msg.reason}", "stage_failed",
+                             suspects)
+            return msg
+        return _Lost(f"no answer from the pipeline within {self.step_timeout_s:g} s", "timeout")
+
+    async def _move(self, request: _Request, cursor: SessionCursor, lost: _Lost, move: int) -> None:
+        """Put the request on a route of live nodes, ready to re-prefill what it has so far."""
+        self._close(request.session)
+        route = await self._reroute(lost)
+        request.session = self._open(route)
+        cursor.restart(request.session.id)
+        self.reroutes += 1
+        log.warning("request moved to %s (re-route %d of %d, re-prefilling %d tokens): %s",
+                    " -> ".join(self._name(NodeId(s.peer)) for s in route), move, self.max_reroutes,
+                    len(cursor.prompt) + len(cursor.generated), lost.reason)
+
+    async def _reroute(self, lost: _Lost) -> list[Stage]:
+        """A route without the nodes that failed: suspects (alive as far as liveness knows) are avoided for
+        long enough for a dead one to be marked down; after that only liveness decides."""
+        deadline = trio.current_time() + self.ready_timeout_s
+        route = None
+        if lost.suspects:
+            with trio.move_on_after(min(self.ready_timeout_s, 2 * self.registry.heartbeat_deadline_s)):
+                route = await self.route_for(set(lost.suspects))
+        if route is None:
+            with trio.move_on_at(deadline):
+                route = await self.route_for(set())
+        if route is None:
+            raise GenerationError(f"{lost.reason}; no pipeline of live nodes to move the request to within "
+                                  f"{self.ready_timeout_s:g} s: {self.deployment.why_not_ready()}",
+                                  status=503, code=lost.code)
+        return route

@@ -133,6 +133,10 @@ class NodeDaemon:
                 continue
             backoff = self.config.backoff_initial_s
             self.joins += 1
+            if self.stage is not None and self.joins > 1:
+                # While we were out, peers rejected our data streams, and a rejecting peer drains what arrives
+                # for a while before it resets: data sent on them now would vanish without an error.
+                await self.stage.mailbox.forget_all()
             self.joined.set()
             if not started:
                 started = True

@@ -79,6 +79,11 @@ class Mailbox:
             with trio.move_on_after(1):
                 await framed.stream.reset()
 
+    async def forget_all(self) -> None:
+        """Close every outbound stream (after a lapse in membership, peers may have rejected them unread)."""
+        for peer in list(self._out):
+            await self.forget(peer)
+
     async def _handle(self, stream: Stream) -> None:
         peer = stream.remote_peer
         framed = FramedStream(stream)
