@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 from pathlib import Path
@@ -113,7 +114,10 @@ def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
 
 @pytest.fixture
 def placement() -> None:
-    pytest.importorskip("hetnode.planner.placement")
+    # The planner's search (placement.py) is written alongside this command; skip only while it is absent,
+    # so that a present but broken module still fails here.
+    if importlib.util.find_spec("hetnode.planner.placement") is None:
+        pytest.skip("hetnode.planner.placement is not there yet")
 
 
 @pytest.mark.parametrize("method", ["helix", "petals", "swarm", "sp"])
