@@ -8,7 +8,7 @@
   as the plan says), are not negative, and are conserved at every node;
 - a node's flow is at most its throughput T_j and an edge's flow at most its link capacity, within a tolerance;
 - the plan's max_flow is what leaves SOURCE, and it equals the max flow of the placement's graph computed here
-  with a second algorithm (scipy's Dinic on integer capacities; flowgraph uses networkx's preflow-push), to
+  with a second algorithm (scipy's Dinic on integer capacities; flowgraph uses networkx's Edmonds-Karp), to
   within 0.5%.
 
 A plan solved over a pruned graph (Helix §4.5) reaches the max flow of that graph; pass its edges as

@@ -146,7 +146,7 @@ def test_unlimited_links() -> None:
 
 
 @pytest.mark.parametrize("seed", range(40))
-def test_independent_max_flow_agrees_with_preflow_push(seed: int) -> None:
+def test_independent_max_flow_agrees_with_flowgraph(seed: int) -> None:
     rng = random.Random(seed)
     devices = ["a100", "l4", "t4", "v100", "2xl4", "2xt4", "4xt4"]
     regions = ["r1", "r2", "r3"][: rng.randint(1, 3)]
