@@ -175,10 +175,11 @@ class PipelineGenerator:
 
     def _close(self, session: _Session) -> None:
         """Forget the session and free its KV on every stage of its route."""
-        if self._sessions.pop(session.id, None) is None:
+        if self._sessions.pop(session.id, None) is None or self._nursery is None:
             return
+        # Counted now, not when the task starts, so that wait_released right after a generation sees it.
         self._releasing += 1
-        self._nursery_soon(self._release, session.id, session.route)
+        self._nursery.start_soon(self._release, session.id, session.route)
 
     async def _release(self, session: SessionId, route: list[Stage]) -> None:
         async def one(peer: NodeId) -> None:
