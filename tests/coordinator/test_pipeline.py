@@ -127,9 +127,10 @@ async def test_stage_dropping_out_mid_request_moves_the_request(tiny_model: Path
                 if i == 3:
                     # The coordinator loses the middle node (marks it down, re-plans); the node joins again.
                     await middle.transport.disconnect(NodeId("coord"))
-        # One move (to the same layout once the node is back), then one uninterrupted stream.
+        # One uninterrupted stream. Usually one move (to the same layout once the node is back); two when the node
+        # came back only after the re-plan without it, whose pipeline the next re-plan replaced.
         assert got == want
-        assert gen.reroutes == 1
+        assert gen.reroutes in (1, 2)
         assert middle.joins == 2
 
 
