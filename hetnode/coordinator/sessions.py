@@ -276,14 +276,15 @@ class PipelineGenerator:
 
     async def _move(self, request: _Request, cursor: SessionCursor, lost: _Lost, move: int) -> None:
         """Put the request on a route of live nodes, ready to re-prefill what it has so far."""
-        self._close(request.session)
+        old = request.session
+        self._close(old)
         route = await self._reroute(lost)
         request.session = self._open(route)
         cursor.restart(request.session.id)
         self.reroutes += 1
-        log.warning("request moved to %s (re-route %d of %d, re-prefilling %d tokens): %s",
-                    " -> ".join(self._name(NodeId(s.peer)) for s in route), move, self.max_reroutes,
-                    len(cursor.prompt) + len(cursor.generated), lost.reason)
+        log.warning("session %s moved to %s as %s (re-route %d of %d, re-prefilling %d tokens): %s", old.id,
+                    " -> ".join(self._name(NodeId(s.peer)) for s in route), request.session.id, move,
+                    self.max_reroutes, len(cursor.prompt) + len(cursor.generated), lost.reason)
 
     async def _reroute(self, lost: _Lost) -> list[Stage]:
         """A route without the nodes that failed: suspects (alive as far as liveness knows) are avoided for
