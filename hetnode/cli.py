@@ -34,6 +34,16 @@ def _positive(value: str) -> float:
     return x
 
 
+def _planning_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--placement", default="helix", choices=["helix", "petals", "swarm", "sp", "sp+", "pipeline"],
+                   help="how the coordinator places layers (default: helix, the max-flow MILP; pipeline: one "
+                        "pipeline through every node)")
+    p.add_argument("--scheduler", default="iwrr", choices=["iwrr", "random", "shortest-queue", "swarm"],
+                   help="how each request's pipeline is chosen (default: iwrr, Helix's)")
+    p.add_argument("--plan-time-limit", type=_positive, default=10.0, metavar="S",
+                   help="seconds the helix search may take per re-plan (default: 10)")
+
+
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default=os.environ.get("HETNODE_LOG_LEVEL", "info"),
                    choices=["debug", "info", "warning", "error"], help="log verbosity (default: info)")
@@ -74,6 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="model to serve: a preset (smollm2-135m), a .gguf file or a Hugging Face directory "
                         "(nodes load their shard of it; default: smollm2-135m); 'none' serves no model")
     c.add_argument("--region", default="", help="the coordinator's region: the pipeline starts there")
+    _planning_args(c)
     _common(c)
 
     j = sub.add_parser("join", help="run a node daemon and join a network through a bootstrap peer",
@@ -129,6 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--ready-timeout", type=_positive, default=120.0, metavar="S",
                     help="fail if a process is not ready within this many seconds (default: 120)")
     up.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    _planning_args(up)
     for name, help_ in (("down", "stop a detached testnet"), ("status", "show a detached testnet")):
         p = tsub.add_parser(name, help=help_, description=help_.capitalize() + ".")
         p.add_argument("--state-dir", type=Path, default=DEFAULT_HOME / "testnet", metavar="DIR",
@@ -341,6 +353,9 @@ async def _run_coordinator(args: argparse.Namespace) -> None:
                                    probe_interval_s=args.probe_interval)
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
+    from hetnode.coordinator.deployment import PlanningConfig
+
+    planning = PlanningConfig(method=args.placement, scheduler=args.scheduler, time_limit_s=args.plan_time_limit)
     key = load_or_create_identity(args.identity)
     listen = args.listen or ["/ip4/0.0.0.0/tcp/4001"]
     serving = None
@@ -358,7 +373,8 @@ async def _run_coordinator(args: argparse.Namespace) -> None:
             from hetnode.coordinator.openai_api import openai_routes
 
             generator = coordinator.enable_serving(model=args.model, model_config=serving[0],
-                                                   tokenizer=serving[1], home_region=args.region)
+                                                   tokenizer=serving[1], home_region=args.region,
+                                                   planning=planning)
             routes = openai_routes(generator)
         app = build_app(coordinator, api_key=args.api_key, extra_routes=routes)
         async with trio.open_nursery() as nursery:

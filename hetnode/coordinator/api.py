@@ -7,6 +7,7 @@ clients show our reasons. With an API key configured every route but /healthz ne
 from __future__ import annotations
 
 import hmac
+import json
 import logging
 from typing import Any
 
@@ -22,6 +23,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from hetnode.coordinator.daemon import Coordinator
+from hetnode.coordinator.deployment import METHODS
 
 log = logging.getLogger(__name__)
 
@@ -137,10 +139,32 @@ def build_app(coordinator: Coordinator, *, api_key: str | None = None,
             return error_response(404, "this coordinator serves no model", type_="not_found_error")
         return JSONResponse(coordinator.deployment.to_json())
 
+    async def replan(request: Request) -> Response:
+        """Re-plan now, optionally with another method: {"method": "helix"|"petals"|..., "reason": "..."}."""
+        deployment = coordinator.deployment
+        if deployment is None:
+            return error_response(404, "this coordinator serves no model", type_="not_found_error")
+        try:
+            body = json.loads(await request.body() or b"{}")
+        except ValueError as exc:
+            return error_response(400, f"the body is not JSON: {exc}")
+        if not isinstance(body, dict) or set(body) - {"method", "reason"}:
+            return error_response(400, "the body must be an object with optional 'method' and 'reason'")
+        method, reason = body.get("method"), body.get("reason", "requested through POST /v1/plan")
+        if method is not None and method not in METHODS:
+            return error_response(400, f"unknown method {method!r}; known: {', '.join(METHODS)}")
+        if not isinstance(reason, str) or len(reason) > 200:
+            return error_response(400, "reason must be a string of at most 200 characters")
+        plan = await deployment.replan(reason, method=method)
+        if plan is None:
+            return error_response(409, f"no plan: {deployment.problem}", type_="conflict_error")
+        return JSONResponse(deployment.to_json())
+
     routes = [
         Route("/healthz", healthz, methods=["GET"]),
         Route("/v1/cluster", cluster, methods=["GET"]),
         Route("/v1/plan", plan, methods=["GET"]),
+        Route("/v1/plan", replan, methods=["POST"]),
         *(extra_routes or []),
     ]
     return Starlette(

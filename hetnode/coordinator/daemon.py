@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import trio
 from transformers import PreTrainedTokenizerBase
 
-from hetnode.coordinator.deployment import Deployment
+from hetnode.coordinator.deployment import Deployment, PlanningConfig
 from hetnode.coordinator.probes import ProbeScheduler
 from hetnode.coordinator.registry import Registry
 from hetnode.coordinator.sessions import PipelineGenerator
@@ -91,10 +91,12 @@ class Coordinator:
         self.generator: PipelineGenerator | None = None
 
     def enable_serving(self, *, model: str, model_config: ModelConfig, tokenizer: PreTrainedTokenizerBase,
-                       home_region: str = "", ready_timeout_s: float = 30.0) -> PipelineGenerator:
+                       home_region: str = "", ready_timeout_s: float = 30.0,
+                       planning: PlanningConfig | None = None) -> PipelineGenerator:
         """Plan layers over the members and serve requests through them (call before run)."""
         self.deployment = Deployment(self.registry, self._send_ctl, model=model, model_config=model_config,
-                                     home_region=home_region)
+                                     coordinator=self.transport.peer_id, home_region=home_region,
+                                     planning=planning)
         self.generator = PipelineGenerator(self.transport, self.registry, self.deployment, model_name=model,
                                            model_config=model_config, tokenizer=tokenizer,
                                            ready_timeout_s=ready_timeout_s)

@@ -1,27 +1,46 @@
 """Which node serves which layers: the plan in use, its version, its history, and which stages are ready.
 
-On every membership change (debounced, since joins come in bursts) the coordinator computes a layout over
-the up members; if it differs from the plan in use it becomes a new plan version, every member gets its
-Assignment (layers and role, or idle), and the plan is ready once every stage reports ready for that version.
-Requests take the ready plan's pipeline. (The Helix planner issue replaces the layout with max-flow placement
-and many pipelines.)
+On every membership change (debounced, since joins come in bursts), and on an operator's request, the
+coordinator plans a placement over the up members with the configured method (Helix's max-flow MILP by default,
+or a baseline), from the members' reported profiles and the probed links (coordinator/planning.py). If the
+layer ranges differ from the plan in use it becomes a new plan version, every member gets its Assignment
+(layers, or idle), and the plan is ready once every node holding layers reports ready for that version.
+
+Each request gets its own pipeline from the plan's scheduler (Helix §5: IWRR over the max-flow's edge flows,
+masking nodes whose estimated KV is over the high-water mark). A request that finds every candidate masked
+waits in the scheduler's bounded queue until a running request finishes; on overflow it is refused with the
+queue's reason. Requests admitted under an older plan finish on it or move (sessions.py); their accounting
+stays with the scheduler that admitted them.
+
+The runtime plans without partial inference: a node's engine runs its whole shard for every request, so a
+pipeline hands over only where one node's range ends and the next one's begins.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass, field
 
 import trio
 
+from hetnode.coordinator.generation import GenerationError
+from hetnode.coordinator.planning import live_cluster, live_profiles
 from hetnode.coordinator.registry import NodeRecord, Registry
+from hetnode.coordinator.routing import make_scheduler, scheduler_names
+from hetnode.coordinator.scheduler import PipelineScheduler
 from hetnode.errors import ConfigError
 from hetnode.ids import NodeId
 from hetnode.models.config import ModelConfig
-from hetnode.planner.costmodel import layer_shape
+from hetnode.planner.cluster import ClusterSpec
 from hetnode.planner.layout import Candidate, proportional_layout
+from hetnode.planner.model import ModelSpec, from_model_config
+from hetnode.planner.placement import PlannerOptions, evaluate, plan_placement
+from hetnode.planner.plan import NodePlacement, PlacementPlan
+from hetnode.planner.profile import ProfileTable, kv_tokens
 from hetnode.protocol.messages import Assignment, AssignmentStatus, Stage
 
 log = logging.getLogger(__name__)
@@ -29,6 +48,31 @@ log = logging.getLogger(__name__)
 SendAssignment = Callable[[NodeId, Assignment], Awaitable[bool]]
 # Planning assumes weights held in 16-bit: what serving GPUs use (a CPU node in fp32 holds half as many).
 PLAN_BYTES_PER_PARAM = 2
+# "pipeline" is the simple layout of the inference-path issue: one pipeline through every node, layers in
+# proportion to memory bandwidth. Tests that need a multi-stage pipeline on a small cluster ask for it.
+METHODS = ("helix", "petals", "swarm", "sp", "sp+", "pipeline")
+
+
+@dataclass(frozen=True)
+class PlanningConfig:
+    method: str = "helix"  # one of METHODS
+    scheduler: str = "iwrr"  # routing policy: iwrr, random, shortest-queue, swarm
+    time_limit_s: float = 10.0  # the helix search's budget per re-plan (it runs in a worker thread)
+    kv_share: float = 0.5  # share of each node's memory kept for KV (Helix Table 1's rule)
+    high_water: float = 0.9  # KV high-water mark of the scheduler's mask
+    queue_limit: int = 256  # requests that may wait for KV before new ones are refused
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ConfigError(f"unknown placement method {self.method!r}; known: {', '.join(METHODS)}",
+                              key="method")
+        if self.scheduler not in scheduler_names():
+            raise ConfigError(f"unknown scheduler {self.scheduler!r}; known: {', '.join(scheduler_names())}",
+                              key="scheduler")
+        if not self.time_limit_s > 0:
+            raise ConfigError(f"time limit must be > 0, not {self.time_limit_s}", key="time_limit_s")
+        if not 0 <= self.kv_share < 1:
+            raise ConfigError(f"kv share must be in [0, 1), not {self.kv_share}", key="kv_share")
 
 
 @dataclass
@@ -38,6 +82,8 @@ class Plan:
     names: list[str]
     reason: str
     created_at: float
+    placement: PlacementPlan
+    scheduler: PipelineScheduler
     ready: set[NodeId] = field(default_factory=set)
     failed: dict[NodeId, str] = field(default_factory=dict)
 
@@ -49,6 +95,7 @@ class Plan:
         return {NodeId(s.peer) for s in self.stages}
 
     def to_json(self) -> dict[str, object]:
+        names = {s.peer: n for s, n in zip(self.stages, self.names, strict=True)}
         return {
             "version": self.version, "reason": self.reason, "created_at": self.created_at, "ready": self.is_ready,
             "stages": [
@@ -56,19 +103,32 @@ class Plan:
                  "ready": NodeId(s.peer) in self.ready, "failed": self.failed.get(NodeId(s.peer))}
                 for s, n in zip(self.stages, self.names, strict=True)
             ],
+            "method": self.placement.method, "max_flow": self.placement.max_flow,
+            "upper_bound": self.placement.upper_bound if math.isfinite(self.placement.upper_bound) else None,
+            "status": self.placement.status, "solve_time_s": self.placement.solve_time_s,
+            "flows": [{"from": _short(a, names), "to": _short(b, names), "flow": f}
+                      for (a, b), f in sorted(self.placement.flows.items()) if f > 0],
+            "scheduler": {"queued": self.scheduler.queue_len, "running": self.scheduler.running},
         }
+
+
+def _short(node: str, names: dict[str, str]) -> str:
+    return names.get(node, node)
 
 
 class Deployment:
     def __init__(self, registry: Registry, send: SendAssignment, *, model: str, model_config: ModelConfig,
-                 home_region: str = "", debounce_s: float = 0.5) -> None:
+                 coordinator: NodeId, home_region: str = "", debounce_s: float = 0.5,
+                 planning: PlanningConfig | None = None) -> None:
         self.registry = registry
         self.send = send
         self.model = model
         self.model_config = model_config
+        self.coordinator = coordinator
         self.home_region = home_region
         self.debounce_s = debounce_s
-        self.layer_bytes = layer_shape(model_config).params * PLAN_BYTES_PER_PARAM
+        self.planning = planning or PlanningConfig()
+        self.spec: ModelSpec = from_model_config(model, model_config, bytes_per_param=PLAN_BYTES_PER_PARAM)
         self.plan: Plan | None = None
         self.history: list[dict[str, object]] = []
         self.problem = "no nodes have joined yet"
@@ -76,6 +136,13 @@ class Deployment:
         self._dirty = trio.Event()
         self._changed = trio.Event()
         self._pending_reason = "initial"
+        self._pending_method: str | None = None
+        self._planning = trio.Lock()
+        # Requests routed by a scheduler, by session: the scheduler to tell when the session ends.
+        self._routed: dict[str, PipelineScheduler] = {}
+        # Queued requests: the event that wakes them, and what they got (a pipeline, or why not).
+        self._waiting: dict[str, tuple[PipelineScheduler, trio.Event]] = {}
+        self._outcome: dict[str, list[Stage] | str] = {}
 
     def membership_changed(self, reason: str) -> None:
         self._pending_reason = reason
@@ -89,36 +156,93 @@ class Deployment:
             self._dirty = trio.Event()
             await self.replan(self._pending_reason)
 
-    async def replan(self, reason: str) -> None:
+    async def replan(self, reason: str, method: str | None = None) -> Plan | None:
+        """Plan over the up members; `method` (an operator's request) becomes the method from now on."""
+        async with self._planning:
+            if method is not None:
+                self.planning = PlanningConfig(**{**self.planning.__dict__, "method": method})
+            return await self._replan(reason)
+
+    async def _replan(self, reason: str) -> Plan | None:
         members = self.registry.up_members()
-        candidates = [Candidate(r.peer_id, r.region, r.profile.mem_bandwidth_gbps, r.profile.memory_bytes)
-                      for r in members]
         try:
-            layout = proportional_layout(candidates, self.model_config.num_layers, self.layer_bytes,
-                                         home_region=self.home_region)
+            placement, profiles = await self._place(members)
         except ConfigError as exc:
             self.problem = f"no plan: {exc}"
             log.warning("%s", self.problem)
+            self._retire(self.plan)
             self.plan = None
             self._notify()
-            return
-        stages = [Stage(peer=p.node, first_layer=p.first_layer, last_layer=p.last_layer) for p in layout]
-        if self.plan is not None and self.plan.stages == stages:
+            return None
+        # The members may have changed while the planner ran: plan again on the next round if so.
+        placed = {p.node for p in placement.placements}
+        members = [r for r in self.registry.up_members() if str(r.peer_id) in placed or r in members]
+        stages = sorted((Stage(peer=p.node, first_layer=p.first_layer, last_layer=p.last_layer)
+                         for p in placement.placements), key=lambda s: (s.first_layer, s.last_layer, s.peer))
+        if self.plan is not None and self.plan.stages == stages and self.plan.placement.method == placement.method:
             # The same layout, but a member that joined again (a restarted node) lost its shard: assign it anew.
             await self._assign(self.plan, [r for r in members if r.assignment is None])
             self._notify()
-            return
+            return self.plan
         self._versions += 1
         names = [self.registry.nodes[NodeId(s.peer)].name for s in stages]
-        plan = Plan(self._versions, stages, names, reason, time.time())
+        scheduler = make_scheduler(
+            self.planning.scheduler, placement, seed=self._versions, high_water=self.planning.high_water,
+            queue_limit=self.planning.queue_limit,
+            kv_capacity={p.node: kv_tokens(profiles.profiles[p.node].memory_bytes, self.spec, p.layers)
+                         for p in placement.placements})
+        plan = Plan(self._versions, stages, names, reason, time.time(), placement, scheduler)
+        self._retire(self.plan)
         self.plan = plan
         self.problem = ""
         described = [f"{n}[{s.first_layer},{s.last_layer})" for s, n in zip(stages, names, strict=True)]
-        self.history.append({"version": plan.version, "reason": reason, "at": plan.created_at, "stages": described})
+        self.history.append({"version": plan.version, "reason": reason, "at": plan.created_at,
+                             "method": placement.method, "max_flow": placement.max_flow, "stages": described})
         del self.history[:-100]
-        log.info("plan %d (%s): %s", plan.version, reason, " -> ".join(described))
+        log.info("plan %d (%s; %s, %.1f tokens/s): %s", plan.version, reason, placement.method,
+                 placement.max_flow, ", ".join(described))
         await self._assign(plan, members)
         self._notify()
+        return plan
+
+    async def _place(self, members: list[NodeRecord]) -> tuple[PlacementPlan, ProfileTable]:
+        profiles, skipped = live_profiles(members, self.spec, kv_share=self.planning.kv_share)
+        for peer, why in skipped.items():
+            log.info("node %s holds no layers: %s", self.registry.nodes[NodeId(peer)].name, why)
+        usable = [r for r in members if str(r.peer_id) in profiles.profiles]
+        if not usable:
+            raise ConfigError("no up member can hold a layer" if members else "no nodes are up")
+        cluster = live_cluster(self.registry, self.coordinator, self.home_region, usable)
+        if self.planning.method == "pipeline":
+            return self._pipeline_placement(usable, cluster, profiles), profiles
+        options = PlannerOptions(time_limit_s=self.planning.time_limit_s, partial_inference=False, seed=0)
+        # The helix search takes up to its time limit: off the event loop, so serving goes on meanwhile.
+        placement = await trio.to_thread.run_sync(functools.partial(
+            plan_placement, cluster, self.spec, profiles, method=self.planning.method, options=options))
+        return placement, profiles
+
+    def _pipeline_placement(self, usable: list[NodeRecord], cluster: ClusterSpec, profiles: ProfileTable,
+                            ) -> PlacementPlan:
+        candidates = [Candidate(str(r.peer_id), r.region, r.profile.mem_bandwidth_gbps, r.profile.memory_bytes)
+                      for r in usable]
+        layout = proportional_layout(candidates, self.model_config.num_layers, int(self.spec.layer_bytes),
+                                     home_region=self.home_region)
+        ranges = {p.node: (p.first_layer, p.last_layer) for p in layout}
+        flow = evaluate(cluster, self.spec, profiles, ranges, partial=False)
+        return PlacementPlan(cluster=cluster.name, model=self.spec.name, num_layers=self.spec.num_layers,
+                             method="pipeline", placements=tuple(NodePlacement(n, *r) for n, r in ranges.items()),
+                             flows=dict(flow.flows), max_flow=flow.value, status="heuristic",
+                             partial_inference=False)
+
+    def _retire(self, plan: Plan | None) -> None:
+        """Queued requests of a replaced plan try again on the new one."""
+        if plan is None:
+            return
+        for key, (scheduler, event) in list(self._waiting.items()):
+            if scheduler is plan.scheduler:
+                scheduler.cancel(key)
+                del self._waiting[key]
+                event.set()
 
     async def _assign(self, plan: Plan, members: list[NodeRecord]) -> None:
         by_peer = {NodeId(s.peer): s for s in plan.stages}
@@ -131,6 +255,62 @@ class Deployment:
             plan.ready.discard(r.peer_id)
             if not await self.send(r.peer_id, a) and s is not None:
                 plan.failed[r.peer_id] = "could not send the assignment"
+
+    # -- routing -----------------------------------------------------------------------------------------
+
+    async def route(self, key: str, input_len: int, avoid: Collection[NodeId] = ()) -> list[Stage]:
+        """A pipeline for one request (session `key`) from the ready plan's scheduler; waits for a ready plan
+        and, while every candidate is over its KV high-water mark, in the scheduler's queue. Raises
+        GenerationError when the scheduler refuses the request (its queue is full, or it can never fit)."""
+        while True:
+            plan = await self.wait_ready(math.inf, avoid)
+            assert plan is not None  # an unbounded wait returns only with a plan
+            decision = plan.scheduler.submit(key, input_len, trio.current_time())
+            if decision.pipeline is not None:
+                self._routed[key] = plan.scheduler
+                return [Stage(peer=s.node, first_layer=s.first_layer, last_layer=s.last_layer)
+                        for s in decision.pipeline]
+            if not decision.queued:
+                full = decision.reason.startswith("queue full")
+                raise GenerationError(f"the scheduler refused the request: {decision.reason}",
+                                      status=429 if full else 503, code="queue_full" if full else "no_capacity")
+            event = trio.Event()
+            self._waiting[key] = (plan.scheduler, event)
+            try:
+                await event.wait()
+            finally:
+                if self._waiting.pop(key, None) is not None:  # cancelled while queued
+                    plan.scheduler.cancel(key)
+            outcome = self._outcome.pop(key, None)
+            if isinstance(outcome, list):
+                if not any(NodeId(s.peer) in avoid or not self.registry.is_member(NodeId(s.peer))
+                           for s in outcome):
+                    return outcome
+                self.route_done(key, None)
+            elif isinstance(outcome, str):
+                raise GenerationError(f"the scheduler refused the request: {outcome}", status=503,
+                                      code="no_capacity")
+            # None: the plan changed while it waited; try the new one.
+
+    def route_done(self, key: str, output_len: int | None) -> None:
+        """The session `key` ended: after `output_len` generated tokens, or moved away (None)."""
+        scheduler = self._routed.pop(key, None)
+        if scheduler is None:
+            return
+        now = trio.current_time()
+        admitted = scheduler.cancel(key, now) if output_len is None else scheduler.finish(key, output_len, now)
+        for d in admitted:
+            waiting = self._waiting.pop(d.request_id, None)
+            if waiting is None:
+                scheduler.cancel(d.request_id, now)  # its waiter is gone
+                continue
+            if d.pipeline is not None:
+                self._routed[d.request_id] = scheduler
+                self._outcome[d.request_id] = [Stage(peer=s.node, first_layer=s.first_layer,
+                                                     last_layer=s.last_layer) for s in d.pipeline]
+            else:
+                self._outcome[d.request_id] = d.reason
+            waiting[1].set()
 
     def on_status(self, peer: NodeId, status: AssignmentStatus) -> None:
         plan = self.plan

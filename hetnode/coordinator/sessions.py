@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import math
 import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager, suppress
@@ -106,8 +105,9 @@ class PipelineGenerator:
         self.step_timeout_s = step_timeout_s
         self.ready_timeout_s = ready_timeout_s
         self.max_reroutes = max_reroutes
-        # Where requests go; a scheduler replaces it to give each request its own pipeline.
-        self.route_for: RouteFor = route_for or self.plan_route
+        # Where requests go: by default each request's own pipeline from the plan's scheduler; tests inject
+        # a fixed policy.
+        self.route_for: RouteFor | None = route_for
         self.mailbox = Mailbox(transport, INFER_PROTOCOL, infer_decoder, self._on_message, registry.is_member)
         self._sessions: dict[SessionId, _Session] = {}
         self._ids = itertools.count()
@@ -129,11 +129,14 @@ class PipelineGenerator:
         """Requests in flight (a request that is moving between routes counts once)."""
         return self._active
 
-    async def plan_route(self, exclude: set[NodeId]) -> list[Stage]:
-        """The default `route_for`: the ready plan's pipeline, once no node of it is down or in `exclude`."""
-        plan = await self.deployment.wait_ready(math.inf, avoid=exclude)
-        assert plan is not None  # an unbounded wait returns only with a plan
-        return list(plan.stages)
+    async def _route(self, session: SessionId, input_len: int, exclude: set[NodeId]) -> list[Stage]:
+        """A pipeline of up nodes avoiding `exclude`, waiting for one (the caller bounds the wait)."""
+        if self.route_for is not None:
+            return await self.route_for(exclude)
+        return await self.deployment.route(session, input_len, exclude)
+
+    def _new_id(self) -> SessionId:
+        return SessionId(f"s{next(self._ids)}-{secrets.token_hex(6)}")
 
     # -- inbound -----------------------------------------------------------------------------------------
 
@@ -168,13 +171,15 @@ class PipelineGenerator:
 
     # -- sessions ----------------------------------------------------------------------------------------
 
-    def _open(self, route: list[Stage]) -> _Session:
-        session = _Session(SessionId(f"s{next(self._ids)}-{secrets.token_hex(6)}"), route)
+    def _open(self, session_id: SessionId, route: list[Stage]) -> _Session:
+        session = _Session(session_id, route)
         self._sessions[session.id] = session
         return session
 
-    def _close(self, session: _Session) -> None:
-        """Forget the session and free its KV on every stage of its route."""
+    def _close(self, session: _Session, output_len: int | None) -> None:
+        """Forget the session, tell the scheduler (after `output_len` tokens, or None: moved away), and free
+        its KV on every stage of its route."""
+        self.deployment.route_done(session.id, output_len)
         if self._sessions.pop(session.id, None) is None or self._nursery is None:
             return
         # Counted now, not when the task starts, so that wait_released right after a generation sees it.
@@ -213,19 +218,24 @@ class PipelineGenerator:
                        ) -> AsyncIterator[AsyncIterator[TokenEvent]]:
         cursor = SessionCursor(SessionId(""), prompt_ids, params, self.prefill_chunk)
         route = None
-        with trio.move_on_after(self.ready_timeout_s):
-            route = await self.route_for(set())
+        session_id = self._new_id()
+        try:
+            with trio.move_on_after(self.ready_timeout_s):
+                route = await self._route(session_id, len(prompt_ids), set())
+        except BaseException:
+            self.deployment.route_done(session_id, None)
+            raise
         if route is None:
             raise GenerationError(f"no pipeline is ready to serve: {self.deployment.why_not_ready()}",
                                   status=503, code="no_capacity")
-        request = _Request(self._open(route))
+        request = _Request(self._open(session_id, route))
         cursor.restart(request.session.id)
         self._active += 1
         try:
             yield self._events(request, cursor)
         finally:
             self._active -= 1
-            self._close(request.session)
+            self._close(request.session, len(cursor.generated))
 
     async def _events(self, request: _Request, cursor: SessionCursor) -> AsyncIterator[TokenEvent]:
         sampling = wire_sampling(cursor.params.sampling)
@@ -277,26 +287,27 @@ class PipelineGenerator:
     async def _move(self, request: _Request, cursor: SessionCursor, lost: _Lost, move: int) -> None:
         """Put the request on a route of live nodes, ready to re-prefill what it has so far."""
         old = request.session
-        self._close(old)
-        route = await self._reroute(lost)
-        request.session = self._open(route)
+        self._close(old, None)
+        session_id = self._new_id()
+        route = await self._reroute(lost, session_id, len(cursor.prompt) + len(cursor.generated))
+        request.session = self._open(session_id, route)
         cursor.restart(request.session.id)
         self.reroutes += 1
         log.warning("session %s moved to %s as %s (re-route %d of %d, re-prefilling %d tokens): %s", old.id,
                     " -> ".join(self._name(NodeId(s.peer)) for s in route), request.session.id, move,
                     self.max_reroutes, len(cursor.prompt) + len(cursor.generated), lost.reason)
 
-    async def _reroute(self, lost: _Lost) -> list[Stage]:
+    async def _reroute(self, lost: _Lost, session_id: SessionId, input_len: int) -> list[Stage]:
         """A route without the nodes that failed: suspects (alive as far as liveness knows) are avoided for
         long enough for a dead one to be marked down; after that only liveness decides."""
         deadline = trio.current_time() + self.ready_timeout_s
         route = None
         if lost.suspects:
             with trio.move_on_after(min(self.ready_timeout_s, 2 * self.registry.heartbeat_deadline_s)):
-                route = await self.route_for(set(lost.suspects))
+                route = await self._route(session_id, input_len, set(lost.suspects))
         if route is None:
             with trio.move_on_at(deadline):
-                route = await self.route_for(set())
+                route = await self._route(session_id, input_len, set())
         if route is None:
             raise GenerationError(f"{lost.reason}; no pipeline of live nodes to move the request to within "
                                   f"{self.ready_timeout_s:g} s: {self.deployment.why_not_ready()}",

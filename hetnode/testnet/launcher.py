@@ -227,7 +227,9 @@ async def start(args: argparse.Namespace) -> Running:
             [*base, "coordinator", "--listen", "/ip4/127.0.0.1/tcp/0", "--api", args.api,
              "--identity", str(state_dir / "keys" / "coordinator.key"),
              "--heartbeat-deadline", str(args.heartbeat_deadline), "--log-level", args.log_level,
-             "--model", args.model, "--region", cluster.coordinator_region, *emulate],
+             "--model", args.model, "--region", cluster.coordinator_region, "--placement",
+             getattr(args, "placement", "helix"), "--scheduler", getattr(args, "scheduler", "iwrr"),
+             "--plan-time-limit", str(getattr(args, "plan_time_limit", 10.0)), *emulate],
             coord_log, env, lifeline=lifeline, ready_timeout_s=args.ready_timeout, name="coordinator")
         procs.append((Proc("coordinator", "coordinator", cproc.pid, str(coord_log), ready["peer_id"]), cproc))
         api, bootstrap = ready["api"], ready["addrs"][0]

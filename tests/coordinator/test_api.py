@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import httpx
+import pytest
 import trio
 
 from hetnode.coordinator.api import build_app
 from hetnode.coordinator.daemon import Coordinator, CoordinatorConfig
+from hetnode.models.resolve import load_config
+from hetnode.models.tiny import write_tiny_model
+from hetnode.models.tokenizer import load_tokenizer
 from hetnode.node.daemon import NodeConfig, NodeDaemon
 from hetnode.protocol.memory import MemoryNetwork
 from hetnode.protocol.messages import HardwareProfile
@@ -56,4 +62,33 @@ async def test_api_key_error_shape_and_cluster_view() -> None:
             assert link["bandwidth_mbps"] > 0 and link["rtt_ms"] >= 0
             r = await client.get("/v1/cluster?max_up=0&timeout=0.2", headers=auth)
             assert r.json()["satisfied"] is False
+        nursery.cancel_scope.cancel()
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("llama") / "m", "llama")
+
+
+async def test_replan_endpoint_is_admin_and_checks_its_body(tiny_model: Path) -> None:
+    net = MemoryNetwork()
+    async with trio.open_nursery() as nursery, net.transport("coord") as ct:
+        coord = Coordinator(CoordinatorConfig(token="t"), ct)
+        coord.enable_serving(model=str(tiny_model), model_config=load_config(tiny_model),
+                             tokenizer=load_tokenizer(tiny_model))
+        await nursery.start(coord.run)
+        app = build_app(coord, api_key="k3y")
+        auth = {"Authorization": "Bearer k3y"}
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://api") as client:
+            assert (await client.post("/v1/plan", json={"method": "petals"})).status_code == 401
+            r = await client.post("/v1/plan", json={"method": "magic"}, headers=auth)
+            assert r.status_code == 400 and "unknown method 'magic'" in r.json()["error"]["message"]
+            r = await client.post("/v1/plan", content=b"{not json", headers=auth)
+            assert r.status_code == 400 and "not JSON" in r.json()["error"]["message"]
+            r = await client.post("/v1/plan", json={"method": "helix", "extra": 1}, headers=auth)
+            assert r.status_code == 400
+            r = await client.post("/v1/plan", json={"method": "petals", "reason": "try petals"}, headers=auth)
+            assert r.status_code == 409 and "no nodes are up" in r.json()["error"]["message"]
+            r = await client.get("/v1/plan", headers=auth)
+            assert r.status_code == 200 and r.json()["plan"] is None and "no nodes" in r.json()["problem"]
         nursery.cancel_scope.cancel()

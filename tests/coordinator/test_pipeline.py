@@ -17,6 +17,7 @@ import trio
 import trio.testing
 
 from hetnode.coordinator.daemon import Coordinator, CoordinatorConfig
+from hetnode.coordinator.deployment import PlanningConfig
 from hetnode.coordinator.generation import GenerationParams
 from hetnode.coordinator.local import LocalGenerator
 from hetnode.coordinator.sessions import PipelineGenerator
@@ -45,18 +46,22 @@ def profile(bw: float) -> HardwareProfile:
 
 
 @asynccontextmanager
-async def network(model: Path, bandwidths: list[float]) -> AsyncIterator[tuple[PipelineGenerator, list[NodeDaemon]]]:
+async def network(model: Path, bandwidths: list[float], method: str = "pipeline",
+                  ) -> AsyncIterator[tuple[PipelineGenerator, list[NodeDaemon]]]:
     net = MemoryNetwork()
     cfg = load_config(model)
     async with trio.open_nursery() as nursery, net.transport("coord") as ct:
         coord = Coordinator(CoordinatorConfig(token="t", probe_interval_s=3600,
                                               probe=ProbeSettings(first_bytes=1024, max_bytes=1024)), ct)
-        gen = coord.enable_serving(model=str(model), model_config=cfg, tokenizer=load_tokenizer(model))
+        gen = coord.enable_serving(model=str(model), model_config=cfg, tokenizer=load_tokenizer(model),
+                                   planning=PlanningConfig(method=method))
         await nursery.start(coord.run)
         nodes: list[NodeDaemon] = []
         async with _nodes(net, nursery, bandwidths, nodes):
             plan = await coord.deployment.wait_ready(30)  # type: ignore[union-attr]
-            assert plan is not None and len(plan.stages) == len(bandwidths)
+            assert plan is not None
+            if method == "pipeline":
+                assert len(plan.stages) == len(bandwidths)
             yield gen, nodes
         nursery.cancel_scope.cancel()
 
@@ -139,3 +144,36 @@ async def aenumerate(it: AsyncIterator[object]) -> AsyncIterator[tuple[int, obje
     async for x in it:
         yield i, x
         i += 1
+
+
+async def test_helix_plan_routes_each_request_through_the_scheduler(tiny_model: Path) -> None:
+    """The default method: Helix's placement over the live profiles and links; every request gets its own
+    pipeline from the IWRR scheduler, and the scheduler's accounting empties when the requests end."""
+    want: dict[int, list[int]] = {}
+    async with LocalGenerator.open(tiny_model) as local:
+        for i, p in enumerate(PROMPTS):
+            want[i] = await collect(local, p, 12)
+    got: dict[int, list[int]] = {}
+    async with network(tiny_model, [30.0, 20.0, 10.0], method="helix") as (gen, _nodes):
+        deployment = gen.deployment
+        plan = deployment.plan
+        assert plan is not None and plan.placement.method == "helix" and plan.placement.max_flow > 0
+        assert not plan.placement.partial_inference  # the engine runs whole shards
+
+        async def one(i: int, p: list[int]) -> None:
+            got[i] = await collect(gen, p, 12)
+
+        async with trio.open_nursery() as nursery:
+            for i, p in enumerate(PROMPTS):
+                nursery.start_soon(one, i, p)
+        assert plan.scheduler.running == 0 and plan.scheduler.queue_len == 0
+        view = deployment.to_json()
+        assert view["plan"]["method"] == "helix" and view["plan"]["flows"]  # type: ignore[index]
+
+        # An operator's re-plan with another method: a new version whose history says why.
+        again = await deployment.replan("operator asked", method="petals")
+        assert again is not None and again.placement.method == "petals"
+        assert again.version == plan.version + 1 and deployment.history[-1]["reason"] == "operator asked"
+        assert await deployment.wait_ready(30) is again
+        assert await collect(gen, PROMPTS[0], 12) == want[0]
+    assert got == want
