@@ -1,0 +1,323 @@
+"""Model placement: `plan_placement(cluster, model, profiles, method=...)` -> PlacementPlan.
+
+Methods: "helix" (Helix §4.4's MILP and the search around it), and the baselines of Helix §6: "petals",
+"swarm", "sp" (separate pipelines) and "sp+" (separate pipelines plus a mixed one from the leftovers), from
+heuristics.py. Every plan's flow is the max flow of its placement by `flowgraph.evaluate` over all of the
+cluster's connections.
+
+"helix" runs, within `time_limit_s`:
+
+1. the four heuristics; the best (every node placed: a node a heuristic leaves out takes one layer where
+   coverage is least, which never lowers a max flow) is the incumbent and the MILP's warm start;
+2. a local search from it (local_search.py);
+3. the coverage bisection (coverage.py): a proven upper bound, and placements whose coverage meets it,
+   put on nodes region by region;
+4. large-neighbourhood search with exact neighbourhood MILPs (lns.py) -- or, for a cluster small enough,
+   the §4.4 MILP itself (milp.py), which then proves optimality -- stopping as soon as the best placement is
+   within `mip_gap` of the best upper bound;
+5. the §4.4 MILP from the best placement for whatever time is left (its dual bound, when the connections
+   were not pruned, is an upper bound too).
+
+The plan is never worse than the best heuristic: the search only ever replaces its incumbent with a
+placement of higher max flow. Its upper bound is the least of flowgraph.upper_bound (compute), the coverage
+bound and the MILP's dual bound (only from a solve over the unpruned connections).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from hetnode.errors import ConfigError
+from hetnode.planner import flowgraph
+from hetnode.planner.cluster import ClusterSpec
+from hetnode.planner.coverage import assign, assign_ranges, coverage_search, least_coverage
+from hetnode.planner.flowgraph import FlowResult
+from hetnode.planner.heuristics import (
+    HEURISTICS,
+    NodeInfo,
+    Range,
+    Ranges,
+    check_fits,
+    node_infos,
+    region_order,
+)
+from hetnode.planner.lns import search
+from hetnode.planner.local_search import local_search
+from hetnode.planner.milp import Instance, MilpSettings, PlacementMilp
+from hetnode.planner.model import ModelSpec
+from hetnode.planner.plan import NodePlacement, PlacementPlan
+from hetnode.planner.profile import ProfileTable
+from hetnode.planner.prune import auto_degree, prune_edges
+from hetnode.planner.stages import best_stage_placement
+
+METHODS = ("helix", "petals", "swarm", "sp", "sp+")
+SMALL_CLUSTER = 8  # at most this many nodes: the §4.4 MILP is solved whole, no LNS
+
+
+@dataclass(frozen=True)
+class PlannerOptions:
+    """Knobs of `plan_placement`; every field has a default and a bound."""
+
+    time_limit_s: float = 60.0  # > 0: wall-clock budget of the helix search (the baselines take milliseconds)
+    mip_gap: float = 0.02  # in [0, 1): stop once the best placement is within this share of the upper bound
+    partial_inference: bool = True  # a node may run only the tail of its layers (Helix §4.4)
+    prune_degree: int | None = None  # connections kept per node (§4.5); 0: keep all; None: auto (prune.py)
+    seed: int = 0  # >= 0: seeds every randomized choice; equal seeds give equal plans unless time runs out
+    warm_start: bool = True  # start the search from the best heuristic placement (§4.5)
+    threads: int = 1  # >= 1: HiGHS threads
+
+    def __post_init__(self) -> None:
+        if not (self.time_limit_s > 0 and math.isfinite(self.time_limit_s)):
+            raise ConfigError(f"time_limit_s must be a positive number of seconds, not {self.time_limit_s}")
+        if not 0 <= self.mip_gap < 1:
+            raise ConfigError(f"mip_gap must be in [0, 1), not {self.mip_gap}")
+        if self.prune_degree is not None and self.prune_degree < 0:
+            raise ConfigError(f"prune_degree must be >= 0 (0: no pruning) or None (auto), not {self.prune_degree}")
+        if self.seed < 0:
+            raise ConfigError(f"seed must be >= 0, not {self.seed}")
+        if self.threads < 1:
+            raise ConfigError(f"threads must be >= 1, not {self.threads}")
+
+
+def plan_placement(cluster: ClusterSpec, model: ModelSpec, profiles: ProfileTable, *, method: str = "helix",
+                   options: PlannerOptions | None = None) -> PlacementPlan:
+    """Place `model`'s layers on `cluster`'s nodes. Pure: no I/O; the clock only measures and limits."""
+    options = options or PlannerOptions()
+    if method not in METHODS:
+        raise ConfigError(f"unknown placement method {method!r}; known: {', '.join(METHODS)}")
+    began = time.perf_counter()
+    infos = node_infos(cluster, model, profiles)
+    check_fits(cluster, model, infos)
+    compute_bound = flowgraph.upper_bound(cluster, model, profiles)
+    if method != "helix":
+        ranges = HEURISTICS[method](cluster, model, profiles)
+        flow = evaluate(cluster, model, profiles, ranges, partial=options.partial_inference)
+        return _plan(cluster, model, method, ranges, flow, compute_bound, "heuristic",
+                     time.perf_counter() - began, options, ())
+    return solve_helix(cluster, model, profiles, options)
+
+
+def evaluate(cluster: ClusterSpec, model: ModelSpec, profiles: ProfileTable, ranges: Mapping[str, Range], *,
+             partial: bool, allowed: list[tuple[str, str]] | None = None) -> FlowResult:
+    return flowgraph.evaluate(cluster, model, profiles, ranges, partial=partial, allowed=allowed)
+
+
+def _plan(cluster: ClusterSpec, model: ModelSpec, method: str, ranges: Mapping[str, Range], flow: FlowResult,
+          bound: float, status: str, seconds: float, options: PlannerOptions,
+          notes: tuple[str, ...]) -> PlacementPlan:
+    order = {n.name: i for i, n in enumerate(cluster.nodes)}
+    placements = tuple(NodePlacement(n, first, last)
+                       for n, (first, last) in sorted(ranges.items(), key=lambda kv: order[kv[0]]))
+    return PlacementPlan(cluster=cluster.name, model=model.name, num_layers=model.num_layers, method=method,
+                         placements=placements, flows=dict(flow.flows), max_flow=flow.value,
+                         upper_bound=max(bound, flow.value), status=status, solve_time_s=seconds,
+                         partial_inference=options.partial_inference, notes=notes)
+
+
+def complete(ranges: Mapping[str, Range], infos: list[NodeInfo], num_layers: int) -> Ranges:
+    """Every node placed: one a placement leaves out takes one layer where coverage is least."""
+    out = dict(ranges)
+    for info in infos:
+        if info.name in out:
+            continue
+        cov = [0.0] * num_layers
+        for other in infos:
+            if other.name in out:
+                first, last = out[other.name]
+                for layer in range(first, last):
+                    cov[layer] += other.t(last - first)
+        layer = min(range(num_layers), key=cov.__getitem__)
+        out[info.name] = (layer, layer + 1)
+    return out
+
+
+@dataclass(frozen=True)
+class Techniques:
+    """Which parts of the helix search run (all by default); the benchmark's ablation turns them off."""
+
+    formulation: str = "tight"  # the §4.4 model: "tight" or "paper" (milp.py)
+    symmetry: bool = True  # symmetry-breaking rows in the §4.4 model
+    compute_cut: bool = True  # the compute cut in the §4.4 model
+    objective_cut: bool = True  # sum_i f_(source, i) <= the best upper bound, in the §4.4 model
+    stages: bool = True  # stage placements (stages.py), by device class and region by region
+    local_search: bool = True  # local_search.py
+    coverage: bool = True  # the coverage bound and tilings (coverage.py)
+    lns: bool = True  # neighbourhood search (lns.py); off: the §4.4 model gets all the time left
+
+
+# Shares of the time limit: stage placements (device classes, then regions), local search (per start),
+# coverage bound. The neighbourhood search and the §4.4 model get what is left.
+SHARES = {"stages": 0.1, "regional": 0.1, "local": 0.08, "coverage": 0.1}
+
+
+def solve_helix(cluster: ClusterSpec, model: ModelSpec, profiles: ProfileTable, options: PlannerOptions,
+                techniques: Techniques | None = None) -> PlacementPlan:
+    """plan_placement(method="helix") with a choice of techniques."""
+    began = time.perf_counter()
+    infos = node_infos(cluster, model, profiles)
+    check_fits(cluster, model, infos)
+    compute_bound = flowgraph.upper_bound(cluster, model, profiles)
+    return _Helix(cluster, model, profiles, infos, options, techniques or Techniques(), began,
+                  compute_bound).run()
+
+
+@dataclass
+class _Helix:
+    cluster: ClusterSpec
+    model: ModelSpec
+    profiles: ProfileTable
+    infos: list[NodeInfo]
+    options: PlannerOptions
+    techniques: Techniques
+    began: float
+    compute_bound: float
+    notes: list[str] = field(default_factory=list)
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.began
+
+    def left(self) -> float:
+        return self.options.time_limit_s - self.elapsed()
+
+    def share(self, part: str) -> float:
+        return max(0.0, min(SHARES[part] * self.options.time_limit_s, self.left()))
+
+    def run(self) -> PlacementPlan:
+        opts, tech, cluster, model, infos = self.options, self.techniques, self.cluster, self.model, self.infos
+        partial = opts.partial_inference
+        layers = model.num_layers
+        degree = opts.prune_degree if opts.prune_degree is not None else auto_degree(len(infos))
+        edges = prune_edges(cluster, model, infos, degree or None)
+        inst = Instance(cluster, model, infos, edges, partial=partial, scale=self.compute_bound)
+        pruned = len(edges) < len(infos) * (len(infos) - 1)
+        if pruned:
+            self.notes.append(f"pruned to {len(edges)} of {len(infos) * (len(infos) - 1)} connections "
+                              f"(degree {degree})")
+
+        def on_edges(ranges: Ranges) -> FlowResult:
+            return evaluate(cluster, model, self.profiles, ranges, partial=partial,
+                            allowed=inst.node_edges if pruned else None)
+
+        # 1. heuristics: the plan's floor, and the warm start
+        heuristic: tuple[str, Ranges, FlowResult] | None = None
+        found: dict[str, float] = {}
+        for name, fn in HEURISTICS.items():
+            try:
+                ranges = fn(cluster, model, self.profiles)
+            except ConfigError:
+                continue
+            full = evaluate(cluster, model, self.profiles, ranges, partial=partial)
+            found[name] = full.value
+            if heuristic is None or full.value > heuristic[2].value:
+                heuristic = (name, ranges, full)
+        self.notes.append("heuristics: " + ", ".join(f"{k} {v:.1f}" for k, v in found.items()))
+        if opts.warm_start and heuristic is not None:
+            best_ranges = complete(heuristic[1], infos, layers)
+        else:
+            best_ranges = complete({}, infos, layers)
+        best_value = on_edges(best_ranges).value
+        bound = self.compute_bound
+        gap = opts.mip_gap
+
+        def done() -> bool:
+            return best_value >= (1 - gap) * bound or self.left() <= 0.05
+
+        def offer(ranges: Ranges, source: str) -> None:
+            nonlocal best_ranges, best_value
+            value = on_edges(ranges).value
+            if value > best_value * (1 + 1e-9):
+                best_ranges, best_value = ranges, value
+                self.notes.append(f"{source}: {value:.1f} tokens/s at {self.elapsed():.1f} s")
+
+        large = len(infos) > SMALL_CLUSTER
+        rank = region_order(cluster, infos)
+        regions = sorted({i.region for i in infos})
+
+        # 2. stage placements: by device class alone (coverage), then region by region (network)
+        if tech.stages and large and not done():
+            def on_stages(ranges: Ranges, value: float) -> None:
+                if value > best_value * (1 + 1e-9):
+                    for candidate in assign_ranges(ranges, infos, layers, rank):
+                        offer(complete(candidate, infos, layers), "stage placement")
+
+            low = max(best_value, least_coverage(infos, best_ranges, layers))
+            best_stage_placement(infos, layers, low=low, high=bound, precision=gap / 4, on_found=on_stages,
+                                 time_limit=self.share("stages"))
+        if tech.stages and large and len(regions) > 1 and not done():
+            home: dict[str, str] = {}
+            for info in infos:
+                home.setdefault(info.region, info.name)
+
+            def region_links(a: str, b: str) -> float:
+                return flowgraph.link_capacity(cluster, model, home[a], home[b])
+
+            def on_regional(ranges: Ranges, value: float) -> None:
+                offer(complete(ranges, infos, layers), "regional stage placement")
+
+            best_stage_placement(infos, layers, low=0.5 * best_value, high=bound, precision=gap / 4,
+                                 region_links=region_links, on_found=on_regional,
+                                 time_limit=self.share("regional"))
+
+        # 3. local search, from the best placement so far and from the best heuristic's
+        if tech.local_search and large and not done():
+            starts = [best_ranges]
+            if heuristic is not None and complete(heuristic[1], infos, layers) != best_ranges:
+                starts.append(complete(heuristic[1], infos, layers))
+            for n, start in enumerate(starts):
+                ranges, _ = local_search(inst, start, seed=opts.seed + n, max_evaluations=1000 * len(infos),
+                                         time_limit=self.share("local"))
+                offer(ranges, "local search")
+
+        # 4. the coverage bound: no placement's flow reaches a level no placement covers
+        if tech.coverage and large and not done():
+            known = max(best_value, least_coverage(infos, best_ranges, layers))
+            result = coverage_search(infos, layers, known=known, bound=bound, time_limit=self.share("coverage"),
+                                     precision=gap / 4, threads=opts.threads, seed=opts.seed)
+            if result.tiling is not None:
+                for ranges in assign(result.tiling, infos, layers, rank):
+                    offer(ranges, "coverage")
+            if result.bound < bound:
+                bound = result.bound
+                self.notes.append(f"coverage bound {bound:.1f} tokens/s")
+
+        # 5. neighbourhood search, then the §4.4 model from the best placement (all the time left for a
+        # small cluster, where it proves optimality)
+        status = "within_gap" if done() else ""
+        if not done():
+            full_model = PlacementMilp(inst, MilpSettings(formulation=tech.formulation, symmetry=tech.symmetry,
+                                                          compute_cut=tech.compute_cut),
+                                       threads=opts.threads, seed=opts.seed)
+            if tech.objective_cut:
+                full_model.limit_objective(bound)
+            self.notes.append(f"MILP: {full_model.num_cols} variables ({full_model.num_integer} integer), "
+                              f"{full_model.num_rows} constraints, {len(inst.groups)} symmetry groups")
+            ranges, _, log = search(inst, best_ranges, evaluate=on_edges, target=(1 - gap) * bound,
+                                    time_limit=self.left(), seed=opts.seed, threads=opts.threads,
+                                    full_model=full_model, lns=tech.lns and large,
+                                    warm=opts.warm_start or best_value > 0)
+            offer(ranges, "MILP search")
+            status = log.status
+            if log.full_solves and not pruned and log.bound < bound:
+                bound = log.bound
+                self.notes.append(f"MILP bound {bound:.1f} tokens/s")
+            self.notes.append(f"search: {log.lns_rounds} neighbourhoods ({log.lns_improvements} better, "
+                              f"{log.lns_sideways} sideways), {log.full_solves} whole-MILP solves, {log.status}")
+        final = evaluate(cluster, model, self.profiles, best_ranges, partial=partial)
+        bound = max(bound, final.value)
+        if heuristic is not None and heuristic[2].value >= final.value:
+            name, ranges, flow = heuristic
+            self.notes.append(f"no placement better than {name}'s found")
+            status = "optimal" if flow.value >= (1 - 1e-9) * bound else "heuristic"
+            return _plan(cluster, model, "helix", ranges, flow, bound, status, self.elapsed(), opts,
+                         tuple(self.notes))
+        if final.value >= (1 - 1e-6) * bound:
+            status = "optimal"
+        elif final.value >= (1 - gap) * bound:
+            status = "within_gap"
+        elif status in ("", "stopped", "within_gap", "optimal"):
+            status = "time_limit"
+        return _plan(cluster, model, "helix", best_ranges, final, bound, status, self.elapsed(), opts,
+                     tuple(self.notes))
