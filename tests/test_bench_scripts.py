@@ -66,3 +66,18 @@ def test_bench_sim_quick() -> None:
     assert result["requests"] > 0 and result["finished"] > 0 and result["generated_tokens"] > 0
     assert result["events"] > 0 and result["wall_s"] > 0 and result["requests_per_wall_s"] > 0
     assert result["decode_throughput"] > 0 and 0 < result["node_utilization_mean"] <= 1
+
+
+def test_bench_planner_quick() -> None:
+    r = subprocess.run([sys.executable, str(SCRIPTS / "bench_planner.py"), "--quick", "--json",
+                        "--clusters", "helix-single", "helix-geo"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rows = json.loads(r.stdout)["rows"]
+    assert [(row["cluster"], row["model"]) for row in rows] == [("helix-single", "llama-70b"),
+                                                                 ("helix-geo", "llama-70b")]
+    for row in rows:
+        flows = row["flows"]
+        assert row["valid"] and flows["petals"] > 0 and flows["swarm"] > 0
+        assert flows["helix"] >= max(v for v in flows.values() if v is not None) * (1 - 1e-9)
+        assert row["upper_bound"] >= flows["helix"] and 0 <= row["gap"] < 1
+        assert row["paper_ratios"] is not None and row["helix_over_swarm"] >= 1

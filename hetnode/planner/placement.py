@@ -294,7 +294,7 @@ class _Helix:
                 full_model.limit_objective(bound)
             self.notes.append(f"MILP: {full_model.num_cols} variables ({full_model.num_integer} integer), "
                               f"{full_model.num_rows} constraints, {len(inst.groups)} symmetry groups")
-            ranges, _, log = search(inst, best_ranges, evaluate=on_edges, target=(1 - gap) * bound,
+            ranges, reached, log = search(inst, best_ranges, evaluate=on_edges, target=(1 - gap) * bound,
                                     time_limit=self.left(), seed=opts.seed, threads=opts.threads,
                                     full_model=full_model, lns=tech.lns and large,
                                     warm=opts.warm_start or best_value > 0)
@@ -304,13 +304,15 @@ class _Helix:
                 bound = log.bound
                 self.notes.append(f"MILP bound {bound:.1f} tokens/s")
             self.notes.append(f"search: {log.lns_rounds} neighbourhoods ({log.lns_improvements} better, "
-                              f"{log.lns_sideways} sideways), {log.full_solves} whole-MILP solves, {log.status}")
+                              f"{log.lns_sideways} sideways), {log.full_solves} whole-MILP solves, {log.status}, "
+                              f"reached {reached.value:.1f} tokens/s")
         final = evaluate(cluster, model, self.profiles, best_ranges, partial=partial)
         bound = max(bound, final.value)
         if heuristic is not None and heuristic[2].value >= final.value:
             name, ranges, flow = heuristic
             self.notes.append(f"no placement better than {name}'s found")
-            status = "optimal" if flow.value >= (1 - 1e-9) * bound else "heuristic"
+            status = "optimal" if flow.value >= (1 - 1e-6) * bound else \
+                "within_gap" if flow.value >= (1 - gap) * bound else "heuristic"
             return _plan(cluster, model, "helix", ranges, flow, bound, status, self.elapsed(), opts,
                          tuple(self.notes))
         if final.value >= (1 - 1e-6) * bound:

@@ -1,0 +1,235 @@
+#!/usr/bin/env python
+"""Model placement on the Helix paper's clusters: helix against Petals, Swarm and separate pipelines.
+
+For each cluster (helix-single and helix-geo: 24 nodes; helix-hetero: 42) and model (LLaMA-30B, LLaMA-70B),
+with Helix's measured profiles (`profile_sources.helix_profile_table`; the roofline model where a device has
+none), one run plans every method and prints the max flow of each placement, helix's upper bound, its gap
+and solve time, and the helix/petals and helix/swarm ratios beside the paper's (§6.6, LLaMA-70B: 1.23x and
+2.10x on the single cluster, 1.49x and 2.38x geo-distributed; the paper's are measured serving throughputs,
+ours are max flows).
+
+    .venv/bin/python scripts/bench_planner.py [--clusters helix-single helix-geo] [--models llama-70b]
+        [--time-limit 60] [--reference 10] [--ablation] [--quick] [--json]
+
+--time-limit is helix's budget for a 24-node cluster; larger clusters get it scaled by nodes / 24 (120 s for
+the 42-node one at the default 60 s). --reference N also runs helix N times longer, the yardstick for "within
+2% of the best a 10x longer run finds". --ablation runs helix with its techniques added one at a time
+(Techniques in planner/placement.py) on the 24-node geo cluster and the 42-node one. --quick is a smoke run:
+short limits, one model, no reference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from hetnode.errors import ConfigError
+from hetnode.planner.cluster import ClusterSpec, load_cluster
+from hetnode.planner.heuristics import node_infos
+from hetnode.planner.milp import Instance, MilpSettings, PlacementMilp
+from hetnode.planner.model import ModelSpec, model_spec
+from hetnode.planner.placement import PlannerOptions, Techniques, plan_placement, solve_helix
+from hetnode.planner.profile import ProfileTable
+from hetnode.planner.profile_sources import profile_table_for
+from hetnode.planner.prune import all_edges
+from hetnode.planner.validate import validate_plan
+
+CLUSTERS_DIR = Path(__file__).resolve().parents[1] / "hetnode" / "testnet" / "clusters"
+CLUSTERS = ("helix-single", "helix-geo", "helix-hetero")
+MODELS = ("llama-30b", "llama-70b")
+BASELINES = ("petals", "swarm", "sp", "sp+")
+# Helix §6.6, Fig. 9a (offline serving of LLaMA-70B): helix's throughput over Petals' and Swarm's placements.
+PAPER_RATIOS = {("helix-single", "llama-70b"): (1.23, 2.10), ("helix-geo", "llama-70b"): (1.49, 2.38)}
+
+# The ablation: techniques added one at a time. (label, Techniques, warm start, prune degree)
+OFF = Techniques(formulation="paper", symmetry=False, compute_cut=False, objective_cut=False, stages=False,
+                 local_search=False, coverage=False, lns=False)
+ABLATION: list[tuple[str, Techniques, bool, int | None]] = [
+    ("§4.4 as printed, cold", OFF, False, 0),
+    ("+ objective cut (F <= compute bound)", replace(OFF, objective_cut=True), False, 0),
+    ("tight: flow bounds, small big-M, compute cut", replace(OFF, formulation="tight", compute_cut=True,
+                                                              objective_cut=True), False, 0),
+    ("+ symmetry breaking", replace(OFF, formulation="tight", compute_cut=True, objective_cut=True,
+                                    symmetry=True), False, 0),
+    ("+ warm start (best heuristic)", replace(OFF, formulation="tight", compute_cut=True, objective_cut=True,
+                                              symmetry=True), True, 0),
+    ("+ neighbourhood search (LNS)", replace(Techniques(), stages=False, local_search=False, coverage=False),
+     True, 0),
+    ("+ local search", replace(Techniques(), stages=False, coverage=False), True, 0),
+    ("+ stage placements (decomposition)", replace(Techniques(), coverage=False), True, 0),
+    ("+ coverage bound: everything", Techniques(), True, 0),
+    ("everything, pruned to degree 12", Techniques(), True, 12),
+]
+ABLATION_CASES = (("helix-geo", "llama-70b"), ("helix-hetero", "llama-70b"))
+
+
+def load(name: str) -> ClusterSpec:
+    path = Path(name)
+    return load_cluster(path if path.suffix == ".toml" else CLUSTERS_DIR / f"{name}.toml")
+
+
+def limit_for(cluster: ClusterSpec, base: float) -> float:
+    return base * max(1.0, len(cluster.nodes) / 24)
+
+
+def profiles_for(cluster: ClusterSpec, model: ModelSpec) -> ProfileTable:
+    """Helix's measured table where it covers the cluster, the roofline model otherwise ("auto")."""
+    return profile_table_for(cluster, model, "auto")
+
+
+def run_case(cluster: ClusterSpec, model: ModelSpec, time_limit: float, reference: float, seed: int) -> dict[str, Any]:
+    table = profiles_for(cluster, model)
+    row: dict[str, Any] = {"cluster": cluster.name, "nodes": len(cluster.nodes), "model": model.name,
+                           "profiles": table.source.split(" (")[0], "time_limit_s": time_limit, "flows": {},
+                           "times_s": {}}
+    for method in BASELINES:
+        began = time.perf_counter()
+        try:
+            plan = plan_placement(cluster, model, table, method=method)
+        except ConfigError as exc:
+            row["flows"][method] = None
+            row.setdefault("notes", []).append(f"{method}: {exc}")
+            continue
+        row["flows"][method] = plan.max_flow
+        row["times_s"][method] = time.perf_counter() - began
+    plan = plan_placement(cluster, model, table, options=PlannerOptions(time_limit_s=time_limit, seed=seed))
+    problems = validate_plan(plan, cluster, model, table)
+    row["flows"]["helix"] = plan.max_flow
+    row["times_s"]["helix"] = plan.solve_time_s
+    row.update(upper_bound=plan.upper_bound, gap=plan.gap, status=plan.status, helix_notes=list(plan.notes),
+               valid=not problems, problems=problems)
+    best_heuristic = max(v for k, v in row["flows"].items() if k != "helix" and v is not None)
+    row["helix_over_best_heuristic"] = plan.max_flow / best_heuristic
+    for base in ("petals", "swarm"):
+        value = row["flows"].get(base)
+        row[f"helix_over_{base}"] = plan.max_flow / value if value else None
+    row["paper_ratios"] = PAPER_RATIOS.get((cluster.name, model.name))
+    if reference:
+        long = plan_placement(cluster, model, table,
+                              options=PlannerOptions(time_limit_s=reference * time_limit, seed=seed))
+        row["reference"] = {"time_limit_s": reference * time_limit, "max_flow": long.max_flow,
+                            "upper_bound": long.upper_bound, "status": long.status,
+                            "solve_time_s": long.solve_time_s}
+    best_known = max(plan.max_flow, row.get("reference", {}).get("max_flow", 0.0))
+    tightest = min(plan.upper_bound, row.get("reference", {}).get("upper_bound", math.inf))
+    row["within_2pct_of_bound"] = plan.max_flow >= 0.98 * tightest
+    row["within_2pct_of_best_known"] = plan.max_flow >= 0.98 * best_known
+    return row
+
+
+def run_ablation(cluster: ClusterSpec, model: ModelSpec, time_limit: float, seed: int) -> dict[str, Any]:
+    table = profiles_for(cluster, model)
+    infos = node_infos(cluster, model, table)
+    from hetnode.planner.flowgraph import upper_bound
+
+    inst = Instance(cluster, model, infos, all_edges(infos), partial=True, scale=upper_bound(cluster, model, table))
+    roots = {}
+    for formulation in ("paper", "tight"):
+        milp = PlacementMilp(inst, MilpSettings(formulation=formulation, symmetry=formulation == "tight",
+                                                compute_cut=formulation == "tight"))
+        roots[formulation] = {"variables": milp.num_cols, "integer": milp.num_integer, "constraints": milp.num_rows,
+                              "lp_bound": milp.relaxation_bound()}
+    out: dict[str, Any] = {"cluster": cluster.name, "model": model.name, "time_limit_s": time_limit,
+                           "compute_bound": inst.scale, "formulations": roots, "steps": []}
+    for label, techniques, warm, degree in ABLATION:
+        began = time.perf_counter()
+        options = PlannerOptions(time_limit_s=time_limit, seed=seed, warm_start=warm, prune_degree=degree)
+        plan = solve_helix(cluster, model, table, options, techniques)
+        # What the search itself reached: the plan never returns less than the best heuristic, so the notes
+        # say whether the search beat it.
+        kept_heuristic = any(n.startswith("no placement better") for n in plan.notes)
+        out["steps"].append({"technique": label, "max_flow": plan.max_flow, "upper_bound": plan.upper_bound,
+                             "gap": plan.gap, "status": plan.status, "seconds": time.perf_counter() - began,
+                             "search_beat_heuristics": not kept_heuristic, "notes": list(plan.notes)})
+    return out
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    head = (f"{'cluster':13} {'model':9} {'helix':>8} {'petals':>8} {'swarm':>8} {'sp':>8} {'sp+':>8} "
+            f"{'bound':>8} {'gap':>6} {'time':>6} {'h/petals':>13} {'h/swarm':>13} {'10x run':>8}  status")
+    print(head)
+    for r in rows:
+        f = r["flows"]
+
+        def cell(v: float | None) -> str:
+            return f"{v:8.0f}" if v is not None else f"{'-':>8}"
+
+        paper = r["paper_ratios"]
+        hp = f"{r['helix_over_petals']:.2f}x" + (f" ({paper[0]:.2f})" if paper else "")
+        hs = f"{r['helix_over_swarm']:.2f}x" + (f" ({paper[1]:.2f})" if paper else "")
+        ref = r.get("reference", {}).get("max_flow")
+        print(f"{r['cluster']:13} {r['model']:9} {cell(f['helix'])} {cell(f['petals'])} {cell(f['swarm'])} "
+              f"{cell(f['sp'])} {cell(f['sp+'])} {r['upper_bound']:8.0f} {100 * r['gap']:5.1f}% "
+              f"{r['times_s']['helix']:5.1f}s {hp:>13} {hs:>13} {cell(ref)}  {r['status']}"
+              + ("" if r["valid"] else "  INVALID"))
+    print("max flows in tokens/s; (paper's ratio, §6.6, measured serving throughput); bound: helix's upper bound "
+          "(least of compute, coverage and MILP bounds); profiles: " + ", ".join(sorted({r["profiles"] for r in rows})))
+
+
+def print_ablation(result: dict[str, Any]) -> None:
+    print(f"\nablation: {result['cluster']} {result['model']}, {result['time_limit_s']:g} s each, compute bound "
+          f"{result['compute_bound']:.0f} tokens/s")
+    for name, f in result["formulations"].items():
+        print(f"  {name:5} formulation: {f['variables']} variables ({f['integer']} integer), {f['constraints']} "
+              f"constraints, LP relaxation bound {f['lp_bound']:.0f}")
+    for s in result["steps"]:
+        print(f"  {s['technique']:46} {s['max_flow']:8.0f} bound {s['upper_bound']:8.0f} gap {100 * s['gap']:5.1f}% "
+              f"{s['seconds']:5.1f}s {s['status']}" + ("" if s["search_beat_heuristics"] else " (a heuristic's)"))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--clusters", nargs="+", default=list(CLUSTERS))
+    parser.add_argument("--models", nargs="+", default=list(MODELS))
+    parser.add_argument("--time-limit", type=float, default=60.0, help="helix's seconds for a 24-node cluster")
+    parser.add_argument("--reference", type=float, default=0.0, help="also run helix this many times longer")
+    parser.add_argument("--ablation", action="store_true", help="techniques one at a time (slow)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true", help="smoke run: short limits, one model")
+    parser.add_argument("--json", action="store_true", help="print the results as JSON only")
+    args = parser.parse_args()
+    if args.quick:
+        args.time_limit, args.reference = 2.0, 0.0
+        if args.models == list(MODELS):
+            args.models = ["llama-70b"]
+    rows = []
+    for name in args.clusters:
+        cluster = load(name)
+        for model_name in args.models:
+            model = model_spec(model_name)
+            rows.append(run_case(cluster, model, limit_for(cluster, args.time_limit), args.reference, args.seed))
+            if not args.json:
+                print(f"  done {cluster.name} {model.name}", file=sys.stderr, flush=True)
+    ablations = []
+    if args.ablation:
+        for name, model_name in ABLATION_CASES:
+            cluster = load(name)
+            ablations.append(run_ablation(cluster, model_spec(model_name), limit_for(cluster, args.time_limit),
+                                          args.seed))
+    result = {"cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+              "rows": rows, "ablation": ablations}
+    if args.json:
+        print(json.dumps(result, indent=1))
+        return
+    print_table(rows)
+    for r in rows:
+        if r.get("reference"):
+            ref = r["reference"]
+            print(f"  {r['cluster']} {r['model']}: {r['flows']['helix']:.0f} in {r['time_limit_s']:g} s, "
+                  f"{ref['max_flow']:.0f} in {ref['time_limit_s']:g} s "
+                  f"({100 * r['flows']['helix'] / ref['max_flow']:.1f}%)")
+    for a in ablations:
+        print_ablation(a)
+
+
+if __name__ == "__main__":
+    main()
