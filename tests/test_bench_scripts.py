@@ -81,3 +81,28 @@ def test_bench_planner_quick() -> None:
         assert flows["helix"] >= max(v for v in flows.values() if v is not None) * (1 - 1e-9)
         assert row["upper_bound"] >= flows["helix"] and 0 <= row["gap"] < 1
         assert row["paper_ratios"] is not None and row["helix_over_swarm"] >= 1
+
+
+def test_reproduce_helix_quick(tmp_path: Path) -> None:
+    out = tmp_path / "helix.json"
+    r = subprocess.run([sys.executable, str(SCRIPTS / "reproduce_helix.py"), "--quick", "--json", str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["settings"]["clusters"] == ["single"]
+    # Every placement and scheduler of the single-cluster comparisons ran and served something.
+    setups = {(s["setup"]["placement"], s["setup"]["scheduler"], s["setup"]["mode"]) for s in result["runs"]}
+    assert {("helix", "iwrr", "offline"), ("helix", "iwrr", "online"), ("swarm", "swarm", "online"),
+            ("sp", "iwrr", "online"), ("petals", "iwrr", "offline"), ("swarm", "iwrr", "offline"),
+            ("helix", "random", "offline"), ("helix", "swarm", "offline")} <= setups
+    assert all(run["decode_throughput"] > 0 for run in result["runs"])
+    assert all(run["rate"] > 0 for run in result["runs"] if run["setup"]["mode"] == "online")
+    assert all(plan["max_flow"] > 0 and not plan["validation"] for plan in result["plans"].values())
+    # §6.3, §6.6 and §6.7 single-cluster ratios, each judged against the paper's number.
+    sections = {c["section"] for c in result["claims"]}
+    assert sections == {"6.3", "6.6", "6.7"}
+    assert result["summary"]["claims"] == len(result["claims"]) >= 20
+    for claim in result["claims"]:
+        assert isinstance(claim["same_winner"], bool)
+        assert (claim["paper"] is None) == (claim["within_25pct"] is None)
+    assert "same winner" in r.stdout and "within 25%" in r.stdout and "2.14x" in r.stdout
