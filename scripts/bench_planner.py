@@ -67,7 +67,8 @@ ABLATION: list[tuple[str, Techniques, bool, int | None]] = [
     ("+ local search", replace(Techniques(), stages=False, coverage=False), True, 0),
     ("+ stage placements (decomposition)", replace(Techniques(), coverage=False), True, 0),
     ("+ coverage bound: everything", Techniques(), True, 0),
-    ("everything, pruned to degree 12", Techniques(), True, 12),
+    ("§4.4 tight + warm start, pruned to degree 12", replace(OFF, formulation="tight", compute_cut=True,
+                                                            objective_cut=True, symmetry=True), True, 12),
 ]
 ABLATION_CASES = (("helix-geo", "llama-70b"), ("helix-hetero", "llama-70b"))
 
@@ -193,6 +194,7 @@ def main() -> None:
     parser.add_argument("--time-limit", type=float, default=60.0, help="helix's seconds for a 24-node cluster")
     parser.add_argument("--reference", type=float, default=0.0, help="also run helix this many times longer")
     parser.add_argument("--ablation", action="store_true", help="techniques one at a time (slow)")
+    parser.add_argument("--ablation-only", action="store_true", help="only the ablation, no table")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="smoke run: short limits, one model")
     parser.add_argument("--json", action="store_true", help="print the results as JSON only")
@@ -202,25 +204,33 @@ def main() -> None:
         if args.models == list(MODELS):
             args.models = ["llama-70b"]
     rows = []
-    for name in args.clusters:
+    for name in [] if args.ablation_only else args.clusters:
         cluster = load(name)
         for model_name in args.models:
             model = model_spec(model_name)
             rows.append(run_case(cluster, model, limit_for(cluster, args.time_limit), args.reference, args.seed))
-            if not args.json:
-                print(f"  done {cluster.name} {model.name}", file=sys.stderr, flush=True)
+            row = rows[-1]
+            print(f"  {cluster.name} {model.name}: " + ", ".join(
+                f"{k} {v:.0f}" for k, v in row["flows"].items() if v is not None)
+                + f", bound {row['upper_bound']:.0f}"
+                + (f", {row['reference']['time_limit_s']:g} s run {row['reference']['max_flow']:.0f}"
+                   if row.get("reference") else ""), file=sys.stderr, flush=True)
     ablations = []
-    if args.ablation:
+    if args.ablation or args.ablation_only:
         for name, model_name in ABLATION_CASES:
             cluster = load(name)
             ablations.append(run_ablation(cluster, model_spec(model_name), limit_for(cluster, args.time_limit),
                                           args.seed))
+            for step in ablations[-1]["steps"]:
+                print(f"  ablation {name} {model_name}: {step['technique']}: {step['max_flow']:.0f}",
+                      file=sys.stderr, flush=True)
     result = {"cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
               "rows": rows, "ablation": ablations}
     if args.json:
         print(json.dumps(result, indent=1))
         return
-    print_table(rows)
+    if rows:
+        print_table(rows)
     for r in rows:
         if r.get("reference"):
             ref = r["reference"]

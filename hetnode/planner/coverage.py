@@ -104,11 +104,14 @@ def tiling_coverage(infos: Sequence[NodeInfo], tiling: Tiling, num_layers: int) 
 
 def coverage_search(infos: Sequence[NodeInfo], num_layers: int, *, known: float, bound: float,
                     time_limit: float, precision: float = 0.002, threads: int = 1, seed: int = 0,
+                    first: float | None = None,
                     on_tiling: Callable[[Tiling, float], None] | None = None) -> CoverageResult:
     """Bisect on the least coverage between `known` (reached by some placement) and `bound` (proven).
 
-    Each step is one feasibility run with a share of the time left; an "unknown" step narrows where the
-    search looks but proves nothing. `on_tiling(tiling, coverage)` sees every tiling found."""
+    The first level tried is `first` when given (the planner asks first whether anything beats its best
+    placement by the gap it wants: if not, it is done), then the middle. Each step is one feasibility run
+    with a share of the time left; an "unknown" step narrows where the search looks but proves nothing.
+    `on_tiling(tiling, coverage)` sees every tiling found."""
     began = time.perf_counter()
     result = CoverageResult(bound=bound, value=0.0, tiling=None)
     low, high = known, bound  # proven reachable (by coverage), proven unreachable
@@ -117,7 +120,7 @@ def coverage_search(infos: Sequence[NodeInfo], num_layers: int, *, known: float,
         left = time_limit - (time.perf_counter() - began)
         if left < 0.2:
             break
-        level = (low + look) / 2
+        level = first if first is not None and low < first < look and not result.steps else (low + look) / 2
         outcome, tiling = feasible_tiling(infos, num_layers, level, time_limit=min(left, max(1.0, left / 3)),
                                           threads=threads, seed=seed)
         result.steps.append((level, outcome, time.perf_counter() - began))

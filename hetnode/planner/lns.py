@@ -15,10 +15,18 @@ binary per (first layer, layer count) option, x_{v,o}, which makes every rule ex
   throughput, for every l -- linear in x, and with partial inference on a well-connected cluster the max
   flow equals the least such coverage, so the relaxation is close to the truth.
 
-Neighbourhoods, chosen by a seeded generator in turn: the nodes on the incumbent's minimum cut (the
-bottleneck) with a few others, the nodes around a random window of layers, one region's or one device
-type's nodes, or random nodes. A neighbourhood solved without gain grows the next one; one cut short by its
-node limit shrinks it. Improvements are re-evaluated by max flow before they are kept.
+This model is Table 5's, reformulated for the freed nodes: s_i = sum_o s(o) x_{i,o} and b_i^j = sum over
+options of j layers of x_{i,o}; f_e as in §4.4; d_e folded into the sums above.
+
+Neighbourhoods, in turn from a seeded generator (`Neighbourhoods`): the nodes inside a window of layers
+centred where coverage is least, where the incumbent's minimum cut lies, or at random (half the time with a
+second random window, so that a node can move from where there is slack to where there is not), free to
+re-tile the window(s); or the nodes of the minimum cut and a few others, each free to move its ends a few
+layers ("shift": realigns boundaries so that more links cross them). A window widens after a round that
+proves there is nothing to gain in it and narrows after one cut short. With a coarse flow (a minimum over
+layers) most rounds cannot raise it, so a round may also move "sideways": keep the flow and shrink the
+coverage shortfall below 2% above it, the objective getting 1% weight on the mean of min(coverage, level).
+Every placement a round returns is re-evaluated by max flow before it is kept.
 """
 
 from __future__ import annotations
@@ -214,6 +222,71 @@ Evaluate = Callable[[Ranges], FlowResult]
 LEVEL = 1.02  # the smoothing level: 2% above the best flow so far
 
 
+class Lns:
+    """Large-neighbourhood search, one neighbourhood per `step`, from an incumbent that `offer` may replace.
+
+    A placement replaces the incumbent when its flow is higher, or (with `smoothing`) equal with less
+    shortfall below the next level ("sideways")."""
+
+    def __init__(self, inst: Instance, incumbent: Ranges, *, evaluate: Evaluate, seed: int, threads: int = 1,
+                 max_free: int = 8, sub_node_limit: int = 500, smoothing: bool = True,
+                 trace: Callable[[str], None] | None = None) -> None:
+        self.inst = inst
+        self.evaluate = evaluate
+        self.seed = seed
+        self.threads = threads
+        self.sub_node_limit = sub_node_limit
+        self.smoothing = smoothing
+        self.trace = trace
+        self.log = SearchLog()
+        self.began = time.perf_counter()
+        self.best = inst.canonical(incumbent)
+        self.best_flow = evaluate(self.best)
+        self.log.events.append((0.0, self.best_flow.value))
+        self.chooser = Neighbourhoods(inst, random.Random(seed), max_free=max_free)
+
+    def offer(self, ranges: Ranges | None) -> str:
+        """"better", "sideways" or "" (kept the incumbent)."""
+        if ranges is None:
+            return ""
+        ranges = self.inst.canonical(ranges)
+        if ranges == self.best:
+            return ""
+        flow = self.evaluate(ranges)
+        if flow.value > self.best_flow.value * (1 + 1e-9):
+            self.best, self.best_flow = ranges, flow
+            self.log.events.append((time.perf_counter() - self.began, flow.value))
+            return "better"
+        level = LEVEL * self.best_flow.value
+        if self.smoothing and flow.value >= self.best_flow.value * (1 - 1e-9) and \
+                shortfall(self.inst, ranges, level) < shortfall(self.inst, self.best, level) - 1e-6 * level:
+            self.best, self.best_flow = ranges, flow
+            return "sideways"
+        return ""
+
+    def step(self, time_limit: float) -> str:
+        """Solve one neighbourhood of the incumbent for up to `time_limit` seconds."""
+        if len(self.inst.names) < 2:
+            return ""
+        log, chooser = self.log, self.chooser
+        free, options = chooser.pick(self.best, self.best_flow)
+        level = LEVEL * self.best_flow.value if self.smoothing else 0.0
+        sub = NeighbourhoodMilp(self.inst, self.best, free, options, threads=self.threads,
+                                seed=self.seed + log.lns_rounds, floor=self.best_flow.value, level=level)
+        result, ranges = sub.solve(sub.solution_of(self.best, self.best_flow.flows), time_limit=time_limit,
+                                   node_limit=self.sub_node_limit, mip_gap=1e-4)
+        log.lns_rounds += 1
+        verdict = self.offer(ranges)
+        log.lns_improvements += verdict == "better"
+        log.lns_sideways += verdict == "sideways"
+        chooser.feedback(solved=result.status == "optimal", improved=bool(verdict))
+        if self.trace is not None:
+            self.trace(f"neighbourhood {log.lns_rounds} ({chooser.kind}): {len(free)} nodes, {sub.num_cols} "
+                       f"columns, {result.status} in {result.time_s:.2f} s, {verdict or 'no gain'}, "
+                       f"best {self.best_flow.value:.1f}")
+        return verdict
+
+
 def search(inst: Instance, incumbent: Ranges, *, evaluate: Evaluate, target: float, time_limit: float,
            seed: int, threads: int = 1, full_model: PlacementMilp | None = None, lns: bool = True,
            lns_share: float = 1.0, max_free: int = 8, sub_node_limit: int = 500, smoothing: bool = True,
@@ -224,72 +297,30 @@ def search(inst: Instance, incumbent: Ranges, *, evaluate: Evaluate, target: flo
     flow over `inst`'s edges; `trace` hears one line per neighbourhood."""
     began = time.perf_counter()
     deadline = began + time_limit
-    log = SearchLog()
-    best = inst.canonical(incumbent)
-    best_flow = evaluate(best)
-    log.events.append((0.0, best_flow.value))
-
-    def accept(ranges: Ranges | None) -> str:
-        nonlocal best, best_flow
-        if ranges is None:
-            return ""
-        ranges = inst.canonical(ranges)
-        if ranges == best:
-            return ""
-        flow = evaluate(ranges)
-        if flow.value > best_flow.value * (1 + 1e-9):
-            best, best_flow = ranges, flow
-            log.events.append((time.perf_counter() - began, flow.value))
-            return "better"
-        level = LEVEL * best_flow.value
-        if smoothing and flow.value >= best_flow.value * (1 - 1e-9) and \
-                shortfall(inst, ranges, level) < shortfall(inst, best, level) - 1e-6 * level:
-            best, best_flow = ranges, flow
-            return "sideways"
-        return ""
-
-    rng = random.Random(seed)
-    if lns and best_flow.value < target and len(inst.names) > 1:
-        chooser = Neighbourhoods(inst, rng, max_free=max_free)
-        stale = 0
-        lns_deadline = began + lns_share * time_limit
-        while best_flow.value < target and stale < 8 * len(inst.names):
-            left = lns_deadline - time.perf_counter()
-            if left <= 0.05:
-                break
-            free, options = chooser.pick(best, best_flow)
-            sub = NeighbourhoodMilp(inst, best, free, options, threads=threads, seed=seed + log.lns_rounds,
-                                    floor=best_flow.value, level=LEVEL * best_flow.value if smoothing else 0.0)
-            result, ranges = sub.solve(sub.solution_of(best, best_flow.flows),
-                                       time_limit=min(left, max(2.0, time_limit / 20)),
-                                       node_limit=sub_node_limit, mip_gap=1e-4)
-            log.lns_rounds += 1
-            verdict = accept(ranges)
-            if trace is not None:
-                trace(f"neighbourhood {log.lns_rounds} ({chooser.kind}): {len(free)} nodes, {sub.num_cols} "
-                      f"columns, {result.status} in {result.time_s:.2f} s, {verdict or 'no gain'}, "
-                      f"best {best_flow.value:.1f}")
-            if verdict:
-                log.lns_improvements += verdict == "better"
-                log.lns_sideways += verdict == "sideways"
-                stale = 0 if verdict == "better" else stale + 1
-            else:
-                stale += 1
-            chooser.feedback(solved=result.status == "optimal", improved=bool(verdict))
-
-    if best_flow.value >= target:
+    state = Lns(inst, incumbent, evaluate=evaluate, seed=seed, threads=threads, max_free=max_free,
+                sub_node_limit=sub_node_limit, smoothing=smoothing, trace=trace)
+    stale = 0
+    lns_deadline = began + lns_share * time_limit
+    while lns and state.best_flow.value < target and stale < 8 * len(inst.names):
+        left = lns_deadline - time.perf_counter()
+        if left <= 0.05:
+            break
+        verdict = state.step(min(left, max(2.0, time_limit / 20)))
+        stale = 0 if verdict == "better" else stale + 1
+    log = state.log
+    if state.best_flow.value >= target:
         log.status = "within_gap"
     elif full_model is not None and deadline - time.perf_counter() > 0.05:
-        start = full_model.solution_of(best, best_flow.flows) if warm else None
+        start = full_model.solution_of(state.best, state.best_flow.flows) if warm else None
         result, ranges = full_model.solve(time_limit=deadline - time.perf_counter(), start=start,
                                           objective_stop=target)
         log.full_solves += 1
         log.bound = result.bound
         log.status = result.status
-        accept(ranges)
+        state.offer(ranges)
     else:
         log.status = "time_limit"
-    return best, best_flow, log
+    return state.best, state.best_flow, log
 
 
 class Neighbourhoods:

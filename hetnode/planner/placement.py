@@ -25,6 +25,7 @@ bound and the MILP's dual bound (only from a solve over the unpruned connections
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Mapping
@@ -44,13 +45,13 @@ from hetnode.planner.heuristics import (
     node_infos,
     region_order,
 )
-from hetnode.planner.lns import search
+from hetnode.planner.lns import Lns, search
 from hetnode.planner.local_search import local_search
 from hetnode.planner.milp import Instance, MilpSettings, PlacementMilp
 from hetnode.planner.model import ModelSpec
 from hetnode.planner.plan import NodePlacement, PlacementPlan
 from hetnode.planner.profile import ProfileTable
-from hetnode.planner.prune import auto_degree, prune_edges
+from hetnode.planner.prune import all_edges, auto_degree, prune_edges
 from hetnode.planner.stages import best_stage_placement
 
 METHODS = ("helix", "petals", "swarm", "sp", "sp+")
@@ -189,17 +190,21 @@ class _Helix:
         opts, tech, cluster, model, infos = self.options, self.techniques, self.cluster, self.model, self.infos
         partial = opts.partial_inference
         layers = model.num_layers
+        inst = Instance(cluster, model, infos, all_edges(infos), partial=partial, scale=self.compute_bound)
+        # Pruning (§4.5) shrinks the §4.4 model, which grows with the connections; the searches' models do
+        # not, and pruning their graph only takes options away (measured: placement.py's docstring).
         degree = opts.prune_degree if opts.prune_degree is not None else auto_degree(len(infos))
-        edges = prune_edges(cluster, model, infos, degree or None)
-        inst = Instance(cluster, model, infos, edges, partial=partial, scale=self.compute_bound)
-        pruned = len(edges) < len(infos) * (len(infos) - 1)
-        if pruned:
-            self.notes.append(f"pruned to {len(edges)} of {len(infos) * (len(infos) - 1)} connections "
-                              f"(degree {degree})")
+        kept = prune_edges(cluster, model, infos, degree or None)
+        pruned = len(kept) < len(inst.node_edges)
+        milp_inst = Instance(cluster, model, infos, kept, partial=partial, scale=self.compute_bound) \
+            if pruned else inst
 
         def on_edges(ranges: Ranges) -> FlowResult:
+            return evaluate(cluster, model, self.profiles, ranges, partial=partial)
+
+        def on_kept(ranges: Ranges) -> FlowResult:
             return evaluate(cluster, model, self.profiles, ranges, partial=partial,
-                            allowed=inst.node_edges if pruned else None)
+                            allowed=milp_inst.node_edges if pruned else None)
 
         # 1. heuristics: the plan's floor, and the warm start
         heuristic: tuple[str, Ranges, FlowResult] | None = None
@@ -275,7 +280,8 @@ class _Helix:
         if tech.coverage and large and not done():
             known = max(best_value, least_coverage(infos, best_ranges, layers))
             result = coverage_search(infos, layers, known=known, bound=bound, time_limit=self.share("coverage"),
-                                     precision=gap / 4, threads=opts.threads, seed=opts.seed)
+                                     precision=gap / 4, threads=opts.threads, seed=opts.seed,
+                                     first=best_value / (1 - gap) if gap > 0 else None)
             if result.tiling is not None:
                 for ranges in assign(result.tiling, infos, layers, rank):
                     offer(ranges, "coverage")
@@ -283,29 +289,53 @@ class _Helix:
                 bound = result.bound
                 self.notes.append(f"coverage bound {bound:.1f} tokens/s")
 
-        # 5. neighbourhood search, then the §4.4 model from the best placement (all the time left for a
-        # small cluster, where it proves optimality)
+        # 5. until the time is up: neighbourhood search from the best placement, interleaved with local
+        # search from a few different ones (the best, the heuristics'); then, for a small cluster or
+        # without LNS, the §4.4 model from the best placement (where it proves optimality)
         status = "within_gap" if done() else ""
+        if tech.lns and large and not done():
+            lns = Lns(inst, best_ranges, evaluate=on_edges, seed=opts.seed, threads=opts.threads)
+            population = [best_ranges]
+            if tech.local_search and heuristic is not None:
+                for name in sorted(found, key=lambda k: -found[k]):
+                    with contextlib.suppress(ConfigError):
+                        start = complete(HEURISTICS[name](cluster, model, self.profiles), infos, layers)
+                        if start not in population:
+                            population.append(start)
+            rounds = 0
+            while not done():
+                lns.step(min(self.left(), max(2.0, opts.time_limit_s / 20)))
+                offer(lns.best, "neighbourhood search")
+                if tech.local_search and not done():
+                    k = rounds % len(population)
+                    ranges, _ = local_search(inst, population[k], seed=opts.seed + 100 + rounds,
+                                             max_evaluations=150 * len(infos), time_limit=min(self.left(), 2.0))
+                    population[k] = ranges
+                    offer(ranges, "local search")
+                    lns.offer(best_ranges)
+                rounds += 1
+            log = lns.log
+            self.notes.append(f"search: {log.lns_rounds} neighbourhoods ({log.lns_improvements} better, "
+                              f"{log.lns_sideways} sideways), {rounds} rounds of local search")
         if not done():
-            full_model = PlacementMilp(inst, MilpSettings(formulation=tech.formulation, symmetry=tech.symmetry,
-                                                          compute_cut=tech.compute_cut),
+            full_model = PlacementMilp(milp_inst, MilpSettings(formulation=tech.formulation,
+                                                               symmetry=tech.symmetry, compute_cut=tech.compute_cut),
                                        threads=opts.threads, seed=opts.seed)
             if tech.objective_cut:
                 full_model.limit_objective(bound)
             self.notes.append(f"MILP: {full_model.num_cols} variables ({full_model.num_integer} integer), "
-                              f"{full_model.num_rows} constraints, {len(inst.groups)} symmetry groups")
-            ranges, reached, log = search(inst, best_ranges, evaluate=on_edges, target=(1 - gap) * bound,
-                                    time_limit=self.left(), seed=opts.seed, threads=opts.threads,
-                                    full_model=full_model, lns=tech.lns and large,
-                                    warm=opts.warm_start or best_value > 0)
-            offer(ranges, "MILP search")
+                              f"{full_model.num_rows} constraints, {len(milp_inst.groups)} symmetry groups"
+                              + (f", {len(kept)} of {len(inst.node_edges)} connections (pruned to degree "
+                                 f"{degree})" if pruned else ""))
+            ranges, reached, log = search(milp_inst, best_ranges, evaluate=on_kept, target=(1 - gap) * bound,
+                                          time_limit=self.left(), seed=opts.seed, threads=opts.threads,
+                                          full_model=full_model, lns=False, warm=opts.warm_start or best_value > 0)
+            offer(ranges, "MILP")
             status = log.status
             if log.full_solves and not pruned and log.bound < bound:
                 bound = log.bound
                 self.notes.append(f"MILP bound {bound:.1f} tokens/s")
-            self.notes.append(f"search: {log.lns_rounds} neighbourhoods ({log.lns_improvements} better, "
-                              f"{log.lns_sideways} sideways), {log.full_solves} whole-MILP solves, {log.status}, "
-                              f"reached {reached.value:.1f} tokens/s")
+            self.notes.append(f"MILP: {log.status}, reached {reached.value:.1f} tokens/s")
         final = evaluate(cluster, model, self.profiles, best_ranges, partial=partial)
         bound = max(bound, final.value)
         if heuristic is not None and heuristic[2].value >= final.value:

@@ -9,7 +9,9 @@ this returns, and the planner always gives every node both.
 
 Helix prunes to an average degree of 12 on its 24- and 42-node clusters ("sufficient for LLM inference
 systems... usually each node only communicates with a few other nodes"); `AUTO_DEGREE` and `AUTO_MIN_NODES`
-make that the default for clusters of that size and leave smaller ones whole.
+make that the default for clusters of that size and leave smaller ones whole. The planner prunes the graph of
+the §4.4 model only, whose size grows with the connections (as Helix's does); its other searches work on
+neighbourhoods whose size does not, and pruning their graph only took placements away (placement.py).
 """
 
 from __future__ import annotations
