@@ -151,7 +151,7 @@ class Techniques:
 
 # Shares of the time limit: stage placements (device classes, then regions), local search (per start),
 # coverage bound. The neighbourhood search and the §4.4 model get what is left.
-SHARES = {"stages": 0.1, "regional": 0.1, "local": 0.08, "coverage": 0.1}
+SHARES = {"stages": 0.1, "stages_with_regions": 0.05, "regional": 0.2, "local": 0.08, "coverage": 0.1}
 
 
 def solve_helix(cluster: ClusterSpec, model: ModelSpec, profiles: ProfileTable, options: PlannerOptions,
@@ -250,7 +250,7 @@ class _Helix:
 
             low = max(best_value, least_coverage(infos, best_ranges, layers))
             best_stage_placement(infos, layers, low=low, high=bound, precision=gap / 4, on_found=on_stages,
-                                 time_limit=self.share("stages"))
+                                 time_limit=self.share("stages" if len(regions) == 1 else "stages_with_regions"))
         if tech.stages and large and len(regions) > 1 and not done():
             home: dict[str, str] = {}
             for info in infos:
@@ -262,7 +262,7 @@ class _Helix:
             def on_regional(ranges: Ranges, value: float) -> None:
                 offer(complete(ranges, infos, layers), "regional stage placement")
 
-            best_stage_placement(infos, layers, low=0.5 * best_value, high=bound, precision=gap / 4,
+            best_stage_placement(infos, layers, low=best_value, high=bound, precision=gap / 4,
                                  region_links=region_links, on_found=on_regional,
                                  time_limit=self.share("regional"))
 
