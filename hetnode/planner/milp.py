@@ -11,8 +11,9 @@ without); transmission f_e <= d_e S_e. Objective: max sum_i f_(source, i).
 The formulation exactly as printed (`formulation="paper"`) is weak: the coordinator's links carry token ids
 (4 bytes), so their S is millions of tokens per second and f <= d S constrains nothing once d is fractional,
 and every node claims its one-layer throughput T_1 in the LP relaxation. Cold, on the 24-node LLaMA-70B
-cluster, HiGHS finds no placement with non-zero flow in minutes and its bound stays 40x above the real
-flows. `formulation="tight"` (the default) has the same integer points and an honest relaxation:
+cluster (helix-geo), HiGHS finds no placement with non-zero flow in 60 s and its LP bound is 790120 tokens/s,
+80x the compute bound of 9877 and 130x the best flows found. `formulation="tight"` (the default) has the
+same integer points and an honest relaxation:
 
 - flow bounds f_e <= d_e min(S_e, T_max(u), T_max(v)): nothing leaves a node faster than it computes;
 - big-M as small as stays valid: L - 1 for the source rows, e_u >= 1 + (L - 1) d for the sink rows, L - 2
