@@ -140,6 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--ready-timeout", type=_positive, default=120.0, metavar="S",
                     help="fail if a process is not ready within this many seconds (default: 120)")
     up.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    up.add_argument("--compute-dilation", type=_positive, default=None, metavar="X",
+                    help="emulated nodes' --compute-dilation: a step lasts X times the emulated device's "
+                         "modelled step time, or the real time if longer (default: the node's, 100)")
     _planning_args(up)
     for name, help_ in (("down", "stop a detached testnet"), ("status", "show a detached testnet")):
         p = tsub.add_parser(name, help=help_, description=help_.capitalize() + ".")

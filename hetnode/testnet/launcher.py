@@ -242,6 +242,9 @@ async def start(args: argparse.Namespace) -> Running:
                    "--region", spec.region, "--log-level", args.log_level, "--retry-budget", "30", *emulate]
             if spec.device != "cpu":
                 cmd += ["--emulate", spec.device]
+                dilation = getattr(args, "compute_dilation", None)
+                if dilation is not None:
+                    cmd += ["--compute-dilation", str(dilation)]
             proc, node_ready = await _spawn(cmd, log_path, env, lifeline=lifeline,
                                             ready_timeout_s=args.ready_timeout, name=f"node {spec.name}")
             procs.append((Proc(spec.name, "node", proc.pid, str(log_path), node_ready["peer_id"]), proc))

@@ -17,9 +17,10 @@ from hetnode.testnet.sim.node import SimNode, add_to_bins
 WINDOW = (0.0, 1000.0)
 
 
-def node(first: int = 0, last: int = 2, *, kv_tokens: int = 1 << 20, budget: int = 8192) -> SimNode:
+def node(first: int = 0, last: int = 2, *, kv_tokens: int = 1 << 20, budget: int = 8192,
+         mixed_steps: str = "sum") -> SimNode:
     return SimNode(0, "n", "a100", PROFILE, first, last, kv_capacity_tokens=kv_tokens, block_size=16,
-                   max_batch_tokens=budget, window=WINDOW, bin_s=10.0)
+                   max_batch_tokens=budget, window=WINDOW, bin_s=10.0, mixed_steps=mixed_steps)
 
 
 def test_decode_step_is_the_profiles_decode_time() -> None:
@@ -37,6 +38,54 @@ def test_mixed_step_is_prefill_plus_decode() -> None:
     n.queue = [Item("p", 100, pf=True), Item("d", 1, pf=False, pos=50)]
     assert n.form_batch(0.0) == PROFILE.prefill_time(100, 2) + PROFILE.decode_time(1, 2, 51)
     assert n.prompt_tokens == 100 and n.tokens == 101 and n.steps == 1
+
+
+def _batched(prompt: int, decodes: int, context: int) -> float:
+    """One layer of a mixed step run as one pass (mixed_steps="batched")."""
+    return (max(interpolate(PROFILE.prompt_curve, prompt + decodes), interpolate(PROFILE.decode_curve, decodes))
+            + PROFILE.decode_context_s * context)
+
+
+def test_batched_mixed_step_is_one_pass_over_all_its_tokens() -> None:
+    n = node(mixed_steps="batched")
+    n.slot(0, 2)
+    n.queue = [Item("p", 100, pf=True), Item("d", 1, pf=False, pos=50), Item("e", 1, pf=False, pos=9)]
+    assert n.form_batch(0.0) == pytest.approx(2 * _batched(100, 2, 51 + 10), rel=1e-12)
+    # Less than prefill + decode, at least the decode alone.
+    assert n.busy_s < PROFILE.prefill_time(100, 2) + PROFILE.decode_time(2, 2, 61)
+    assert n.busy_s >= PROFILE.decode_time(2, 2, 61)
+    # Steps that are not mixed cost what they cost under "sum".
+    n.batch = None
+    n.queue = [Item("p2", 100, pf=True)]
+    assert n.form_batch(1.0) == PROFILE.prefill_time(100, 2)
+    n.batch = None
+    n.queue = [Item("d", 1, pf=False, pos=51)]
+    assert n.form_batch(2.0) == PROFILE.decode_time(1, 2, 52)
+
+
+def test_batched_mixed_step_over_the_budget_and_in_slices() -> None:
+    # The general path (the queue holds more tokens than the budget): the step that runs is priced the same.
+    n = node(budget=120, mixed_steps="batched")
+    n.slot(0, 2)
+    n.queue = [Item("p", 100, pf=True), Item("d", 1, pf=False, pos=50), Item("q", 100, pf=True)]
+    assert n.form_batch(0.0) == pytest.approx(2 * _batched(100, 1, 51), rel=1e-12)
+    assert sessions(n.batch) == ["p", "d"] and sessions(n.queue) == ["q"]
+    # Partial inference: layers 0-1 run the prompt alone, layers 2-3 run the prompt and the decode together.
+    m = node(0, 4, mixed_steps="batched")
+    full, tail = m.slot(0, 4), m.slot(2, 4)
+    m.queue = [Item("p", 100, pf=True, seg={0: full}), Item("d", 1, pf=False, pos=19, seg={0: tail})]
+    expected = 2 * interpolate(PROFILE.prompt_curve, 100) + 2 * _batched(100, 1, 20)
+    assert m.form_batch(0.0) == pytest.approx(expected, rel=1e-12)
+
+
+def test_mixed_steps_must_be_known() -> None:
+    from hetnode.errors import ConfigError
+    from hetnode.testnet.sim import SimOptions
+
+    with pytest.raises(ValueError, match="mixed_steps"):
+        node(mixed_steps="max")
+    with pytest.raises(ConfigError, match="mixed_steps"):
+        SimOptions(mixed_steps="max")
 
 
 def test_partial_inference_costs_each_layer_for_the_items_that_run_it() -> None:

@@ -10,6 +10,7 @@ from sim_helpers import PROFILE, PROFILES, TOY, two_node_cluster, two_node_plan
 
 import hetnode.coordinator.routing as routing
 from hetnode.coordinator.scheduler import IwrrScheduler
+from hetnode.errors import ConfigError
 from hetnode.planner.model import TOKEN_BYTES
 from hetnode.planner.profile import ProfileTable
 from hetnode.testnet.sim import SimOptions, Workload, simulate
@@ -238,3 +239,33 @@ def test_offline_loop_skips_requests_the_scheduler_refuses() -> None:
     assert s["rejected_all"] > 0 and s["finished"] > 0
     assert all(r.input_len == 500 for r in result.requests if r.rejected)
     assert not any(r.input_len == 500 and r.finished for r in result.requests)
+
+
+def test_the_coordinators_time_adds_to_each_request_and_each_token() -> None:
+    req_s, tok_s = 0.015, 0.003
+    result = run(one_request(100, 4), options=SimOptions(coordinator_request_s=req_s, coordinator_token_s=tok_s))
+    (r,) = result.requests
+    # Starting the request, then every item that comes back, each before what follows it goes out.
+    ttft = req_s + prompt_round_trip(100) + tok_s
+    decodes = [decode_round_trip(p) + tok_s for p in (100, 101, 102)]
+    assert r.ttft == pytest.approx(ttft, rel=1e-12)
+    assert r.e2e == pytest.approx(ttft + sum(decodes), rel=1e-12)
+    assert r.tpot == pytest.approx(sum(decodes) / 3, rel=1e-12)
+    assert r.queue == 0.0  # the scheduler admitted it on arrival
+
+
+def test_the_coordinator_serves_one_thing_at_a_time() -> None:
+    wl = Workload(name="two", inputs=(100, 100), outputs=(2, 2), arrivals=(1.0, 1.0))
+    # Starting two requests that arrive together: the second one's first item leaves after both starts.
+    first, second = run(wl, options=SimOptions(coordinator_request_s=0.010)).requests
+    assert first.ttft == pytest.approx(0.010 + prompt_round_trip(100), rel=1e-12)
+    assert second.ttft == pytest.approx(0.020 + prompt_round_trip(100), rel=1e-12)
+    # Their first tokens come back 6 ms apart; handling one takes 8 ms, so the second waits for the first.
+    base = run(wl).requests
+    gap = base[1].first_token - base[0].first_token
+    assert 0 < gap < 0.008
+    served = run(wl, options=SimOptions(coordinator_token_s=0.008)).requests
+    assert served[0].first_token == pytest.approx(base[0].first_token + 0.008, rel=1e-12)
+    assert served[1].first_token == pytest.approx(base[0].first_token + 0.016, rel=1e-12)
+    with pytest.raises(ConfigError, match="coordinator"):
+        SimOptions(coordinator_token_s=-1.0)

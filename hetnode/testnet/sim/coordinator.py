@@ -9,8 +9,12 @@ stage gets a Release (it frees the session's KV there, a link latency later) and
 requests the scheduler had queued.
 
 Token ids travel as 4 bytes per token (`TOKEN_BYTES`), on the links between the coordinator and the first
-and last stages; the coordinator itself takes no time. All per-token work happens in `on_message`, one call
-per link message, with the items of a message handled in a plain loop.
+and last stages. By default the coordinator itself takes no time. With `request_s` or `token_s` it is one
+server working in arrival order (the runtime's coordinator is one event loop): starting a request (parsing it,
+routing it, sending its first item) takes `request_s`, handling one item that came back (a token streamed to
+the client, the next item sent) takes `token_s`; an item is counted, and what follows it sent, when its turn
+is done. All per-token work happens in `on_message`, one call per link message, with the items of a message
+handled in a plain loop (one at a time, each its own message onward, when the coordinator takes time).
 """
 
 from __future__ import annotations
@@ -97,7 +101,9 @@ Push = Callable[[float, int, Any, Any], None]
 class SimCoordinator:
     def __init__(self, scheduler: Scheduler, nodes: Sequence[SimNode], *, num_layers: int, send: Send,
                  release: Callable[[SimNode, int, float], None], prefill_chunk: int, block_size: int,
-                 window: tuple[float, float], bin_s: float) -> None:
+                 window: tuple[float, float], bin_s: float, request_s: float = 0.0, token_s: float = 0.0) -> None:
+        if not request_s >= 0 or not token_s >= 0:
+            raise ValueError(f"the coordinator's times must be >= 0, not {request_s} and {token_s}")
         self.scheduler = scheduler
         self.nodes = nodes
         self.by_name = {n.name: n for n in nodes}
@@ -120,6 +126,11 @@ class SimCoordinator:
         self.prompt_bins: list[float] = []  # prompt tokens whose prefill completed per bin
         self.window_generated = 0
         self.window_prompt = 0
+        # The coordinator as one server: seconds to start a request and to handle one returned item, and when
+        # it is next free.
+        self.request_s = request_s
+        self.token_s = token_s
+        self.free = 0.0
 
     # -- admission --------------------------------------------------------------------------------------
 
@@ -153,6 +164,8 @@ class SimCoordinator:
         r.ntok = min(self.chunk, r.input_len)
         r.kv_blocks = -(-r.input_len // self.block)
         self.inflight += 1
+        if self.request_s:
+            now = self.free = max(self.free, now) + self.request_s
         self.send(self.index, r.first, [r], now)
 
     def _route(self, key: tuple[tuple[str, int, int], ...]) -> Route:
@@ -186,6 +199,15 @@ class SimCoordinator:
 
     def on_message(self, items: list[SimRequest], now: float) -> None:
         """Results from a last stage: next prompt chunks, first tokens, decode tokens; send what follows."""
+        token_s = self.token_s
+        if not token_s:
+            self._handle(items, now)
+            return
+        for r in items:  # one at a time, each when the coordinator has handled everything before it
+            self.free = done = max(self.free, now) + token_s
+            self._handle([r], done)
+
+    def _handle(self, items: list[SimRequest], now: float) -> None:
         chunk = self.chunk
         block = self.block
         produced = 0

@@ -10,7 +10,10 @@ Step time follows the profile's per-layer model, summed over the layers the step
 
     step = prefill_time(prompt tokens, L) + decode_time(decode items, L, context tokens)
 
-with context = the sum over decode items of the tokens each attends to (its position + 1). With partial
+with context = the sum over decode items of the tokens each attends to (its position + 1); with
+`mixed_steps="batched"` a step that mixes prompt tokens and decode items runs them in one pass instead (one read
+of the weights, as the runtime's engine and the testnet's roofline pace do): L x max(prefill(prompt tokens +
+decode items), decode(decode items)) plus the same context cost. With partial
 inference a request may run only part of the node's layers ([a, b) inside the node's [first, last)); the
 node then splits its layers at every a and b of the ranges its requests run, and each slice of layers costs
 the per-layer time of the items that run it. This is exact under the profiles' per-layer model (a layer's
@@ -36,6 +39,10 @@ from operator import attrgetter
 from typing import Any
 
 from hetnode.planner.profile import DeviceProfile, interpolate
+
+# How a step that mixes prompt tokens and decode items is priced: "sum" (prefill + decode, as Helix's
+# artifact does with its separately measured curves) or "batched" (one pass over every token of the step).
+MIXED_STEPS = ("sum", "batched")
 
 _POS = attrgetter("pos")
 _PF = attrgetter("pf")
@@ -81,6 +88,7 @@ class SimNode:
         "kv_waits",
         "last_layer",
         "max_batch_items",
+        "mixed_batched",
         "name",
         "only_next",
         "prefill_memo",
@@ -102,7 +110,7 @@ class SimNode:
 
     def __init__(self, index: int, name: str, device: str, profile: DeviceProfile, first_layer: int,
                  last_layer: int, *, kv_capacity_tokens: int, block_size: int, max_batch_tokens: int,
-                 window: tuple[float, float], bin_s: float) -> None:
+                 window: tuple[float, float], bin_s: float, mixed_steps: str = "sum") -> None:
         if not 0 <= first_layer <= last_layer:
             raise ValueError(f"node {name}: bad layer range [{first_layer}, {last_layer})")
         self.index = index
@@ -115,6 +123,9 @@ class SimNode:
         self.context_s = profile.decode_context_s
         self.prefill_memo: dict[int, float] = {}  # prompt tokens -> seconds per layer
         self.decode_memo: dict[int, float] = {}  # decode batch -> seconds per layer
+        if mixed_steps not in MIXED_STEPS:
+            raise ValueError(f"mixed_steps must be one of {', '.join(MIXED_STEPS)}, not {mixed_steps!r}")
+        self.mixed_batched = mixed_steps == "batched"
         self.budget = max_batch_tokens
         self.block_size = block_size
         self.kv_capacity = kv_capacity_tokens // block_size  # blocks (each a slot in every layer held)
@@ -252,11 +263,22 @@ class SimNode:
 
     def _cost(self, layers: int, ptok: int, decodes: int, batch: list[Any], prompts: list[Any]) -> float:
         """prefill_time(ptok, layers) + decode_time(decodes, layers, context of the batch's decode items)."""
+        if decodes and ptok and self.mixed_batched:
+            context = sum(map(_POS, batch)) - sum(map(_POS, prompts)) + decodes
+            return layers * self._batched(ptok, decodes, context)
         dur = layers * self.prefill_per_layer(ptok) if ptok else 0.0
         if decodes:
             context = sum(map(_POS, batch)) - sum(map(_POS, prompts)) + decodes
             dur += layers * (self.decode_per_layer(decodes) + self.context_s * context)
         return dur
+
+    def _batched(self, ptok: int, decodes: int, context: int) -> float:
+        """Seconds per layer of a mixed step (ptok prompt tokens and `decodes` decode items attending to
+        `context` tokens) under mixed_steps="batched": the step runs its prompt and decode tokens in one pass,
+        as the runtime's engine does, so it reads the weights once: max(prefill(ptok + decodes),
+        decode(decodes)) plus the decode items' context."""
+        return (max(self.prefill_per_layer(ptok + decodes), self.decode_per_layer(decodes))
+                + self.context_s * context)
 
     def _segmented(self, batch: list[Any], slots: list[int]) -> float:
         """Items running different layer ranges: per slice of layers, the cost of the items that run it."""
@@ -281,6 +303,9 @@ class SimNode:
                 p += prompt[k]
                 d += decode[k]
                 c += context[k]
+            if p and d and self.mixed_batched:
+                dur += length * self._batched(p, d, c)
+                continue
             if p:
                 dur += length * self.prefill_per_layer(p)
             if d:
@@ -326,9 +351,12 @@ class SimNode:
         self.batch = batch
         if single:
             layers = self.single_len
-            dur = layers * self.prefill_per_layer(prompt[0]) if prompt[0] else 0.0
-            if decode[0]:
-                dur += layers * (self.decode_per_layer(decode[0]) + self.context_s * context[0])
+            if prompt[0] and decode[0] and self.mixed_batched:
+                dur = layers * self._batched(prompt[0], decode[0], context[0])
+            else:
+                dur = layers * self.prefill_per_layer(prompt[0]) if prompt[0] else 0.0
+                if decode[0]:
+                    dur += layers * (self.decode_per_layer(decode[0]) + self.context_s * context[0])
         else:
             dur = self._sum_segments(prompt, decode, context)
         ptok = sum(prompt)

@@ -36,7 +36,7 @@ from hetnode.testnet.sim.metrics import (
     percentiles,
     slo_attainment,
 )
-from hetnode.testnet.sim.node import SimNode
+from hetnode.testnet.sim.node import MIXED_STEPS, SimNode
 from hetnode.testnet.sim.workload import Trace, Workload, offline
 
 SCHEDULERS = ("iwrr", "random", "shortest-queue", "swarm")
@@ -57,10 +57,22 @@ class SimOptions:
     # Tokens of KV per node, where it is not what the profile's memory leaves beside the layers (a testnet
     # node's --kv-cache-mb, say); nodes not named keep kv_tokens(profile memory, model, layers held).
     kv_capacity: Mapping[str, int] | None = field(default=None, hash=False)
+    # How a step that mixes prompt tokens and decode items is priced: "sum" (prefill + decode, Helix's
+    # artifact) or "batched" (one pass over all its tokens, as the runtime's engine runs it; node.py).
+    mixed_steps: str = "sum"
+    # The coordinator's own time, as one server in arrival order (0: it takes none): seconds to start a request
+    # (parse, route, send its first item) and to handle one item that came back (stream the token, send the
+    # next item). Measured, not guessed: scripts/validate_sim.py measures both on the testnet.
+    coordinator_request_s: float = 0.0
+    coordinator_token_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.prefill_chunk < 0 or self.max_batch_tokens < 1 or self.block_size < 1 or self.drain_s < 0:
             raise ConfigError(f"bad simulation options: {self}")
+        if not self.coordinator_request_s >= 0 or not self.coordinator_token_s >= 0:
+            raise ConfigError(f"the coordinator's times must be >= 0: {self}")
+        if self.mixed_steps not in MIXED_STEPS:
+            raise ConfigError(f"mixed_steps must be one of {', '.join(MIXED_STEPS)}, not {self.mixed_steps!r}")
         if self.bin_s is not None and not self.bin_s > 0:
             raise ConfigError(f"bin_s must be > 0, not {self.bin_s}")
 
@@ -125,7 +137,7 @@ def simulate(cluster: ClusterSpec, model: ModelSpec, profiles: ProfileTable, pla
         kv_capacity[spec.name] = cap
         nodes.append(SimNode(len(nodes), spec.name, spec.device, profile, first, last, kv_capacity_tokens=cap,
                              block_size=opts.block_size, max_batch_tokens=opts.max_batch_tokens, window=window,
-                             bin_s=bin_s))
+                             bin_s=bin_s, mixed_steps=opts.mixed_steps))
     unknown = set(ranges) - {n.name for n in nodes}
     if unknown:
         raise ConfigError(f"the plan places layers on {', '.join(sorted(unknown))}, not in cluster {cluster.name}")
@@ -140,7 +152,8 @@ def simulate(cluster: ClusterSpec, model: ModelSpec, profiles: ProfileTable, pla
     else:
         sched, scheduler_name = scheduler, type(scheduler).__name__
     coord = SimCoordinator(sched, nodes, num_layers=model.num_layers, send=sim.send, release=sim.release,
-                           prefill_chunk=opts.prefill_chunk, block_size=opts.block_size, window=window, bin_s=bin_s)
+                           prefill_chunk=opts.prefill_chunk, block_size=opts.block_size, window=window, bin_s=bin_s,
+                           request_s=opts.coordinator_request_s, token_s=opts.coordinator_token_s)
     sim.coordinator = coord
 
     inputs, outputs = workload.inputs, workload.outputs
