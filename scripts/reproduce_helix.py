@@ -2,7 +2,7 @@
 """Helix (ASPLOS'25) §6.3-§6.7 in simulation: every ratio the paper states, ours beside it.
 
 What runs: the shipped clusters helix-single, helix-geo and helix-hetero (§6.2), LLaMA-1 30B and LLaMA-2 70B,
-Helix's measured profiles (`helix_profile_table`, the step times the Helix authors measured with vLLM),
+Helix's measured profiles (`profile_table_for(..., "helix")`, the step times the Helix authors measured with vLLM),
 placements from the runtime's planner (`plan_placement`: helix's MILP, and the swarm, petals, sp and sp+
 baselines), the runtime's schedulers (iwrr, swarm, random, shortest-queue) and the simulator
 (`hetnode.testnet.sim.simulate`) on the Azure conversation trace with Helix's length filter.
@@ -10,11 +10,9 @@ baselines), the runtime's schedulers (iwrr, swarm, random, shortest-queue) and t
 - "Swarm" end to end (§6.3-§6.5) is Swarm's placement with Swarm's scheduler; "SP" (separate pipelines) is
   the sp placement with IWRR over its pipelines, which spreads requests over the replicas in proportion to
   their capacity; "SP+" (§6.5) adds one mixed pipeline from the types that cannot hold the model alone. The
-  planner gives an sp placement the max flow over all of the cluster's connections, and with partial
-  inference its replicas connect wherever one's layer range meets another's, so that flow moves requests
-  from one replica into another; here the flow is recomputed inside each pipeline (`separate_pipelines`),
-  so that every request stays in one replica. §6.6 runs every placement under Helix's IWRR; §6.7 runs every
-  scheduler on Helix's placement.
+  planner keeps an sp placement's flow inside each pipeline (`heuristics.sp_connections`), so every request
+  stays in one replica. §6.6 runs every placement under Helix's IWRR; §6.7 runs every scheduler on Helix's
+  placement.
 - Offline (§6.2): a saturating closed loop; 1 minute of warm-up, 10 minutes measured.
 - Online (§6.2): the trace's own arrivals scaled to 75% of the configuration's peak, 30 s of warm-up, 30
   minutes measured. "Peak" (--peak) is by default MEASURED: the token throughput (prompt + generated tokens/s)
@@ -63,10 +61,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from hetnode.planner.cluster import ClusterSpec, load_cluster
 from hetnode.planner.model import ModelSpec, model_spec
 from hetnode.planner.plan import PlacementPlan
-from hetnode.planner.profile import ProfileTable
-from hetnode.planner.profile_sources import helix_profile_table
+from hetnode.planner.profile import ProfileTable, Workload
+from hetnode.planner.profile_sources import profile_table_for
 from hetnode.planner.validate import validate_plan
-from hetnode.testnet.sim import SimResult, Trace, helix_online_rate, load_trace, offline, replay, simulate
+from hetnode.testnet.sim import SimOptions, SimResult, Trace, helix_online_rate, load_trace, offline, replay, simulate
 
 CLUSTERS_DIR = Path(__file__).resolve().parents[1] / "hetnode" / "testnet" / "clusters"
 CLUSTERS = {"single": "helix-single", "geo": "helix-geo", "hetero": "helix-hetero"}
@@ -74,6 +72,9 @@ MODELS = {"30B": "llama-30b", "70B": "llama-70b"}
 TIME_LIMITS = {"single": 60.0, "geo": 60.0, "hetero": 120.0}  # MILP seconds: 24 nodes, 24 nodes, 42 nodes
 SP70_KV_SHARE = 0.15  # see the module docstring: the largest share (in 0.05 steps) at which 4 A100s hold 70B
 ONLINE_LOAD = 0.75
+# The schedulers' KV high-water mark, and the KV share the planner's T_j expect in use: the runtime's. Helix's
+# simulator used 0.3 (KV_CACHE_HWM in its artifact); --high-water 0.3 runs that, and did worse here (README).
+HIGH_WATER = 0.9
 TOLERANCE = 0.25
 
 # Helix §6.2: online 30 s warm-up + 30 min; offline 1 min warm-up + 10 min.
@@ -262,39 +263,12 @@ def summarize(setup: Setup, plan: PlacementPlan, rate: float | None, result: Sim
         kv_peak_max=s["kv_peak_max"], worst_prompt_queue_link=s["worst_prompt_queue_link"], wall_s=result.wall_s)
 
 
-def pipeline_groups(plan: PlacementPlan, cluster: ClusterSpec) -> dict[str, str]:
-    """Node -> its pipeline in an sp/sp+ placement: its device type where that type's nodes hold every layer
-    (a type with more nodes than layers forms several pipelines; they count as one here), else "mixed" (sp+)."""
-    device = {n.name: n.device for n in cluster.nodes}
-    held: dict[str, set[int]] = {}
-    for p in plan.placements:
-        held.setdefault(device[p.node], set()).update(range(p.first_layer, p.last_layer))
-    whole = {d for d, layers in held.items() if len(layers) == plan.num_layers}
-    return {p.node: device[p.node] if device[p.node] in whole else "mixed" for p in plan.placements}
-
-
-def separate_pipelines(plan: PlacementPlan, cluster: ClusterSpec, model: ModelSpec,
-                       profiles: ProfileTable) -> tuple[PlacementPlan, list[tuple[str, str]]]:
-    """The sp placement with its flows kept inside each pipeline.
-
-    `plan_placement` gives every placement the max flow over all of the cluster's connections, and with
-    partial inference the pipelines of an sp placement connect wherever one's range meets another's, so its
-    max flow sends requests from one replica into another. Separate pipelines do not: the flow is recomputed
-    over the connections inside each pipeline only, and IWRR, which walks the flow edges, keeps every request
-    in one replica, the replicas weighted by their capacity."""
-    from hetnode.planner.placement import evaluate
-
-    group = pipeline_groups(plan, cluster)
-    allowed = [(a, b) for a in group for b in group if a != b and group[a] == group[b]]
-    flow = evaluate(cluster, model, profiles, plan.ranges(), partial=plan.partial_inference, allowed=allowed)
-    note = (f"flows kept inside each pipeline: {flow.value:.1f} tokens/s (over every connection: "
-            f"{plan.max_flow:.1f})")
-    return replace(plan, flows=dict(flow.flows), max_flow=flow.value, notes=(*plan.notes, note)), allowed
-
-
 class Reproduction:
     def __init__(self, *, times: dict[str, tuple[float, float]], time_limit: float | None, peak: str,
-                 plans_dir: Path | None, seed: int = 0, log: Any = None) -> None:
+                 plans_dir: Path | None, seed: int = 0, high_water: float = HIGH_WATER,
+                 log: Any = None) -> None:
+        self.high_water = high_water
+        self.inflight: int | None = None
         self.times = times
         self.time_limit = time_limit
         self.peak = peak
@@ -304,7 +278,7 @@ class Reproduction:
         self.trace: Trace = load_trace("conv")
         self._clusters: dict[str, ClusterSpec] = {}
         self._models: dict[str, ModelSpec] = {}
-        self._profiles: dict[tuple[str, float], ProfileTable] = {}
+        self._profiles: dict[tuple[str, str, float], ProfileTable] = {}
         self.plans: dict[tuple[str, str, str], PlacementPlan] = {}
         self.plan_info: dict[str, dict[str, Any]] = {}
         self.runs: dict[Setup, Run] = {}
@@ -322,17 +296,18 @@ class Reproduction:
     def kv_share(self, model: str, method: str) -> float:
         return SP70_KV_SHARE if model == "70B" and method in ("sp", "sp+") else 0.5
 
-    def profiles(self, model: str, method: str) -> ProfileTable:
-        key = (model, self.kv_share(model, method))
+    def profiles(self, cluster: str, model: str, method: str) -> ProfileTable:
+        key = (cluster, model, self.kv_share(model, method))
         if key not in self._profiles:
-            self._profiles[key] = helix_profile_table(self.model(model), kv_share=key[1])
+            self._profiles[key] = profile_table_for(self.cluster(cluster), self.model(model), "helix",
+                                                    kv_share=key[2], workload=Workload(kv_fill=self.high_water))
         return self._profiles[key]
 
     def plan(self, cluster: str, model: str, method: str) -> PlacementPlan:
         key = (cluster, model, method)
         if key in self.plans:
             return self.plans[key]
-        cl, mo, profiles = self.cluster(cluster), self.model(model), self.profiles(model, method)
+        cl, mo, profiles = self.cluster(cluster), self.model(model), self.profiles(cluster, model, method)
         limit = self.time_limit if self.time_limit is not None else TIME_LIMITS[cluster]
         name = f"{CLUSTERS[cluster]}_{MODELS[model]}_{method}" + (f"_{limit:g}s" if method == "helix" else "")
         path = None if self.plans_dir is None else self.plans_dir / f"{name}.json"
@@ -361,10 +336,7 @@ class Reproduction:
             if path is not None:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 path.write_text(json.dumps(plan.to_json(), indent=1) + "\n")
-        allowed = None
-        if method in ("sp", "sp+"):
-            plan, allowed = separate_pipelines(plan, cl, mo, profiles)
-        problems = validate_plan(plan, cl, mo, profiles, allowed=allowed)
+        problems = validate_plan(plan, cl, mo, profiles)
         for p in problems:
             self.log(f"  warning: {name}: {p}")
         self.plans[key] = plan
@@ -385,11 +357,11 @@ class Reproduction:
             return self.runs[setup]
         plan = self.plan(setup.cluster, setup.model, setup.placement)
         cl, mo = self.cluster(setup.cluster), self.model(setup.model)
-        profiles = self.profiles(setup.model, setup.placement)
+        profiles = self.profiles(setup.cluster, setup.model, setup.placement)
         warmup, measured = self.times[setup.mode]
         rate: float | None = None
         if setup.mode == "offline":
-            workload = offline(self.trace)
+            workload = offline(self.trace) if self.inflight is None else offline(self.trace, max_inflight=self.inflight)
         else:
             if self.peak == "maxflow":
                 peak = plan.max_flow
@@ -399,7 +371,8 @@ class Reproduction:
             rate = helix_online_rate(peak, self.trace.mean_input, self.trace.mean_output, ONLINE_LOAD)
             workload = replay(self.trace, rate=rate, duration_s=warmup + measured)
         result = simulate(cl, mo, profiles, plan, workload=workload, scheduler=setup.scheduler,
-                          duration_s=warmup + measured, warmup_s=warmup, seed=self.seed)
+                          duration_s=warmup + measured, warmup_s=warmup, seed=self.seed,
+                          options=SimOptions(high_water=self.high_water))
         run = summarize(setup, plan, rate, result, (warmup, warmup + measured))
         self.runs[setup] = run
         self.log(f"  {setup.label}: decode {run.decode_throughput:.1f} tok/s, prompt latency "
@@ -475,7 +448,12 @@ def main(argv: list[str] | None = None) -> int:
                         "(default) or the plan's max flow")
     p.add_argument("--plans", default=None, metavar="DIR", help="keep plans as JSON here and reuse them")
     p.add_argument("--seed", type=int, default=0, help="the schedulers' seed")
+    p.add_argument("--high-water", type=float, default=HIGH_WATER, metavar="H",
+                   help="the schedulers' KV high-water mark, and the KV share the planner expects in use "
+                        f"(default {HIGH_WATER:g}, the runtime's; Helix's simulator used 0.3)")
     p.add_argument("--json", default=None, metavar="OUT", help="write every number to this JSON file")
+    p.add_argument("--offline-inflight", type=int, default=None, metavar="N",
+                   help="offline: keep at most N requests unfinished (default: what the nodes' KV holds)")
     args = p.parse_args(argv)
     if not args.duration_scale > 0:
         p.error("--duration-scale must be positive")
@@ -492,7 +470,9 @@ def main(argv: list[str] | None = None) -> int:
 
     claims = [c for c in paper_claims() if c.ours.cluster in chosen and c.base.cluster in chosen]
     repro = Reproduction(times=times, time_limit=time_limit, peak=args.peak,
-                         plans_dir=Path(args.plans) if args.plans else None, seed=args.seed)
+                         plans_dir=Path(args.plans) if args.plans else None, seed=args.seed,
+                         high_water=args.high_water)
+    repro.inflight = args.offline_inflight
     wall0 = time.perf_counter()
     needed: list[Setup] = []
     for c in claims:
@@ -518,7 +498,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         out = {
             "settings": {"clusters": chosen, "times": times, "time_limit": time_limit, "peak": args.peak,
-                         "online_load": ONLINE_LOAD, "sp70_kv_share": SP70_KV_SHARE, "tolerance": TOLERANCE,
+                         "online_load": ONLINE_LOAD, "high_water": args.high_water,
+                         "sp70_kv_share": SP70_KV_SHARE, "tolerance": TOLERANCE,
                          "seed": args.seed, "quick": args.quick, "trace": repro.trace.source,
                          "trace_requests": len(repro.trace), "mean_input": repro.trace.mean_input,
                          "mean_output": repro.trace.mean_output, "wall_s": wall},

@@ -209,7 +209,7 @@ def swarm_ranges(cluster: ClusterSpec, model: ModelSpec, profiles: ProfileTable)
 # -- separate pipelines -------------------------------------------------------------------------------------------
 
 
-def _type_pipelines(infos: Sequence[NodeInfo], num_layers: int, rank: Mapping[str, int]) -> Ranges | None:
+def _type_pipelines(infos: Sequence[NodeInfo], num_layers: int, rank: Mapping[str, int]) -> list[Ranges] | None:
     """All of one group's nodes in as few pipelines as possible (several only when nodes outnumber layers)."""
     if layers_that_fit(infos) < num_layers:
         return None
@@ -217,38 +217,51 @@ def _type_pipelines(infos: Sequence[NodeInfo], num_layers: int, rank: Mapping[st
     # Deal the nodes out region by region so each pipeline stays as local as the group allows.
     ordered = sorted(infos, key=lambda i: (rank.get(i.region, len(rank)), -i.best_layer_rate, i.name))
     groups = [ordered[p::count] for p in range(count)]
-    out: Ranges = {}
+    out: list[Ranges] = []
     for group in groups:
         ranges = pipeline(group, num_layers, rank)
         if ranges is None:
             return None
-        out.update(ranges)
+        out.append(ranges)
     return out
 
 
-def sp_ranges(cluster: ClusterSpec, model: ModelSpec, profiles: ProfileTable, *, plus: bool = False) -> Ranges:
+def sp_pipelines(cluster: ClusterSpec, model: ModelSpec, profiles: ProfileTable, *,
+                 plus: bool = False) -> list[Ranges]:
+    """The separate pipelines, each its own ranges: requests must stay inside one (`sp_connections`)."""
     infos = node_infos(cluster, model, profiles)
     check_fits(cluster, model, infos)
     rank = region_order(cluster, infos)
     by_type: dict[str, list[NodeInfo]] = {}
     for info in infos:
         by_type.setdefault(info.device, []).append(info)
-    out: Ranges = {}
+    out: list[Ranges] = []
     left: list[NodeInfo] = []
     for device in sorted(by_type):
-        ranges = _type_pipelines(by_type[device], model.num_layers, rank)
-        if ranges is None:
+        pipelines = _type_pipelines(by_type[device], model.num_layers, rank)
+        if pipelines is None:
             left.extend(by_type[device])
         else:
-            out.update(ranges)
+            out.extend(pipelines)
     if plus and left:
         mixed = pipeline(left, model.num_layers, rank)
         if mixed is not None:
-            out.update(mixed)
+            out.append(mixed)
     if not out:
         raise ConfigError(f"separate pipelines: no device type of cluster {cluster.name} holds {model.name} "
                           f"alone{'' if plus else ' (sp+ also builds a mixed pipeline from the rest)'}")
     return out
+
+
+def sp_ranges(cluster: ClusterSpec, model: ModelSpec, profiles: ProfileTable, *, plus: bool = False) -> Ranges:
+    return {n: r for ranges in sp_pipelines(cluster, model, profiles, plus=plus) for n, r in ranges.items()}
+
+
+def sp_connections(pipelines: Sequence[Ranges]) -> list[tuple[str, str]]:
+    """The connections inside each pipeline. With partial inference the pipelines would connect wherever one's
+    range meets another's, and flow over those moves requests from one replica into another: separate
+    pipelines keep each request in one."""
+    return [(a, b) for ranges in pipelines for a in ranges for b in ranges if a != b]
 
 
 HEURISTICS: dict[str, Callable[[ClusterSpec, ModelSpec, ProfileTable], Ranges]] = {

@@ -80,6 +80,8 @@ from hetnode.planner.heuristics import (
     check_fits,
     node_infos,
     region_order,
+    sp_connections,
+    sp_pipelines,
 )
 from hetnode.planner.lns import Lns, search
 from hetnode.planner.local_search import local_search
@@ -129,6 +131,14 @@ def plan_placement(cluster: ClusterSpec, model: ModelSpec, profiles: ProfileTabl
     infos = node_infos(cluster, model, profiles)
     check_fits(cluster, model, infos)
     compute_bound = flowgraph.upper_bound(cluster, model, profiles)
+    if method in ("sp", "sp+"):
+        pipelines = sp_pipelines(cluster, model, profiles, plus=method == "sp+")
+        ranges = {n: r for p in pipelines for n, r in p.items()}
+        flow = evaluate(cluster, model, profiles, ranges, partial=options.partial_inference,
+                        allowed=sp_connections(pipelines))
+        return _plan(cluster, model, method, ranges, flow, compute_bound, "heuristic",
+                     time.perf_counter() - began, options,
+                     (f"{len(pipelines)} separate pipelines; flow kept inside each",))
     if method != "helix":
         ranges = HEURISTICS[method](cluster, model, profiles)
         flow = evaluate(cluster, model, profiles, ranges, partial=options.partial_inference)

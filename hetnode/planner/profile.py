@@ -13,13 +13,25 @@ allows, up to `max_batch`:
 
     B_j = min(max_batch, kv_tokens(j) / (input_len + output_len / 2))
     T_j = (input_len + output_len) / (j x (prefill(input_len) + output_len x decode(B_j) / B_j))
+
+That is a node serving alone. In a pipeline it is not: a request's KV sits on every stage it passes while its
+token is at one stage only, so a node's decode batch is the requests its KV holds times the share of a
+request's round trip it spends there. `pipeline_throughputs` computes T_j that way, as Helix's simulator does
+(`llama70b_workload_ratio` and `llama70b_typical_statistics` in its artifact), for the nodes of one cluster:
+
+    ratio_j = j t / ((L - j) t_avg + j t)      t: this node's time per layer; t_avg: the cluster's, by layer
+    B_j     = min(max_batch, kv_fill x kv_tokens(j) / (input_len + output_len) x ratio_j)
+
+t and t_avg come from the cluster's own T at a typical layer count, so it is a fixed point; ten rounds
+settle it (Helix's artifact iterates ten times too). The planner uses these T_j (profile_sources), so a plan
+with many thin stages no longer promises batches its KV cannot hold.
 """
 
 from __future__ import annotations
 
 import bisect
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from hetnode.errors import ConfigError
 from hetnode.planner.costmodel import step_time
@@ -36,6 +48,14 @@ class Workload:
     input_len: int = 750
     output_len: int = 240
     max_batch: int = 256  # the most sequences one decode step batches
+    # The share of a node's KV that holds requests in steady state: the scheduler's high-water mark (the
+    # runtime's 0.9; Helix's simulator used 0.3). Only pipeline_throughputs uses it.
+    kv_fill: float = 0.9
+
+    def __post_init__(self) -> None:
+        if self.input_len < 1 or self.output_len < 0 or self.max_batch < 1 or not 0 < self.kv_fill <= 1:
+            raise ConfigError(f"bad workload: {self} (input_len >= 1, output_len >= 0, max_batch >= 1, "
+                              "0 < kv_fill <= 1)")
 
 
 def interpolate(curve: Curve, x: float) -> float:
@@ -65,6 +85,7 @@ class DeviceProfile:
     decode_context_s: float = 0.0  # extra seconds per layer per token of context in a decode batch
     throughput: tuple[float, ...] = ()  # T_1..T_k in tokens/s
     source: str = ""
+    throughput_given: bool = False  # T came from a file as numbers: kept as given, never recomputed
 
     def prefill_time(self, tokens: int, layers: int) -> float:
         return layers * interpolate(self.prompt_curve, tokens) if tokens > 0 else 0.0
@@ -89,17 +110,64 @@ def max_layers_for(memory_bytes: int, model: ModelSpec, kv_share: float) -> int:
     return min(model.num_layers, int(memory_bytes * (1 - kv_share) // model.layer_bytes))
 
 
+def _tokens_per_s(profile: DeviceProfile, workload: Workload, j: int, batch: float) -> float:
+    """T for j layers at a decode batch of `batch` sequences (fractional batches price by interpolation)."""
+    batch = max(1.0, min(float(workload.max_batch), batch))
+    context = workload.input_len + workload.output_len // 2
+    per_layer = (interpolate(profile.prompt_curve, workload.input_len)
+                 + workload.output_len * (interpolate(profile.decode_curve, batch)
+                                          + profile.decode_context_s * context * batch) / batch)
+    return (workload.input_len + workload.output_len) / (j * per_layer)
+
+
 def throughputs(profile: DeviceProfile, model: ModelSpec, workload: Workload) -> tuple[float, ...]:
-    out = []
+    """T_1..T_k of the node serving alone: its whole KV decodes as one batch."""
     per_request = workload.input_len + workload.output_len / 2
-    for j in range(1, profile.max_layers + 1):
-        batch = max(1, min(workload.max_batch, int(kv_tokens(profile.memory_bytes, model, j) / per_request)))
-        context = workload.input_len + workload.output_len // 2
-        per_layer = (interpolate(profile.prompt_curve, workload.input_len)
-                     + workload.output_len * (interpolate(profile.decode_curve, batch)
-                                              + profile.decode_context_s * context * batch) / batch)
-        out.append((workload.input_len + workload.output_len) / (j * per_layer))
-    return tuple(out)
+    return tuple(_tokens_per_s(profile, workload, j, int(kv_tokens(profile.memory_bytes, model, j) / per_request))
+                 for j in range(1, profile.max_layers + 1))
+
+
+def typical_layers(profiles: Mapping[str, DeviceProfile], counts: Mapping[str, int], num_layers: int) -> dict[str, int]:
+    """Layers a node of each profile typically holds: two thirds of its most, or its most when the cluster has
+    little room to spare (Helix's artifact: a table by GPU type, which this rule reproduces to within one)."""
+    typical = {k: max(1, round(2 * p.max_layers / 3)) for k, p in profiles.items()}
+    if sum(counts[k] * typical[k] for k in profiles) < 1.2 * num_layers:
+        typical = {k: p.max_layers for k, p in profiles.items()}
+    return typical
+
+
+def pipeline_throughputs(profiles: Mapping[str, DeviceProfile], counts: Mapping[str, int], model: ModelSpec,
+                         workload: Workload, *, rounds: int = 10) -> dict[str, DeviceProfile]:
+    """The profiles with T_j of a node inside this cluster's pipelines (module docstring); `counts` says how
+    many nodes use each profile. Profiles that cannot hold a layer, or whose T a file gave, keep their T."""
+    live = {k: p for k, p in profiles.items()
+            if p.max_layers >= 1 and counts.get(k, 0) > 0 and not p.throughput_given}
+    if not live:
+        return dict(profiles)
+    num_layers = model.num_layers
+    typical = typical_layers(live, counts, num_layers)
+    seq = workload.input_len + workload.output_len
+
+    def tokens_per_s(k: str, j: int, avg_layer_s: float, layer_s: float) -> float:
+        mine = j * layer_s
+        ratio = mine / (max(0, num_layers - j) * avg_layer_s + mine)
+        batch = workload.kv_fill * kv_tokens(live[k].memory_bytes, model, j) / seq * ratio
+        return _tokens_per_s(live[k], workload, j, batch)
+
+    # Seconds per layer per token at the typical count, starting from the node alone.
+    layer_s = {k: 1.0 / (throughputs(p, model, workload)[typical[k] - 1] * typical[k]) for k, p in live.items()}
+    weight = {k: counts[k] * typical[k] for k in live}
+    avg = 0.0
+    for _ in range(rounds):
+        avg = sum(weight[k] * layer_s[k] for k in live) / sum(weight.values())
+        layer_s = {k: 1.0 / (tokens_per_s(k, typical[k], avg, layer_s[k]) * typical[k]) for k in live}
+    out = dict(profiles)
+    for k, p in live.items():
+        # A node holding j layers spends j/typical of its typical time per layer on them: j x layer time at
+        # j layers is what tokens_per_s prices, so the ratio uses the per-layer time at the typical count.
+        out[k] = replace(p, throughput=tuple(tokens_per_s(k, j, avg, layer_s[k])
+                                             for j in range(1, p.max_layers + 1)))
+    return out
 
 
 def with_throughput(profile: DeviceProfile, model: ModelSpec, workload: Workload) -> DeviceProfile:

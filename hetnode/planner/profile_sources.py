@@ -9,7 +9,8 @@
 - `roofline_profile_table(cluster, model)`: one roofline profile per device type of the cluster, from the
   papers' GPU tables (`planner.costmodel`).
 - `measured_profile(...)`: a roofline over a live node's measured matmul rate and memory bandwidth.
-- `profile_table_for(cluster, model, source)`: picks one of these by name ("auto", "helix", "roofline") or path.
+- `profile_table_for(cluster, model, source)`: picks one of these by name ("auto", "helix", "roofline") or path,
+  with T_j of a node inside that cluster's pipelines (`in_pipelines`, `profile.pipeline_throughputs`).
 
 `kv_share` is the configurable share of a device's memory kept for KV; it decides how many layers a device
 holds (`profile.max_layers_for`). Helix's table was made with about half kept for KV (kv_share = 0.5); another
@@ -41,6 +42,7 @@ from hetnode.planner.profile import (
     DeviceProfile,
     ProfileTable,
     Workload,
+    pipeline_throughputs,
     roofline_profile,
     with_throughput,
 )
@@ -181,12 +183,24 @@ def measured_profile(name: str, matmul_tflops: float, mem_bandwidth_gbps: float,
 SOURCES = ("auto", "helix", "roofline")
 
 
+def in_pipelines(table: ProfileTable, cluster: ClusterSpec, model: ModelSpec,
+                 workload: Workload | None = None) -> ProfileTable:
+    """The table with T_j of a node in this cluster's pipelines rather than alone (`pipeline_throughputs`)."""
+    counts: dict[str, int] = {}
+    for node in cluster.nodes:
+        key = node.name if node.name in table.profiles else node.device
+        counts[key] = counts.get(key, 0) + 1
+    profiles = pipeline_throughputs(table.profiles, counts, model, workload or Workload())
+    return ProfileTable(model=table.model, profiles=profiles, source=table.source)
+
+
 def profile_table_for(cluster: ClusterSpec, model: ModelSpec, source: str = "auto", *, kv_share: float = 0.5,
-                      workload: Workload | None = None) -> ProfileTable:
+                      workload: Workload | None = None, alone: bool = False) -> ProfileTable:
     """The profile table `source` names: "roofline", "helix", a file path, or "auto".
 
     "auto" is helix when the model is Helix's llama-30b or llama-70b, every device type in the cluster has a
-    Helix profile and no node overrides its memory; roofline otherwise. The table must cover every node."""
+    Helix profile and no node overrides its memory; roofline otherwise. The table must cover every node. Its
+    T_j are a node's inside this cluster's pipelines (`in_pipelines`); alone=True keeps each node's alone."""
     _check_kv_share(kv_share)
     if source == "auto":
         measured = set(helix_devices(model))
@@ -204,7 +218,7 @@ def profile_table_for(cluster: ClusterSpec, model: ModelSpec, source: str = "aut
         raise ConfigError(f"the profile table ({table.source}) has no entry for device types "
                           f"{', '.join(missing)} of cluster {cluster.name}; it has {', '.join(sorted(table.profiles))}",
                           file=source if source not in SOURCES else None)
-    return table
+    return table if alone else in_pipelines(table, cluster, model, workload)
 
 
 # -- profile-table files --------------------------------------------------------------------------------------
@@ -400,7 +414,8 @@ class _Parser:
             prompt = decode = ((1.0, per_token_layer),)
         context = self.number(t.get("decode_context_ms", 0.0), f"{key}.decode_context_ms") / 1e3
         prof = DeviceProfile(name=name, memory_bytes=memory, max_layers=k, prompt_curve=prompt, decode_curve=decode,
-                             decode_context_s=context, throughput=throughput, source=source or self.source)
+                             decode_context_s=context, throughput=throughput, source=source or self.source,
+                             throughput_given=bool(throughput))
         return prof if throughput else with_throughput(prof, self.model, workload)
 
     def throughput(self, value: object, key: str, k: int) -> tuple[float, ...]:

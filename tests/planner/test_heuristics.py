@@ -16,11 +16,13 @@ from hetnode.planner.heuristics import (
     balanced_split,
     node_infos,
     petals_ranges,
+    sp_pipelines,
     sp_ranges,
     swarm_ranges,
     swarm_stage_sizes,
 )
 from hetnode.planner.model import ModelSpec, model_spec
+from hetnode.planner.placement import plan_placement
 from hetnode.planner.plan import NodePlacement, PlacementPlan
 from hetnode.planner.profile import DeviceProfile, ProfileTable
 from hetnode.planner.profile_sources import helix_profile_table
@@ -158,9 +160,29 @@ def test_paper_cluster_heuristic_plans_validate(name: str, model_name: str) -> N
         except ConfigError as exc:
             assert method == "sp" and "no device type" in str(exc)
             continue
+        if method in ("sp", "sp+"):
+            # Separate pipelines keep their flow inside each pipeline: at most the flow over every connection.
+            plan = plan_placement(cluster, model, table, method=method)
+            assert plan.ranges() == ranges
+            assert validate_plan(plan, cluster, model, table) == [], method
+            assert 0 < plan.max_flow <= independent_max_flow(cluster, model, table, ranges) * (1 + 1e-6)
+            continue
         plan = plan_of(cluster, model, table, ranges, method)
         assert validate_plan(plan, cluster, model, table) == [], method
         assert plan.max_flow == pytest.approx(independent_max_flow(cluster, model, table, ranges), rel=1e-4)
+
+
+def test_separate_pipelines_keep_each_request_inside_one_pipeline() -> None:
+    cluster, model = paper("helix-geo"), model_spec("llama-30b")
+    table = helix_profile_table(model)
+    pipelines = sp_pipelines(cluster, model, table)
+    assert len(pipelines) >= 2
+    member = {n: i for i, p in enumerate(pipelines) for n in p}
+    plan = plan_placement(cluster, model, table, method="sp")
+    used = [(a, b) for (a, b), f in plan.flows.items() if f > 1e-9 and a in member and b in member]
+    assert used and all(member[a] == member[b] for a, b in used)
+    # Over every connection the same ranges would carry more: the replicas meet where their ranges do.
+    assert plan.max_flow < independent_max_flow(cluster, model, table, plan.ranges())
 
 
 def test_a_cluster_that_cannot_hold_the_model() -> None:
