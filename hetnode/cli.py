@@ -17,21 +17,12 @@ from pathlib import Path
 
 import trio
 
+from hetnode.argtypes import positive as _positive
 from hetnode.errors import ConfigError, HetnodeError, PeerUnreachable, Refused
 
 log = logging.getLogger("hetnode")
 
 DEFAULT_HOME = Path(os.environ.get("HETNODE_HOME", Path.home() / ".hetnode"))
-
-
-def _positive(value: str) -> float:
-    try:
-        x = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {value!r}") from None
-    if not x > 0:
-        raise argparse.ArgumentTypeError(f"must be positive: {value!r}")
-    return x
 
 
 def _planning_args(p: argparse.ArgumentParser) -> None:

@@ -19,21 +19,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from hetnode.argtypes import positive as _positive
 from hetnode.errors import ConfigError
 
 log = logging.getLogger("hetnode.sim")
 
 SCHEDULER_NAMES = ("iwrr", "random", "shortest-queue", "swarm")
-
-
-def _positive(value: str) -> float:
-    try:
-        x = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {value!r}") from None
-    if not x > 0:
-        raise argparse.ArgumentTypeError(f"must be positive: {value!r}")
-    return x
 
 
 def _non_negative(value: str) -> float:

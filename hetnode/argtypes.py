@@ -1,0 +1,16 @@
+"""argparse value types shared by the command lines (`hetnode ...` and `hetnode sim`)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def positive(value: str) -> float:
+    """A number > 0, or argparse's error naming the value."""
+    try:
+        x = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {value!r}") from None
+    if not x > 0:
+        raise argparse.ArgumentTypeError(f"must be positive: {value!r}")
+    return x
