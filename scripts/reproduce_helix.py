@@ -269,6 +269,7 @@ class Reproduction:
                  log: Any = None) -> None:
         self.high_water = high_water
         self.inflight: int | None = None
+        self.in_pipeline = False
         self.times = times
         self.time_limit = time_limit
         self.peak = peak
@@ -300,7 +301,8 @@ class Reproduction:
         key = (cluster, model, self.kv_share(model, method))
         if key not in self._profiles:
             self._profiles[key] = profile_table_for(self.cluster(cluster), self.model(model), "helix",
-                                                    kv_share=key[2], workload=Workload(kv_fill=self.high_water))
+                                                    kv_share=key[2], workload=Workload(kv_fill=self.high_water),
+                                                    in_pipeline=self.in_pipeline)
         return self._profiles[key]
 
     def plan(self, cluster: str, model: str, method: str) -> PlacementPlan:
@@ -452,6 +454,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="the schedulers' KV high-water mark, and the KV share the planner expects in use "
                         f"(default {HIGH_WATER:g}, the runtime's; Helix's simulator used 0.3)")
     p.add_argument("--json", default=None, metavar="OUT", help="write every number to this JSON file")
+    p.add_argument("--tj", choices=("alone", "pipeline"), default="alone",
+                   help="the planner's T_j: a node's alone (default) or inside the cluster's pipelines, as Helix's "
+                        "simulator computes it (profile.pipeline_throughputs)")
     p.add_argument("--offline-inflight", type=int, default=None, metavar="N",
                    help="offline: keep at most N requests unfinished (default: what the nodes' KV holds)")
     args = p.parse_args(argv)
@@ -473,6 +478,7 @@ def main(argv: list[str] | None = None) -> int:
                          plans_dir=Path(args.plans) if args.plans else None, seed=args.seed,
                          high_water=args.high_water)
     repro.inflight = args.offline_inflight
+    repro.in_pipeline = args.tj == "pipeline"
     wall0 = time.perf_counter()
     needed: list[Setup] = []
     for c in claims:
@@ -490,7 +496,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{times['offline'][1]:g} s after {times['offline'][0]:g} s warm-up, online {times['online'][1]:g} s "
               f"after {times['online'][0]:g} s at {ONLINE_LOAD:.0%} of the "
               f"{'measured offline peak' if args.peak == 'measured' else 'plan max flow'}; "
-              f"profiles: Helix's measured (vLLM); wall {wall:.0f} s\n"
+              f"profiles: Helix's measured (vLLM), T_j {args.tj}, KV high-water {args.high_water:g}; "
+              f"wall {wall:.0f} s\n"
               "columns: plan max flow (tokens/s), online rate (req/s), decode throughput, mean TTFT, mean TPOT, "
               "mean stages per request, mean node utilization, (prompt + decode tokens/s) / max flow; ratio rows: "
               "paper, ours, and the same ratio of the two plans' max flows")
@@ -498,7 +505,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         out = {
             "settings": {"clusters": chosen, "times": times, "time_limit": time_limit, "peak": args.peak,
-                         "online_load": ONLINE_LOAD, "high_water": args.high_water,
+                         "online_load": ONLINE_LOAD, "high_water": args.high_water, "tj": args.tj,
                          "sp70_kv_share": SP70_KV_SHARE, "tolerance": TOLERANCE,
                          "seed": args.seed, "quick": args.quick, "trace": repro.trace.source,
                          "trace_requests": len(repro.trace), "mean_input": repro.trace.mean_input,

@@ -40,8 +40,7 @@ from hetnode.planner.layout import Candidate, proportional_layout
 from hetnode.planner.model import ModelSpec, from_model_config
 from hetnode.planner.placement import PlannerOptions, evaluate, plan_placement
 from hetnode.planner.plan import NodePlacement, PlacementPlan
-from hetnode.planner.profile import ProfileTable, Workload, kv_tokens
-from hetnode.planner.profile_sources import in_pipelines
+from hetnode.planner.profile import ProfileTable, kv_tokens
 from hetnode.protocol.messages import Assignment, AssignmentStatus, Stage
 
 log = logging.getLogger(__name__)
@@ -214,8 +213,6 @@ class Deployment:
         if not usable:
             raise ConfigError("no up member can hold a layer" if members else "no nodes are up")
         cluster = live_cluster(self.registry, self.coordinator, self.home_region, usable)
-        # T_j of a node inside these pipelines, its KV as full as the scheduler lets it get.
-        profiles = in_pipelines(profiles, cluster, self.spec, Workload(kv_fill=self.planning.high_water))
         if self.planning.method == "pipeline":
             return self._pipeline_placement(usable, cluster, profiles), profiles
         options = PlannerOptions(time_limit_s=self.planning.time_limit_s, partial_inference=False, seed=0)

@@ -23,8 +23,9 @@ request's round trip it spends there. `pipeline_throughputs` computes T_j that w
     B_j     = min(max_batch, kv_fill x kv_tokens(j) / (input_len + output_len) x ratio_j)
 
 t and t_avg come from the cluster's own T at a typical layer count, so it is a fixed point; ten rounds
-settle it (Helix's artifact iterates ten times too). The planner uses these T_j (profile_sources), so a plan
-with many thin stages no longer promises batches its KV cannot hold.
+settle it (Helix's artifact iterates ten times too). `profile_table_for(..., in_pipeline=True)` gives the
+planner these T_j; it is not the default because, measured by scripts/reproduce_helix.py, the planner then
+chose deeper plans that served less in the simulator (README §"Reproducing Helix").
 """
 
 from __future__ import annotations

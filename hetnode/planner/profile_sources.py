@@ -9,8 +9,8 @@
 - `roofline_profile_table(cluster, model)`: one roofline profile per device type of the cluster, from the
   papers' GPU tables (`planner.costmodel`).
 - `measured_profile(...)`: a roofline over a live node's measured matmul rate and memory bandwidth.
-- `profile_table_for(cluster, model, source)`: picks one of these by name ("auto", "helix", "roofline") or path,
-  with T_j of a node inside that cluster's pipelines (`in_pipelines`, `profile.pipeline_throughputs`).
+- `profile_table_for(cluster, model, source)`: picks one of these by name ("auto", "helix", "roofline") or path;
+  optionally with T_j of a node inside that cluster's pipelines (`in_pipelines`, `profile.pipeline_throughputs`).
 
 `kv_share` is the configurable share of a device's memory kept for KV; it decides how many layers a device
 holds (`profile.max_layers_for`). Helix's table was made with about half kept for KV (kv_share = 0.5); another
@@ -195,12 +195,14 @@ def in_pipelines(table: ProfileTable, cluster: ClusterSpec, model: ModelSpec,
 
 
 def profile_table_for(cluster: ClusterSpec, model: ModelSpec, source: str = "auto", *, kv_share: float = 0.5,
-                      workload: Workload | None = None, alone: bool = False) -> ProfileTable:
+                      workload: Workload | None = None, in_pipeline: bool = False) -> ProfileTable:
     """The profile table `source` names: "roofline", "helix", a file path, or "auto".
 
     "auto" is helix when the model is Helix's llama-30b or llama-70b, every device type in the cluster has a
     Helix profile and no node overrides its memory; roofline otherwise. The table must cover every node. Its
-    T_j are a node's inside this cluster's pipelines (`in_pipelines`); alone=True keeps each node's alone."""
+    T_j are a node's alone; in_pipeline=True gives a node's inside this cluster's pipelines (`in_pipelines`),
+    which predicts what shallow plans serve better but led the planner to deeper plans that served less in
+    scripts/reproduce_helix.py (README §"Reproducing Helix"), so it is not the default."""
     _check_kv_share(kv_share)
     if source == "auto":
         measured = set(helix_devices(model))
@@ -218,7 +220,7 @@ def profile_table_for(cluster: ClusterSpec, model: ModelSpec, source: str = "aut
         raise ConfigError(f"the profile table ({table.source}) has no entry for device types "
                           f"{', '.join(missing)} of cluster {cluster.name}; it has {', '.join(sorted(table.profiles))}",
                           file=source if source not in SOURCES else None)
-    return table if alone else in_pipelines(table, cluster, model, workload)
+    return in_pipelines(table, cluster, model, workload) if in_pipeline else table
 
 
 # -- profile-table files --------------------------------------------------------------------------------------

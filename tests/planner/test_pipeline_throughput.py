@@ -86,22 +86,22 @@ def test_given_throughputs_and_unused_profiles_are_kept() -> None:
     assert out["a100"].throughput != table.profiles["a100"].throughput
 
 
-def test_profile_table_for_is_in_pipelines_unless_asked_alone() -> None:
+def test_profile_table_for_in_pipeline() -> None:
     cluster = ClusterSpec(name="two", nodes=(NodeSpec("a", "a100", "r", 40.0), NodeSpec("b", "l4", "r", 24.0),
                                              NodeSpec("c", "l4", "r", 24.0)), coordinator_region="r")
-    alone = profile_table_for(cluster, L70, "helix", alone=True)
-    inside = profile_table_for(cluster, L70, "helix")
+    alone = profile_table_for(cluster, L70, "helix")
+    inside = profile_table_for(cluster, L70, "helix", in_pipeline=True)
     assert inside.profiles == in_pipelines(alone, cluster, L70).profiles
     for k in ("a100", "l4"):
         assert alone.profiles[k].throughput == throughputs(alone.profiles[k], L70, W)
         assert all(i <= a * (1 + 1e-9) for i, a in zip(inside.profiles[k].throughput, alone.profiles[k].throughput,
                                                         strict=True))
     # The KV share in use scales the decode batch: a fuller KV never serves less.
-    fuller = profile_table_for(cluster, L70, "helix", workload=Workload(kv_fill=1.0))
-    emptier = profile_table_for(cluster, L70, "helix", workload=Workload(kv_fill=0.3))
+    fuller = profile_table_for(cluster, L70, "helix", workload=Workload(kv_fill=1.0), in_pipeline=True)
+    emptier = profile_table_for(cluster, L70, "helix", workload=Workload(kv_fill=0.3), in_pipeline=True)
     assert all(f >= e for f, e in zip(fuller.profiles["l4"].throughput, emptier.profiles["l4"].throughput,
                                       strict=True))
-    roof = profile_table_for(uniform_cluster(3, "l4"), L70, "roofline")
+    roof = profile_table_for(uniform_cluster(3, "l4"), L70, "roofline", in_pipeline=True)
     assert roof.profiles["l4"].throughput[0] > 0
 
 
