@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import networkx as nx
 
+from hetnode.planner.balance import balance
 from hetnode.planner.cluster import COORDINATOR, ClusterSpec
 from hetnode.planner.model import TOKEN_BYTES, ModelSpec
 from hetnode.planner.plan import SINK, SOURCE
@@ -95,21 +96,25 @@ def build_graph(cluster: ClusterSpec, model: ModelSpec, profiles: ProfileTable, 
 
 
 def evaluate(cluster: ClusterSpec, model: ModelSpec, profiles: ProfileTable, ranges: Mapping[str, Range], *,
-             partial: bool = True, allowed: Iterable[tuple[str, str]] | None = None) -> FlowResult:
-    """The max flow of a placement, with the flow on every node-level edge."""
+             partial: bool = True, allowed: Iterable[tuple[str, str]] | None = None,
+             balanced: bool = False) -> FlowResult:
+    """The max flow of a placement, with the flow on every node-level edge; balanced=True spreads it over every
+    node that can carry flow (`balance`: one LP more, for a plan's final flows rather than a search's)."""
     check_ranges(ranges, model.num_layers)
     if not ranges:
         return FlowResult(0.0, {})
     g = build_graph(cluster, model, profiles, ranges, partial=partial, allowed=allowed)
     value, flow = nx.maximum_flow(g, SOURCE, SINK, flow_func=nx.algorithms.flow.edmonds_karp)
+    spread = balance(g, value) if balanced else None
+    pairs = spread if spread is not None else {(u, v): f for u, targets in flow.items() for v, f in targets.items()}
     flows: dict[tuple[str, str], float] = {}
-    for u, targets in flow.items():
-        for v, f in targets.items():
-            if f <= 0 or (u.endswith(":in") and v.endswith(":out")):
-                continue
-            a = u if u == SOURCE else u.removesuffix(":out")
-            b = v if v == SINK else v.removesuffix(":in")
-            flows[(a, b)] = float(f)
+    for (u, v), f in pairs.items():
+        # An LP's zero may come back as a rounding residue: below a billionth of the value it is none.
+        if f <= 1e-9 * value or (u.endswith(":in") and v.endswith(":out")):
+            continue
+        a = u if u == SOURCE else u.removesuffix(":out")
+        b = v if v == SINK else v.removesuffix(":in")
+        flows[(a, b)] = float(f)
     return FlowResult(float(value), flows)
 
 

@@ -107,6 +107,9 @@ class PlannerOptions:
     seed: int = 0  # >= 0: seeds every randomized choice; equal seeds give equal plans unless time runs out
     warm_start: bool = True  # start the search from the best heuristic placement (§4.5)
     threads: int = 1  # >= 1: HiGHS threads
+    # The plan's flows (the scheduler's weights) spread over every node that can carry flow (balance.py);
+    # False keeps Edmonds-Karp's, which may leave parallel nodes idle. The max flow is the same either way.
+    balance_flows: bool = True
 
     def __post_init__(self) -> None:
         if not (self.time_limit_s > 0 and math.isfinite(self.time_limit_s)):
@@ -134,16 +137,16 @@ def plan_placement(cluster: ClusterSpec, model: ModelSpec, profiles: ProfileTabl
     if method in ("sp", "sp+"):
         pipelines = sp_pipelines(cluster, model, profiles, plus=method == "sp+")
         ranges = {n: r for p in pipelines for n, r in p.items()}
-        flow = evaluate(cluster, model, profiles, ranges, partial=options.partial_inference,
-                        allowed=sp_connections(pipelines))
+        inside = sp_connections(pipelines)
+        flow = evaluate(cluster, model, profiles, ranges, partial=options.partial_inference, allowed=inside)
         return _plan(cluster, model, method, ranges, flow, compute_bound, "heuristic",
                      time.perf_counter() - began, options,
-                     (f"{len(pipelines)} separate pipelines; flow kept inside each",))
+                     (f"{len(pipelines)} separate pipelines; flow kept inside each",), profiles, inside)
     if method != "helix":
         ranges = HEURISTICS[method](cluster, model, profiles)
         flow = evaluate(cluster, model, profiles, ranges, partial=options.partial_inference)
         return _plan(cluster, model, method, ranges, flow, compute_bound, "heuristic",
-                     time.perf_counter() - began, options, ())
+                     time.perf_counter() - began, options, (), profiles)
     return solve_helix(cluster, model, profiles, options)
 
 
@@ -154,7 +157,13 @@ def evaluate(cluster: ClusterSpec, model: ModelSpec, profiles: ProfileTable, ran
 
 def _plan(cluster: ClusterSpec, model: ModelSpec, method: str, ranges: Mapping[str, Range], flow: FlowResult,
           bound: float, status: str, seconds: float, options: PlannerOptions,
-          notes: tuple[str, ...]) -> PlacementPlan:
+          notes: tuple[str, ...], profiles: ProfileTable, allowed: list[tuple[str, str]] | None = None,
+          ) -> PlacementPlan:
+    if options.balance_flows and flow.value > 0:
+        spread = flowgraph.evaluate(cluster, model, profiles, ranges, partial=options.partial_inference,
+                                    allowed=allowed, balanced=True)
+        if abs(spread.value - flow.value) <= 1e-6 * flow.value:  # the same placement, the same graph
+            flow = FlowResult(flow.value, spread.flows)
     order = {n.name: i for i, n in enumerate(cluster.nodes)}
     placements = tuple(NodePlacement(n, first, last)
                        for n, (first, last) in sorted(ranges.items(), key=lambda kv: order[kv[0]]))
@@ -390,7 +399,7 @@ class _Helix:
             status = "optimal" if flow.value >= (1 - 1e-6) * bound else \
                 "within_gap" if flow.value >= (1 - gap) * bound else "heuristic"
             return _plan(cluster, model, "helix", ranges, flow, bound, status, self.elapsed(), opts,
-                         tuple(self.notes))
+                         tuple(self.notes), self.profiles)
         if final.value >= (1 - 1e-6) * bound:
             status = "optimal"
         elif final.value >= (1 - gap) * bound:
@@ -398,4 +407,4 @@ class _Helix:
         elif status in ("", "stopped", "within_gap", "optimal"):
             status = "time_limit"
         return _plan(cluster, model, "helix", best_ranges, final, bound, status, self.elapsed(), opts,
-                     tuple(self.notes))
+                     tuple(self.notes), self.profiles)
