@@ -270,6 +270,8 @@ class Reproduction:
         self.high_water = high_water
         self.inflight: int | None = None
         self.in_pipeline = False
+        self.max_batch_tokens = SimOptions().max_batch_tokens
+        self.pick = "served"
         self.times = times
         self.time_limit = time_limit
         self.peak = peak
@@ -305,6 +307,12 @@ class Reproduction:
                                                     in_pipeline=self.in_pipeline)
         return self._profiles[key]
 
+    @staticmethod
+    def serves(cl: ClusterSpec, mo: ModelSpec, profiles: ProfileTable, plan: PlacementPlan) -> float:
+        from hetnode.planner.served import served_estimate
+
+        return served_estimate(cl, mo, profiles, plan.ranges(), plan.flows)
+
     def plan(self, cluster: str, model: str, method: str) -> PlacementPlan:
         key = (cluster, model, method)
         if key in self.plans:
@@ -327,9 +335,12 @@ class Reproduction:
                 # Helix §6.2: "We allow the MILP solver to search w/ and w/o ... cluster pruning": half the time
                 # each, the better plan wins.
                 tries = [plan_placement(cl, mo, profiles, method=method,
-                                        options=PlannerOptions(time_limit_s=limit / 2, prune_degree=degree))
+                                        options=PlannerOptions(time_limit_s=limit / 2, prune_degree=degree,
+                                                               pick=self.pick))
                          for degree in (None, len(cl.nodes))]
-                plan = max(tries, key=lambda t: t.max_flow)
+                # The better of the two by the planner's own pick: max flow, or what it serves.
+                plan = max(tries, key=lambda t: (self.serves(cl, mo, profiles, t) if self.pick == "served" else 0.0,
+                                                 t.max_flow))
                 plan = replace(plan, notes=(*plan.notes, "pruned / unpruned search: " + " / ".join(
                     f"{t.max_flow:.1f}" for t in tries)))
             else:
@@ -374,7 +385,7 @@ class Reproduction:
             workload = replay(self.trace, rate=rate, duration_s=warmup + measured)
         result = simulate(cl, mo, profiles, plan, workload=workload, scheduler=setup.scheduler,
                           duration_s=warmup + measured, warmup_s=warmup, seed=self.seed,
-                          options=SimOptions(high_water=self.high_water))
+                          options=SimOptions(high_water=self.high_water, max_batch_tokens=self.max_batch_tokens))
         run = summarize(setup, plan, rate, result, (warmup, warmup + measured))
         self.runs[setup] = run
         self.log(f"  {setup.label}: decode {run.decode_throughput:.1f} tok/s, prompt latency "
@@ -457,6 +468,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tj", choices=("alone", "pipeline"), default="alone",
                    help="the planner's T_j: a node's alone (default) or inside the cluster's pipelines, as Helix's "
                         "simulator computes it (profile.pipeline_throughputs)")
+    p.add_argument("--max-batch-tokens", type=int, default=SimOptions().max_batch_tokens, metavar="N",
+                   help="the most tokens one node step carries (default: the runtime's "
+                        f"{SimOptions().max_batch_tokens}; Helix's vLLM runs took 1-3 prompts of <= 2048)")
+    p.add_argument("--pick", choices=("served", "max_flow"), default="served",
+                   help="how the helix planner picks its plan (PlannerOptions.pick; default served)")
     p.add_argument("--offline-inflight", type=int, default=None, metavar="N",
                    help="offline: keep at most N requests unfinished (default: what the nodes' KV holds)")
     args = p.parse_args(argv)
@@ -479,6 +495,8 @@ def main(argv: list[str] | None = None) -> int:
                          high_water=args.high_water)
     repro.inflight = args.offline_inflight
     repro.in_pipeline = args.tj == "pipeline"
+    repro.max_batch_tokens = args.max_batch_tokens
+    repro.pick = args.pick
     wall0 = time.perf_counter()
     needed: list[Setup] = []
     for c in claims:
@@ -496,7 +514,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{times['offline'][1]:g} s after {times['offline'][0]:g} s warm-up, online {times['online'][1]:g} s "
               f"after {times['online'][0]:g} s at {ONLINE_LOAD:.0%} of the "
               f"{'measured offline peak' if args.peak == 'measured' else 'plan max flow'}; "
-              f"profiles: Helix's measured (vLLM), T_j {args.tj}, KV high-water {args.high_water:g}; "
+              f"profiles: Helix's measured (vLLM), T_j {args.tj}, KV high-water {args.high_water:g}, "
+              f"helix picks by {args.pick}; "
               f"wall {wall:.0f} s\n"
               "columns: plan max flow (tokens/s), online rate (req/s), decode throughput, mean TTFT, mean TPOT, "
               "mean stages per request, mean node utilization, (prompt + decode tokens/s) / max flow; ratio rows: "
@@ -505,7 +524,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         out = {
             "settings": {"clusters": chosen, "times": times, "time_limit": time_limit, "peak": args.peak,
-                         "online_load": ONLINE_LOAD, "high_water": args.high_water, "tj": args.tj,
+                         "online_load": ONLINE_LOAD, "high_water": args.high_water, "tj": args.tj, "pick": args.pick,
+                         "max_batch_tokens": args.max_batch_tokens, "offline_inflight": args.offline_inflight,
                          "sp70_kv_share": SP70_KV_SHARE, "tolerance": TOLERANCE,
                          "seed": args.seed, "quick": args.quick, "trace": repro.trace.source,
                          "trace_requests": len(repro.trace), "mean_input": repro.trace.mean_input,

@@ -169,7 +169,8 @@ def _edge_valid(plan: PlacementPlan, ranges: Mapping[str, tuple[int, int]], a: s
 
 
 def plan_edges(plan: PlacementPlan, edges: EdgeSet = "flows") -> dict[tuple[str, str], float]:
-    """The weighted edges a policy walks: the plan's positive flows, or every valid connection (weight 1).
+    """The weighted edges a policy walks: the plan's positive flows, or every valid connection (weight 1) of the
+    plan's connections when it names them.
 
     "flows" with a plan that has no positive flow at all (a hand-given placement) falls back to "topology".
     Raises ConfigError for a flow on an edge that the placement does not allow.
@@ -192,7 +193,10 @@ def plan_edges(plan: PlacementPlan, edges: EdgeSet = "flows") -> dict[tuple[str,
     elif edges != "topology":
         raise ValueError(f"edges must be 'flows' or 'topology', not {edges!r}")
     names = [SOURCE, *sorted(ranges), SINK]
-    return {(a, b): 1.0 for a in names for b in names if a != b and _edge_valid(plan, ranges, a, b)}
+    # A plan that names its node-to-node connections (separate pipelines) keeps every policy on them.
+    named = None if plan.connections is None else set(plan.connections)
+    return {(a, b): 1.0 for a in names for b in names if a != b and _edge_valid(plan, ranges, a, b)
+            and (named is None or a == SOURCE or b == SINK or (a, b) in named)}
 
 
 class PipelineScheduler(ABC):

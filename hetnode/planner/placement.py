@@ -90,9 +90,11 @@ from hetnode.planner.model import ModelSpec
 from hetnode.planner.plan import NodePlacement, PlacementPlan
 from hetnode.planner.profile import ProfileTable
 from hetnode.planner.prune import all_edges, auto_degree, prune_edges
+from hetnode.planner.served import served_estimate
 from hetnode.planner.stages import best_stage_placement
 
 METHODS = ("helix", "petals", "swarm", "sp", "sp+")
+PICKS = ("served", "max_flow")
 SMALL_CLUSTER = 8  # at most this many nodes: the §4.4 MILP is solved whole, no LNS
 
 
@@ -110,6 +112,10 @@ class PlannerOptions:
     # The plan's flows (the scheduler's weights) spread over every node that can carry flow (balance.py);
     # False keeps Edmonds-Karp's, which may leave parallel nodes idle. The max flow is the same either way.
     balance_flows: bool = True
+    # How "helix" picks its plan among the search's best and the heuristics' placements: "served" (the most
+    # decode tokens/s by served.served_estimate, which counts KV held for a request's lifetime on every stage)
+    # or "max_flow" (Helix's objective alone). The search itself maximizes the max flow either way.
+    pick: str = "served"
 
     def __post_init__(self) -> None:
         if not (self.time_limit_s > 0 and math.isfinite(self.time_limit_s)):
@@ -122,6 +128,8 @@ class PlannerOptions:
             raise ConfigError(f"seed must be >= 0, not {self.seed}")
         if self.threads < 1:
             raise ConfigError(f"threads must be >= 1, not {self.threads}")
+        if self.pick not in PICKS:
+            raise ConfigError(f"pick must be one of {', '.join(PICKS)}, not {self.pick!r}")
 
 
 def plan_placement(cluster: ClusterSpec, model: ModelSpec, profiles: ProfileTable, *, method: str = "helix",
@@ -170,7 +178,8 @@ def _plan(cluster: ClusterSpec, model: ModelSpec, method: str, ranges: Mapping[s
     return PlacementPlan(cluster=cluster.name, model=model.name, num_layers=model.num_layers, method=method,
                          placements=placements, flows=dict(flow.flows), max_flow=flow.value,
                          upper_bound=max(bound, flow.value), status=status, solve_time_s=seconds,
-                         partial_inference=options.partial_inference, notes=notes)
+                         partial_inference=options.partial_inference, notes=notes,
+                         connections=None if allowed is None else tuple(allowed))
 
 
 def complete(ranges: Mapping[str, Range], infos: list[NodeInfo], num_layers: int) -> Ranges:
@@ -264,6 +273,7 @@ class _Helix:
         # 1. heuristics: the plan's floor, and the warm start
         heuristic: tuple[str, Ranges, FlowResult] | None = None
         found: dict[str, float] = {}
+        placed: dict[str, tuple[Ranges, FlowResult]] = {}
         for name, fn in HEURISTICS.items():
             try:
                 ranges = fn(cluster, model, self.profiles)
@@ -271,6 +281,7 @@ class _Helix:
                 continue
             full = evaluate(cluster, model, self.profiles, ranges, partial=partial)
             found[name] = full.value
+            placed[name] = (ranges, full)
             if heuristic is None or full.value > heuristic[2].value:
                 heuristic = (name, ranges, full)
         self.notes.append("heuristics: " + ", ".join(f"{k} {v:.1f}" for k, v in found.items()))
@@ -393,6 +404,14 @@ class _Helix:
             self.notes.append(f"MILP: {log.status}, reached {reached.value:.1f} tokens/s")
         final = evaluate(cluster, model, self.profiles, best_ranges, partial=partial)
         bound = max(bound, final.value)
+        if opts.pick == "served":
+            picked = self.pick_served(best_ranges, final, placed)
+            if picked is not None:
+                name, ranges, flow, allowed = picked
+                status = "optimal" if flow.value >= (1 - 1e-6) * bound else \
+                    "within_gap" if flow.value >= (1 - gap) * bound else "heuristic"
+                return _plan(cluster, model, "helix", ranges, flow, bound, status, self.elapsed(), opts,
+                             tuple(self.notes), self.profiles, allowed)
         if heuristic is not None and heuristic[2].value >= final.value:
             name, ranges, flow = heuristic
             self.notes.append(f"no placement better than {name}'s found")
@@ -408,3 +427,34 @@ class _Helix:
             status = "time_limit"
         return _plan(cluster, model, "helix", best_ranges, final, bound, status, self.elapsed(), opts,
                      tuple(self.notes), self.profiles)
+
+    def pick_served(self, best: Ranges, flow: FlowResult, placed: Mapping[str, tuple[Ranges, FlowResult]],
+                    ) -> tuple[str, Ranges, FlowResult, list[tuple[str, str]] | None] | None:
+        """The heuristic placement that serves more than the search's best (served_estimate), if one does."""
+        partial = self.options.partial_inference
+
+        def serves(ranges: Ranges, allowed: list[tuple[str, str]] | None = None) -> float:
+            spread = flowgraph.evaluate(self.cluster, self.model, self.profiles, ranges, partial=partial,
+                                        allowed=allowed, balanced=True)
+            return served_estimate(self.cluster, self.model, self.profiles, ranges, spread.flows)
+
+        # Separate pipelines serve as separate pipelines: their flow (and the scheduler) kept inside each.
+        inside: dict[str, list[tuple[str, str]]] = {}
+        for name in ("sp", "sp+"):
+            if name in placed:
+                pipelines = sp_pipelines(self.cluster, self.model, self.profiles, plus=name == "sp+")
+                inside[name] = sp_connections(pipelines)
+                placed = {**placed, name: (placed[name][0], evaluate(
+                    self.cluster, self.model, self.profiles, placed[name][0], partial=partial,
+                    allowed=inside[name]))}
+        mine = serves(best)
+        scores = {name: serves(ranges, inside.get(name)) for name, (ranges, _) in placed.items()}
+        self.notes.append("served estimate (decode tokens/s): search " + f"{mine:.1f}, " + ", ".join(
+            f"{k} {v:.1f}" for k, v in scores.items()))
+        # Ties go to the larger max flow, then to the search.
+        top = max(scores, key=lambda k: (scores[k], placed[k][1].value), default=None)
+        if top is None or (scores[top], placed[top][1].value) <= (mine, flow.value):
+            return None
+        self.notes.append(f"picked {top}'s placement: it serves more (max flow {placed[top][1].value:.1f} "
+                          f"against the search's {flow.value:.1f})")
+        return top, placed[top][0], placed[top][1], inside.get(top)

@@ -42,6 +42,9 @@ class PlacementPlan:
     solve_time_s: float = 0.0
     partial_inference: bool = True
     notes: tuple[str, ...] = ()
+    # The node-to-node connections the plan's flow may use; None: every one its placement makes valid.
+    # Separate pipelines (sp, sp+) keep each request inside one pipeline, so their max flow is over these.
+    connections: tuple[tuple[str, str], ...] | None = None
 
     @property
     def gap(self) -> float:
@@ -69,6 +72,8 @@ class PlacementPlan:
                            for p in self.placements],
             "flows": [{"from": a, "to": b, "flow": f} for (a, b), f in sorted(self.flows.items()) if f > 0],
             "notes": list(self.notes),
+            **({} if self.connections is None else
+               {"connections": [{"from": a, "to": b} for a, b in self.connections]}),
         }
 
     @classmethod
@@ -83,4 +88,6 @@ class PlacementPlan:
             max_flow=float(data.get("max_flow", 0.0)), upper_bound=math.inf if bound is None else float(bound),
             status=data.get("status", ""), solve_time_s=float(data.get("solve_time_s", 0.0)),
             partial_inference=bool(data.get("partial_inference", True)), notes=tuple(data.get("notes", ())),
+            connections=None if data.get("connections") is None else
+            tuple((c["from"], c["to"]) for c in data["connections"]),
         )

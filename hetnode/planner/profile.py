@@ -111,7 +111,7 @@ def max_layers_for(memory_bytes: int, model: ModelSpec, kv_share: float) -> int:
     return min(model.num_layers, int(memory_bytes * (1 - kv_share) // model.layer_bytes))
 
 
-def _tokens_per_s(profile: DeviceProfile, workload: Workload, j: int, batch: float) -> float:
+def tokens_per_s_at(profile: DeviceProfile, workload: Workload, j: int, batch: float) -> float:
     """T for j layers at a decode batch of `batch` sequences (fractional batches price by interpolation)."""
     batch = max(1.0, min(float(workload.max_batch), batch))
     context = workload.input_len + workload.output_len // 2
@@ -121,10 +121,14 @@ def _tokens_per_s(profile: DeviceProfile, workload: Workload, j: int, batch: flo
     return (workload.input_len + workload.output_len) / (j * per_layer)
 
 
+def alone_batch(profile: DeviceProfile, model: ModelSpec, workload: Workload, j: int) -> int:
+    """The decode batch T_j assumes for a node alone: as many typical requests as its KV holds."""
+    return int(kv_tokens(profile.memory_bytes, model, j) / (workload.input_len + workload.output_len / 2))
+
+
 def throughputs(profile: DeviceProfile, model: ModelSpec, workload: Workload) -> tuple[float, ...]:
     """T_1..T_k of the node serving alone: its whole KV decodes as one batch."""
-    per_request = workload.input_len + workload.output_len / 2
-    return tuple(_tokens_per_s(profile, workload, j, int(kv_tokens(profile.memory_bytes, model, j) / per_request))
+    return tuple(tokens_per_s_at(profile, workload, j, alone_batch(profile, model, workload, j))
                  for j in range(1, profile.max_layers + 1))
 
 
@@ -153,7 +157,7 @@ def pipeline_throughputs(profiles: Mapping[str, DeviceProfile], counts: Mapping[
         mine = j * layer_s
         ratio = mine / (max(0, num_layers - j) * avg_layer_s + mine)
         batch = workload.kv_fill * kv_tokens(live[k].memory_bytes, model, j) / seq * ratio
-        return _tokens_per_s(live[k], workload, j, batch)
+        return tokens_per_s_at(live[k], workload, j, batch)
 
     # Seconds per layer per token at the typical count, starting from the node alone.
     layer_s = {k: 1.0 / (throughputs(p, model, workload)[typical[k] - 1] * typical[k]) for k, p in live.items()}

@@ -40,11 +40,11 @@ def validate_plan(plan: PlacementPlan, cluster: ClusterSpec, model: ModelSpec, p
     """Every way in which `plan` is not a valid plan for this cluster, model and profile table.
 
     rel_tol and abs_tol (tokens/s) bound how far a flow may exceed a capacity or break conservation: a MILP
-    solver's flows are feasible only to its tolerances. An sp/sp+ plan's flow is checked over the connections
-    inside its pipelines (`heuristics.sp_connections`) unless `allowed` says otherwise."""
+    solver's flows are feasible only to its tolerances. A plan that names its connections (separate pipelines)
+    is checked over those unless `allowed` says otherwise."""
     problems: list[str] = []
-    if allowed is None and plan.method in ("sp", "sp+"):
-        allowed = _sp_connections(plan, cluster, model, profiles)
+    if allowed is None and plan.connections is not None:
+        allowed = plan.connections
     names = {n.name for n in cluster.nodes}
 
     def over(value: float, limit: float) -> bool:
@@ -209,17 +209,3 @@ def _runs(layers: list[int]) -> list[str]:
         out.append(f"[{layers[i]}, {layers[j] + 1})")
         i = j + 1
     return out
-
-
-def _sp_connections(plan: PlacementPlan, cluster: ClusterSpec, model: ModelSpec,
-                    profiles: ProfileTable) -> list[tuple[str, str]] | None:
-    """The pipelines sp builds on this cluster, when they are this plan's placement (None otherwise)."""
-    from hetnode.errors import ConfigError
-    from hetnode.planner.heuristics import sp_connections, sp_pipelines
-
-    try:
-        pipelines = sp_pipelines(cluster, model, profiles, plus=plan.method == "sp+")
-    except ConfigError:
-        return None
-    ranges = {n: r for p in pipelines for n, r in p.items()}
-    return sp_connections(pipelines) if ranges == dict(plan.ranges()) else None
