@@ -12,7 +12,8 @@ throughput under the placement. The paper uses preflow-push; we use networkx's E
 flows become the scheduler's weights and must not change between processes: networkx's preflow-push returns a
 different (equally maximal) flow under a different PYTHONHASHSEED, Edmonds-Karp walks adjacency in insertion
 order and is also 3x faster on the 42-node cluster. scipy's Dinic on integer capacities is the independent
-cross-check (planner/validate.py).
+cross-check (planner/validate.py). A plan's final flows are spread over every usable node by one LP more
+(`evaluate(..., balanced=True)`, planner/balance.py), since Edmonds-Karp leaves parallel nodes idle.
 """
 
 from __future__ import annotations
