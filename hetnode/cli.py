@@ -166,6 +166,9 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--kv-share", type=float, default=0.5, metavar="F",
                     help="share of device memory kept for the KV cache, in [0, 1) (default: 0.5)")
     pl.add_argument("--seed", type=int, default=None, metavar="N", help="seed of the planner's randomness")
+    pl.add_argument("--pick", choices=["served", "max_flow"], default="served",
+                    help="how helix picks among its search's best and the heuristics' placements: what they serve "
+                         "(KV held for a request's lifetime counted; default) or the max flow (Helix's rule)")
     pl.add_argument("--json", action="store_true", help="print the plan as JSON instead of a table")
     pl.add_argument("--picture", default=None, metavar="OUT",
                     help="also draw the plan to OUT: .svg (no dependency) or .png (matplotlib)")
@@ -306,7 +309,7 @@ def _run_plan(args: argparse.Namespace) -> int:
     from hetnode.planner.placement import PlannerOptions, plan_placement
 
     given = {"time_limit_s": args.time_limit, "prune_degree": args.prune_degree, "seed": args.seed}
-    options = PlannerOptions(partial_inference=not args.no_partial,
+    options = PlannerOptions(partial_inference=not args.no_partial, pick=args.pick,
                              **{k: v for k, v in given.items() if v is not None})
     plan = plan_placement(cluster, model, profiles, method=args.method, options=options)
     problems = validate_plan(plan, cluster, model, profiles)

@@ -478,6 +478,12 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if not args.duration_scale > 0:
         p.error("--duration-scale must be positive")
+    if not 0 < args.high_water <= 1:
+        p.error(f"--high-water must be in (0, 1], not {args.high_water}")
+    if args.max_batch_tokens < 1:
+        p.error(f"--max-batch-tokens must be at least 1, not {args.max_batch_tokens}")
+    if args.offline_inflight is not None and args.offline_inflight < 1:
+        p.error(f"--offline-inflight must be at least 1, not {args.offline_inflight}")
 
     chosen = ["single"] if args.quick else list(CLUSTERS)
     if args.clusters:

@@ -34,7 +34,8 @@ def balance(g: nx.DiGraph, value: float) -> dict[tuple[str, str], float] | None:
     on_path = nx.descendants(g, SOURCE) & nx.ancestors(g, SINK)
     nodes = [(u, v) for u, v, _ in edges if u.endswith(":in") and v.endswith(":out") and u in on_path]
     vertices = [x for x in g.nodes if x not in (SOURCE, SINK)]
-    n, t = len(edges), len(edges)  # variables: one flow per edge, then t (the least utilization)
+    n = len(edges)  # variables: one flow per edge, then t (the least utilization) at index n
+    t = n
     # Equalities: conservation at every vertex but the source and sink, and the flow out of the source.
     a_eq = lil_matrix((len(vertices) + 1, n + 1))
     for row, x in enumerate(vertices):

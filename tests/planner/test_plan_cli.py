@@ -107,7 +107,25 @@ def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as info:
         main(["plan", "--cluster", "x.toml", "--model", "llama3-8b", "--method", "best"])
     assert info.value.code == 2
+    with pytest.raises(SystemExit) as info:
+        main(["plan", "--cluster", "x.toml", "--model", "llama3-8b", "--pick", "fastest"])
+    assert info.value.code == 2
     capsys.readouterr()
+
+
+@pytest.mark.usefixtures("placement")
+def test_pick_by_max_flow_or_by_what_is_served(capsys: pytest.CaptureFixture[str]) -> None:
+    # helix-single LLaMA-30B: the search's best has the most max flow, SP's placement serves most.
+    plans = {}
+    for pick in ("max_flow", "served"):
+        code, out, err = run(capsys, "--cluster", "helix-single", "--model", "llama-30b", "--time-limit", "3",
+                             "--pick", pick, "--json")
+        assert code == 0, err
+        plans[pick] = json.loads(out)
+        assert plans[pick]["validation"] == []
+    assert plans["max_flow"]["max_flow"] > plans["served"]["max_flow"]
+    assert any("picked sp's placement" in n for n in plans["served"]["notes"])
+    assert plans["served"]["connections"] and "connections" not in plans["max_flow"]
 
 
 # -- plans ----------------------------------------------------------------------------------------------------
