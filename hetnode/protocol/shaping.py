@@ -52,7 +52,7 @@ import trio
 
 from hetnode.errors import StreamClosed, StreamReset
 from hetnode.ids import NodeId, ProtocolId
-from hetnode.planner.cluster import LinkSpec
+from hetnode.protocol.link_conditions import LinkSpec
 from hetnode.protocol.transport import Handler, Stream, Transport, run_guarded
 
 log = logging.getLogger(__name__)
