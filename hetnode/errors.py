@@ -36,9 +36,5 @@ class PeerUnreachable(HetnodeError):
     """A dial or stream open to a peer failed."""
 
 
-class NotAMember(HetnodeError):
-    """A peer that is not an admitted member asked for something only members may do."""
-
-
 class Refused(HetnodeError):
     """The coordinator refused a join; the reason is the message."""

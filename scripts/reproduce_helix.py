@@ -73,7 +73,8 @@ TIME_LIMITS = {"single": 60.0, "geo": 60.0, "hetero": 120.0}  # MILP seconds: 24
 SP70_KV_SHARE = 0.15  # see the module docstring: the largest share (in 0.05 steps) at which 4 A100s hold 70B
 ONLINE_LOAD = 0.75
 # The schedulers' KV high-water mark, and the KV share the planner's T_j expect in use: the runtime's. Helix's
-# simulator used 0.3 (KV_CACHE_HWM in its artifact); --high-water 0.3 runs that, and did worse here (README).
+# simulator used 0.3 (KV_CACHE_HWM in its artifact); --high-water 0.3 runs that, and did worse here
+# (docs/reproducing-helix.md).
 HIGH_WATER = 0.9
 TOLERANCE = 0.25
 

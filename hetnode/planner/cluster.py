@@ -57,41 +57,12 @@ from typing import Any
 from hetnode.errors import ConfigError
 from hetnode.planner.devices import DeviceSpec, parse_device
 
+# Re-exported: cluster files are where most callers meet link conditions.
+from hetnode.protocol.link_conditions import UNLIMITED as UNLIMITED
+from hetnode.protocol.link_conditions import LinkSpec as LinkSpec
+
 COORDINATOR = "coordinator"  # the name that links.pairs uses for the coordinator
 _NAME = re.compile(r"[a-z0-9_-]{1,64}")
-
-
-@dataclass(frozen=True)
-class LinkSpec:
-    """One link's emulated or planned properties, the same in both directions."""
-
-    bandwidth_mbps: float  # megabits per second; math.inf for an unlimited link
-    latency_ms: float  # one way
-    loss: float = 0.0  # probability that one packet is lost (and retransmitted)
-
-    def __post_init__(self) -> None:
-        if not self.bandwidth_mbps > 0:
-            raise ValueError(f"bandwidth_mbps must be > 0, not {self.bandwidth_mbps}")
-        if not 0 <= self.latency_ms < math.inf:
-            raise ValueError(f"latency_ms must be finite and >= 0, not {self.latency_ms}")
-        if not 0 <= self.loss < 1:
-            raise ValueError(f"loss must be in [0, 1), not {self.loss}")
-
-    @property
-    def bytes_per_s(self) -> float:
-        return self.bandwidth_mbps * 1e6 / 8
-
-    @property
-    def latency_s(self) -> float:
-        return self.latency_ms / 1e3
-
-    @property
-    def unlimited(self) -> bool:
-        """True when emulating this link would change nothing."""
-        return math.isinf(self.bandwidth_mbps) and self.latency_ms == 0 and self.loss == 0
-
-
-UNLIMITED = LinkSpec(bandwidth_mbps=math.inf, latency_ms=0.0)
 
 
 @dataclass(frozen=True)

@@ -53,12 +53,6 @@ class PlacementPlan:
             return math.inf if self.max_flow <= 0 else 0.0
         return max(0.0, (self.upper_bound - self.max_flow) / self.upper_bound)
 
-    def placement_of(self, node: str) -> NodePlacement | None:
-        for p in self.placements:
-            if p.node == node:
-                return p
-        return None
-
     def ranges(self) -> dict[str, tuple[int, int]]:
         return {p.node: (p.first_layer, p.last_layer) for p in self.placements}
 

@@ -25,7 +25,7 @@ request's round trip it spends there. `pipeline_throughputs` computes T_j that w
 t and t_avg come from the cluster's own T at a typical layer count, so it is a fixed point; ten rounds
 settle it (Helix's artifact iterates ten times too). `profile_table_for(..., in_pipeline=True)` gives the
 planner these T_j; it is not the default because, measured by scripts/reproduce_helix.py, the planner then
-chose deeper plans that served less in the simulator (README §"Reproducing Helix").
+chose deeper plans that served less in the simulator (docs/reproducing-helix.md).
 """
 
 from __future__ import annotations

@@ -202,7 +202,7 @@ def profile_table_for(cluster: ClusterSpec, model: ModelSpec, source: str = "aut
     Helix profile and no node overrides its memory; roofline otherwise. The table must cover every node. Its
     T_j are a node's alone; in_pipeline=True gives a node's inside this cluster's pipelines (`in_pipelines`),
     which predicts what shallow plans serve better but led the planner to deeper plans that served less in
-    scripts/reproduce_helix.py (README §"Reproducing Helix"), so it is not the default."""
+    scripts/reproduce_helix.py (docs/reproducing-helix.md), so it is not the default."""
     _check_kv_share(kv_share)
     if source == "auto":
         measured = set(helix_devices(model))

@@ -49,11 +49,10 @@ from contextlib import asynccontextmanager
 from typing import Literal
 
 import trio
-import trio.testing
 
 from hetnode.errors import StreamClosed, StreamReset
 from hetnode.ids import NodeId, ProtocolId
-from hetnode.planner.cluster import LinkSpec
+from hetnode.protocol.link_conditions import LinkSpec
 from hetnode.protocol.transport import Handler, Stream, Transport, run_guarded
 
 log = logging.getLogger(__name__)
@@ -75,6 +74,16 @@ REAL_CLOCK_LATENESS_S = 0.001
 MAX_LATENESS_S = 0.005
 
 
+def _on_real_time() -> bool:
+    """Whether the running clock's seconds are wall seconds, as with trio's default clock.
+
+    Asked of the clock itself rather than by its type, so that production code need not import
+    trio.testing: a virtual clock such as MockClock (rate 0) sleeps no wall time at all, and its deadlines
+    are met exactly."""
+    clock = trio.lowlevel.current_clock()
+    return abs(clock.deadline_to_sleep_time(clock.current_time() + 1.0) - 1.0) < 0.5
+
+
 class _Lateness:
     """How late sleep_until wakes on this process's clock, learned from the wake-ups themselves."""
 
@@ -82,12 +91,10 @@ class _Lateness:
         self.estimate = REAL_CLOCK_LATENESS_S
 
     def current(self) -> float:
-        if isinstance(trio.lowlevel.current_clock(), trio.testing.MockClock):
-            return 0.0
-        return self.estimate
+        return self.estimate if _on_real_time() else 0.0
 
     def observe(self, asked: float, woke: float) -> None:
-        if not isinstance(trio.lowlevel.current_clock(), trio.testing.MockClock):
+        if _on_real_time():
             late = min(max(woke - asked, 0.0), MAX_LATENESS_S)
             self.estimate = 0.8 * self.estimate + 0.2 * late
 

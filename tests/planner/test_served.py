@@ -69,7 +69,7 @@ def test_more_kv_never_serves_less() -> None:
 
 def test_helix_picks_separate_pipelines_where_its_deep_max_flow_plan_serves_less() -> None:
     # Single-cluster LLaMA-30B: the max-flow search finds a deeper plan with more max flow than SP, which in
-    # the simulator serves 0.72x of SP (README "Reproducing Helix"); the served estimate sees it.
+    # the simulator serves 0.72x of SP (docs/reproducing-helix.md); the served estimate sees it.
     cluster, model = paper("helix-single"), model_spec("llama-30b")
     table = helix_profile_table(model)
     deep = plan_placement(cluster, model, table, options=PlannerOptions(time_limit_s=3.0, pick="max_flow"))

@@ -15,7 +15,14 @@ from hetnode.errors import StreamClosed, StreamReset
 from hetnode.ids import NodeId, ProtocolId
 from hetnode.planner.cluster import UNLIMITED, LinkSpec
 from hetnode.protocol.memory import MemoryNetwork, MemoryTransport
-from hetnode.protocol.shaping import PACKET_BYTES, STUCK_GRACE_S, LinkFor, ShapedTransport, shaped_transport
+from hetnode.protocol.shaping import (
+    PACKET_BYTES,
+    STUCK_GRACE_S,
+    LinkFor,
+    ShapedTransport,
+    _on_real_time,
+    shaped_transport,
+)
 from hetnode.protocol.transport import Handler, Stream
 
 P = ProtocolId("/test/1")
@@ -513,3 +520,12 @@ async def test_real_time_throughput_is_within_15_percent() -> None:
     assert received == data
     measured_mbps = len(data) * 8 / (done - t0 - link.latency_s) / 1e6
     assert math.isclose(measured_mbps, link.bandwidth_mbps, rel_tol=0.15), measured_mbps
+
+
+async def test_default_clock_is_real_time() -> None:
+    # Only the real clock wakes late (epoll rounds timeouts up), so only there is lateness compensated.
+    assert _on_real_time()
+
+
+async def test_mock_clock_is_not_real_time(autojump_clock: trio.testing.MockClock) -> None:
+    assert not _on_real_time()
