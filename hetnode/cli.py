@@ -401,16 +401,16 @@ async def _run_node(args: argparse.Namespace) -> None:
                             profile=profile, retry_budget_s=args.retry_budget)
         from hetnode.node.emulation import pace_factory
         from hetnode.node.engine import EngineConfig
-        from hetnode.node.stage import StageServer
+        from hetnode.node.hops import HopServer
 
-        stage = StageServer(transport, lambda peer: daemon.is_member(peer), device=args.device, dtype=args.dtype,
-                            engine_config=EngineConfig(kv_cache_bytes=int(args.kv_cache_mb * (1 << 20))),
-                            pace_factory=pace_factory(args.emulate, args.compute_dilation) if args.emulate else None)
-        daemon = NodeDaemon(config, transport, stage)
+        hops = HopServer(transport, lambda peer: daemon.is_member(peer), device=args.device, dtype=args.dtype,
+                         engine_config=EngineConfig(kv_cache_bytes=int(args.kv_cache_mb * (1 << 20))),
+                         pace_factory=pace_factory(args.emulate, args.compute_dilation) if args.emulate else None)
+        daemon = NodeDaemon(config, transport, hops)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(partial(shutdown_on_signal, nursery.cancel_scope, daemon.leave,
                                        lifeline_fd=args.lifeline_fd))
-            await nursery.start(stage.run)
+            await nursery.start(hops.run)
             await nursery.start(daemon.run)
             log.info("node %s (%s, %s) joined; coordinator %s", name, transport.peer_id, profile.device,
                      daemon.coordinator)

@@ -41,7 +41,7 @@ from hetnode.planner.model import ModelSpec, from_model_config
 from hetnode.planner.placement import PlannerOptions, evaluate, plan_placement
 from hetnode.planner.plan import NodePlacement, PlacementPlan
 from hetnode.planner.profile import ProfileTable, kv_tokens
-from hetnode.protocol.messages import Assignment, AssignmentStatus, Stage
+from hetnode.protocol.messages import Assignment, AssignmentStatus, Hop
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ class PlanningConfig:
 @dataclass
 class Plan:
     version: int
-    stages: list[Stage]
+    stages: list[Hop]
     names: list[str]
     reason: str
     created_at: float
@@ -142,7 +142,7 @@ class Deployment:
         self._routed: dict[str, PipelineScheduler] = {}
         # Queued requests: the event that wakes them, and what they got (a pipeline, or why not).
         self._waiting: dict[str, tuple[PipelineScheduler, trio.Event]] = {}
-        self._outcome: dict[str, list[Stage] | str] = {}
+        self._outcome: dict[str, list[Hop] | str] = {}
 
     def membership_changed(self, reason: str) -> None:
         self._pending_reason = reason
@@ -177,7 +177,7 @@ class Deployment:
         # The members may have changed while the planner ran: plan again on the next round if so.
         placed = {p.node for p in placement.placements}
         members = [r for r in self.registry.up_members() if str(r.peer_id) in placed or r in members]
-        stages = sorted((Stage(peer=p.node, first_layer=p.first_layer, last_layer=p.last_layer)
+        stages = sorted((Hop(peer=p.node, first_layer=p.first_layer, last_layer=p.last_layer)
                          for p in placement.placements), key=lambda s: (s.first_layer, s.last_layer, s.peer))
         if self.plan is not None and self.plan.stages == stages and self.plan.placement.method == placement.method:
             # The same layout, but a member that joined again (a restarted node) lost its shard: assign it anew.
@@ -258,7 +258,7 @@ class Deployment:
 
     # -- routing -----------------------------------------------------------------------------------------
 
-    async def route(self, key: str, input_len: int, avoid: Collection[NodeId] = ()) -> list[Stage]:
+    async def route(self, key: str, input_len: int, avoid: Collection[NodeId] = ()) -> list[Hop]:
         """A pipeline for one request (session `key`) from the ready plan's scheduler; waits for a ready plan
         and, while every candidate is over its KV high-water mark, in the scheduler's queue. Raises
         GenerationError when the scheduler refuses the request (its queue is full, or it can never fit)."""
@@ -268,7 +268,7 @@ class Deployment:
             decision = plan.scheduler.submit(key, input_len, trio.current_time())
             if decision.pipeline is not None:
                 self._routed[key] = plan.scheduler
-                return [Stage(peer=s.node, first_layer=s.first_layer, last_layer=s.last_layer)
+                return [Hop(peer=s.node, first_layer=s.first_layer, last_layer=s.last_layer)
                         for s in decision.pipeline]
             if not decision.queued:
                 full = decision.reason.startswith("queue full")
@@ -306,7 +306,7 @@ class Deployment:
                 continue
             if d.pipeline is not None:
                 self._routed[d.request_id] = scheduler
-                self._outcome[d.request_id] = [Stage(peer=s.node, first_layer=s.first_layer,
+                self._outcome[d.request_id] = [Hop(peer=s.node, first_layer=s.first_layer,
                                                      last_layer=s.last_layer) for s in d.pipeline]
             else:
                 self._outcome[d.request_id] = d.reason

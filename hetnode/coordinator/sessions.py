@@ -1,17 +1,21 @@
-"""Requests through the network: the coordinator's `Generator` over a pipeline of nodes (Helix §2.1).
+"""Requests through the network: the coordinator's `Generator` over routes of nodes (Helix §2.1).
 
-For each request the coordinator asks `route_for` for a pipeline (today: the ready plan's stages), sends the
-prompt's token ids to the first stage (in prefill chunks), and waits for the last stage's token; each decode
-step sends that token back to the first stage over the same route. Each stage keeps the session's KV for its
-layers; leaving the generation (finished, client gone, failure) sends a Release to every stage.
+For each request the coordinator asks `route_for` for a route (today: one mixed phase, the request's own
+pipeline from the plan's scheduler), installs it once on every hop (Install: the sampling parameters, the
+context length, max_tokens, a lease), and sends the context's token ids to the first hop in one message. From
+then on the nodes run the request by themselves: the first hop chunks the prefill, the last hop samples, streams
+each token here and feeds it straight back to the first hop, and stops at a stop token or at max_tokens. The
+coordinator is not on the per-token path, but it owns the request: it checks every token's position, ends it on
+a stop string, a limit or a client that left (Release to every hop), renews the leases of its live sessions, and
+moves it when its route breaks. Tokens queue here per session, so nothing a node does waits for the HTTP client.
 
-A request outlives the route it started on. When a node of its route goes down, a stage fails the step
-(StageFailed: a dead neighbour, or "unknown session"/"shard replaced" after a re-plan), the first stage is
-unreachable, or a step times out, the request moves: its session on the old route is released on the stages
-still up, `route_for` gives a route that avoids the nodes that failed it, and a fresh session there re-prefills
-the prompt plus every token generated so far, sampling the next token from the last chunk. The client's
-stream just goes on (greedy output equals an undisturbed run). After `max_reroutes` moves, or when no route of
-live nodes appears in time, the request ends with a clear error.
+A request outlives the route it started on. When a node of its route goes down, a hop fails the session
+(Failed: a dead neighbour, or "shard replaced" after a re-plan), the first hop is unreachable, or no token comes
+within the step timeout, the request moves: its session on the old route is released on the hops still up,
+`route_for` gives a route that avoids the nodes that failed it, and a fresh session there re-prefills the prompt
+plus every token generated so far, sampling the next token of the same stream (greedy output equals an
+undisturbed run). After `max_reroutes` moves, or when no route of live nodes appears in time, the request ends
+with a clear error.
 """
 
 from __future__ import annotations
@@ -26,35 +30,39 @@ from dataclasses import dataclass
 import trio
 from transformers import PreTrainedTokenizerBase
 
-from hetnode.coordinator.cursor import SessionCursor
 from hetnode.coordinator.deployment import Deployment
 from hetnode.coordinator.generation import GenerationError, GenerationParams, TokenEvent
 from hetnode.coordinator.registry import Registry
 from hetnode.errors import HetnodeError
 from hetnode.ids import NodeId, SessionId
 from hetnode.models.config import ModelConfig
-from hetnode.node.engine.base import StepItem
 from hetnode.node.engine.sampling import SamplingParams
 from hetnode.protocol.mailbox import Mailbox
 from hetnode.protocol.messages import (
     INFER_PROTOCOL,
-    ChunkDone,
-    Forward,
+    ErrorReply,
+    Failed,
+    Hop,
+    Install,
+    Item,
+    Items,
     Release,
+    Renew,
+    Route,
     Sampling,
-    Stage,
-    StageFailed,
-    TokenOut,
+    TensorMeta,
+    Token,
+    Tokens,
     infer_decoder,
 )
-from hetnode.protocol.tensors import to_wire, token_tensor
+from hetnode.protocol.routes import describe, pipeline_route, route_peers
 from hetnode.protocol.transport import Transport
 
 log = logging.getLogger(__name__)
 
-_Inbound = TokenOut | ChunkDone | StageFailed | str  # str: the coordinator's own verdict (a node went down)
+_Inbound = Token | Failed | str  # str: the coordinator's own verdict (a node went down)
 
-RouteFor = Callable[[set[NodeId]], Awaitable[list[Stage]]]
+RouteFor = Callable[[set[NodeId]], Awaitable[list[Hop]]]
 """A pipeline of up nodes that covers every layer once and uses no node of `exclude`. It waits until there
 is one; the caller bounds the wait."""
 
@@ -65,15 +73,22 @@ def wire_sampling(p: SamplingParams) -> Sampling:
                     stop_token_ids=list(p.stop_token_ids), logprobs=p.logprobs)
 
 
-class _Session:
-    """One request's presence on one route: the session id its stages know it by, and its inbox."""
+def token_ids_frame(ids: list[int]) -> tuple[TensorMeta, bytes]:
+    """Token ids as the raw frame a first hop takes: little-endian int64, no torch needed here."""
+    return TensorMeta(dtype="int64", shape=[len(ids)]), b"".join(i.to_bytes(8, "little") for i in ids)
 
-    def __init__(self, session_id: SessionId, route: list[Stage]) -> None:
+
+class _Session:
+    """One request's presence on one route: the session id its hops know it by, and its inbox."""
+
+    def __init__(self, session_id: SessionId, route: Route, capacity: int) -> None:
         self.id = session_id
         self.route = route
-        self.peers = {NodeId(s.peer) for s in route}
-        # At most one item is in flight, so a few slots hold its answer and any failure notices beside it.
-        self.send, self.recv = trio.open_memory_channel[_Inbound](16)
+        self.peers = {NodeId(p) for p in route_peers(route)}
+        self.first = NodeId(route.phases[0].hops[0].peer)
+        # Room for every token the session may produce and a few failure notices: a node never waits for a
+        # slow HTTP client, and a token is never dropped.
+        self.send, self.recv = trio.open_memory_channel[_Inbound](capacity + 16)
 
 
 @dataclass(frozen=True)
@@ -86,14 +101,17 @@ class _Lost:
 
 
 class _Request:
-    def __init__(self, session: _Session) -> None:
+    def __init__(self, prompt: list[int], params: GenerationParams, session: _Session) -> None:
+        self.prompt = prompt
+        self.params = params
         self.session = session
+        self.generated: list[int] = []
 
 
 class PipelineGenerator:
     def __init__(self, transport: Transport, registry: Registry, deployment: Deployment, *, model_name: str,
-                 model_config: ModelConfig, tokenizer: PreTrainedTokenizerBase, prefill_chunk: int = 512,
-                 step_timeout_s: float = 120.0, ready_timeout_s: float = 30.0, max_reroutes: int = 3,
+                 model_config: ModelConfig, tokenizer: PreTrainedTokenizerBase, step_timeout_s: float = 120.0,
+                 ready_timeout_s: float = 30.0, max_reroutes: int = 3, lease_s: float = 30.0,
                  route_for: RouteFor | None = None) -> None:
         self.transport = transport
         self.registry = registry
@@ -101,10 +119,10 @@ class PipelineGenerator:
         self.model_name = model_name
         self.model_config = model_config
         self.tokenizer = tokenizer
-        self.prefill_chunk = prefill_chunk
         self.step_timeout_s = step_timeout_s
         self.ready_timeout_s = ready_timeout_s
         self.max_reroutes = max_reroutes
+        self.lease_s = lease_s
         # Where requests go: by default each request's own pipeline from the plan's scheduler; tests inject
         # a fixed policy.
         self.route_for: RouteFor | None = route_for
@@ -121,6 +139,7 @@ class PipelineGenerator:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             self.mailbox.install()
+            nursery.start_soon(self._renew_leases)
             task_status.started()
             await trio.sleep_forever()
 
@@ -129,11 +148,11 @@ class PipelineGenerator:
         """Requests in flight (a request that is moving between routes counts once)."""
         return self._active
 
-    async def _route(self, session: SessionId, input_len: int, exclude: set[NodeId]) -> list[Stage]:
-        """A pipeline of up nodes avoiding `exclude`, waiting for one (the caller bounds the wait)."""
+    async def _route(self, session: SessionId, input_len: int, exclude: set[NodeId]) -> Route:
+        """A route of up nodes avoiding `exclude`, waiting for one (the caller bounds the wait)."""
         if self.route_for is not None:
-            return await self.route_for(exclude)
-        return await self.deployment.route(session, input_len, exclude)
+            return pipeline_route(await self.route_for(exclude))
+        return pipeline_route(await self.deployment.route(session, input_len, exclude))
 
     def _new_id(self) -> SessionId:
         return SessionId(f"s{next(self._ids)}-{secrets.token_hex(6)}")
@@ -141,17 +160,31 @@ class PipelineGenerator:
     # -- inbound -----------------------------------------------------------------------------------------
 
     async def _on_message(self, peer: NodeId, msg: object, payload: bytes | None) -> None:
-        if not isinstance(msg, TokenOut | ChunkDone | StageFailed):
-            log.warning("unexpected %s from %s on the data path", type(msg).__name__, peer)
+        if isinstance(msg, Tokens):
+            for token in msg.tokens:
+                self._to_session(peer, token.session, token)
+        elif isinstance(msg, Failed):
+            self._to_session(peer, msg.session, msg)
+        elif isinstance(msg, ErrorReply):
+            log.warning("data path error from %s: %s: %s", self._name(peer), msg.code, msg.message)
+        else:
+            log.warning("unexpected %s from %s on the data path", type(msg).__name__, self._name(peer))
+
+    def _to_session(self, peer: NodeId, session_id: str, msg: Token | Failed) -> None:
+        session = self._sessions.get(SessionId(session_id))
+        # Tokens come only from the last hop of the session's route, failures from any of its hops; anything
+        # else (a moved request's old session, another peer speaking for it) is ignored.
+        if session is None:
             return
-        session = self._sessions.get(SessionId(msg.session))
-        # Only a stage of the session's own route may speak for it (a moved request's old session is gone).
-        if session is None or peer not in session.peers:
+        last = NodeId(session.route.phases[-1].hops[-1].peer)
+        if (peer != last) if isinstance(msg, Token) else (peer not in session.peers):
+            log.warning("session %s: %s from %s, which may not send it", session_id, type(msg).__name__,
+                        self._name(peer))
             return
         try:
             session.send.send_nowait(msg)
         except trio.WouldBlock:
-            log.warning("session %s: result from %s dropped (inbox full)", msg.session, peer)
+            log.warning("session %s: more results from %s than it can produce; dropped", session_id, peer)
 
     def node_down(self, peer: NodeId, reason: str) -> None:
         """Tell every session whose route runs through `peer`: its request moves to another route."""
@@ -171,22 +204,22 @@ class PipelineGenerator:
 
     # -- sessions ----------------------------------------------------------------------------------------
 
-    def _open(self, session_id: SessionId, route: list[Stage]) -> _Session:
-        session = _Session(session_id, route)
+    def _open(self, session_id: SessionId, route: Route, max_tokens: int) -> _Session:
+        session = _Session(session_id, route, max_tokens)
         self._sessions[session.id] = session
         return session
 
     def _close(self, session: _Session, output_len: int | None) -> None:
         """Forget the session, tell the scheduler (after `output_len` tokens, or None: moved away), and free
-        its KV on every stage of its route."""
+        its KV on every hop of its route."""
         self.deployment.route_done(session.id, output_len)
         if self._sessions.pop(session.id, None) is None or self._nursery is None:
             return
         # Counted now, not when the task starts, so that wait_released right after a generation sees it.
         self._releasing += 1
-        self._nursery.start_soon(self._release, session.id, session.route)
+        self._nursery.start_soon(self._release, session.id, session.peers)
 
-    async def _release(self, session: SessionId, route: list[Stage]) -> None:
+    async def _release(self, session: SessionId, peers: set[NodeId]) -> None:
         async def one(peer: NodeId) -> None:
             with trio.move_on_after(5):
                 try:
@@ -195,11 +228,11 @@ class PipelineGenerator:
                     log.info("release of %s at %s failed: %s", session, self._name(peer), exc)
 
         try:
-            # Every stage, even one marked down: it may be back, still holding the KV. Concurrently, so a dead
+            # Every hop, even one marked down: it may be back, still holding the KV. Concurrently, so a dead
             # one does not hold up the others.
             async with trio.open_nursery() as nursery:
-                for stage in route:
-                    nursery.start_soon(one, NodeId(stage.peer))
+                for peer in peers:
+                    nursery.start_soon(one, peer)
         finally:
             self._releasing -= 1
             if not self._releasing:
@@ -207,16 +240,37 @@ class PipelineGenerator:
                 self._released = trio.Event()
 
     async def wait_released(self) -> None:
-        """Until every finished session's Release has been handed to its stages' streams."""
+        """Until every finished session's Release has been handed to its hops' streams."""
         if self._releasing:
             await self._released.wait()
+
+    async def _renew_leases(self) -> None:
+        """Tell every hop which of its sessions are still alive, well before their leases run out."""
+        while True:
+            await trio.sleep(self.lease_s / 3)
+            by_peer: dict[NodeId, list[str]] = {}
+            for session in self._sessions.values():
+                for peer in session.peers:
+                    by_peer.setdefault(peer, []).append(session.id)
+            for peer, sessions in by_peer.items():
+                self._nursery_soon(self._renew, peer, sessions)
+
+    async def _renew(self, peer: NodeId, sessions: list[str]) -> None:
+        with trio.move_on_after(self.lease_s / 3):
+            try:
+                await self.mailbox.send(peer, Renew(sessions=sessions))
+            except HetnodeError as exc:
+                log.info("renewing leases at %s failed: %s", self._name(peer), exc)
 
     # -- generation --------------------------------------------------------------------------------------
 
     @asynccontextmanager
     async def generate(self, prompt_ids: list[int], params: GenerationParams,
                        ) -> AsyncIterator[AsyncIterator[TokenEvent]]:
-        cursor = SessionCursor(SessionId(""), prompt_ids, params, self.prefill_chunk)
+        if not prompt_ids:
+            raise GenerationError("the prompt is empty", status=400, code="invalid_prompt")
+        if params.max_tokens < 1:
+            raise GenerationError("max_tokens must be at least 1", status=400, code="invalid_max_tokens")
         route = None
         session_id = self._new_id()
         try:
@@ -228,76 +282,98 @@ class PipelineGenerator:
         if route is None:
             raise GenerationError(f"no pipeline is ready to serve: {self.deployment.why_not_ready()}",
                                   status=503, code="no_capacity")
-        request = _Request(self._open(session_id, route))
-        cursor.restart(request.session.id)
+        request = _Request(list(prompt_ids), params, self._open(session_id, route, params.max_tokens))
         self._active += 1
         try:
-            yield self._events(request, cursor)
+            yield self._events(request)
         finally:
             self._active -= 1
-            self._close(request.session, len(cursor.generated))
+            self._close(request.session, len(request.generated))
 
-    async def _events(self, request: _Request, cursor: SessionCursor) -> AsyncIterator[TokenEvent]:
-        sampling = wire_sampling(cursor.params.sampling)
+    async def _events(self, request: _Request) -> AsyncIterator[TokenEvent]:
         moves = 0
-        while not cursor.finished:
-            item = cursor.next_item()
-            msg = await self._step(request.session, item, sampling)
-            if isinstance(msg, _Lost):
-                moves += 1
-                if moves > self.max_reroutes:
-                    raise GenerationError(f"{msg.reason}; giving up after {self.max_reroutes} re-routes",
-                                          status=502, code=msg.code)
-                await self._move(request, cursor, msg, moves)
-                continue
-            if msg.start != item.start:
-                raise GenerationError(f"out-of-order result (position {msg.start}, expected {item.start})",
-                                      status=502, code="protocol_error")
-            token = msg.token if isinstance(msg, TokenOut) else None
-            stopped = msg.stopped if isinstance(msg, TokenOut) else False
-            if cursor.advance(item, token, stopped):
-                assert isinstance(msg, TokenOut)
+        params = request.params
+        while True:
+            lost = await self._start(request)
+            while lost is None:
+                msg = await self._next(request.session)
+                if isinstance(msg, _Lost):
+                    lost = msg
+                    break
+                expected = len(request.prompt) + len(request.generated)
+                if msg.position != expected:
+                    raise GenerationError(f"out-of-order token (position {msg.position}, expected {expected})",
+                                          status=502, code="protocol_error")
+                request.generated.append(msg.token)
                 top = tuple((int(t), float(lp)) for t, lp in msg.top_logprobs) if msg.top_logprobs else None
                 yield TokenEvent(msg.token, msg.logprob, top, msg.stopped)
+                if msg.stopped or len(request.generated) >= params.max_tokens:
+                    return
+            moves += 1
+            if moves > self.max_reroutes:
+                raise GenerationError(f"{lost.reason}; giving up after {self.max_reroutes} re-routes",
+                                      status=502, code=lost.code)
+            await self._move(request, lost, moves)
 
-    async def _step(self, session: _Session, item: StepItem, sampling: Sampling) -> TokenOut | ChunkDone | _Lost:
-        """Run one item through the session's route: its result, or why the route lost the request."""
-        assert item.token_ids is not None
-        meta, raw = to_wire(token_tensor(list(item.token_ids)))
-        fwd = Forward(session=session.id, start=item.start, route=session.route, stage=0,
-                      reply_to=self.transport.peer_id, sampling=sampling if item.sampling else None, tensor=meta)
-        first = NodeId(session.route[0].peer)
-        # The send is under the deadline too: a stream to a dying peer can block before it fails.
-        with trio.move_on_after(self.step_timeout_s):
+    async def _start(self, request: _Request) -> _Lost | None:
+        """Install the session on every hop of its route and send the context to the first hop."""
+        session = request.session
+        context = request.prompt + request.generated
+        install = Install(session=session.id, route=session.route, sampling=wire_sampling(request.params.sampling),
+                          prefill_end=len(context), max_tokens=request.params.max_tokens - len(request.generated),
+                          lease_s=self.lease_s)
+        meta, raw = token_ids_frame(context)
+        unreachable: list[tuple[NodeId, str]] = []
+
+        async def install_on(peer: NodeId) -> None:
             try:
-                await self.mailbox.send(first, fwd, raw)
+                await self.mailbox.send(peer, install)
+                if peer == session.first:  # the same ordered stream: the Install arrives first
+                    await self.mailbox.send(peer, Items(items=[Item(session.id, 0, len(context))], tensor=meta),
+                                            raw)
             except HetnodeError as exc:
-                return _Lost(f"the first stage {self._name(first)} is unreachable: {exc}", "stage_unreachable",
-                             frozenset({first}))
+                unreachable.append((peer, str(exc)))
+
+        # Under the step deadline: a stream to a dying peer can block before it fails. The other hops need not
+        # have their Install before the first items reach them; they hold such items until it comes.
+        with trio.move_on_after(self.step_timeout_s) as scope:
+            async with trio.open_nursery() as nursery:
+                for peer in session.peers:
+                    nursery.start_soon(install_on, peer)
+        if unreachable:
+            peer, why = unreachable[0]
+            return _Lost(f"hop {self._name(peer)} is unreachable: {why}", "stage_unreachable",
+                         frozenset(p for p, _ in unreachable))
+        if scope.cancelled_caught:
+            return _Lost(f"installing the route took over {self.step_timeout_s:g} s", "timeout")
+        return None
+
+    async def _next(self, session: _Session) -> Token | _Lost:
+        with trio.move_on_after(self.step_timeout_s):
             msg = await session.recv.receive()
             if isinstance(msg, str):
                 return _Lost(msg, "node_down")
-            if isinstance(msg, StageFailed):
+            if isinstance(msg, Failed):
                 suspects = frozenset({NodeId(msg.unreachable)}) if msg.unreachable else frozenset()
-                return _Lost(f"stage {self._name(NodeId(msg.stage_peer))} failed: {msg.reason}", "stage_failed",
+                return _Lost(f"hop {self._name(NodeId(msg.hop_peer))} failed: {msg.reason}", "stage_failed",
                              suspects)
             return msg
-        return _Lost(f"no answer from the pipeline within {self.step_timeout_s:g} s", "timeout")
+        return _Lost(f"no token from the route within {self.step_timeout_s:g} s", "timeout")
 
-    async def _move(self, request: _Request, cursor: SessionCursor, lost: _Lost, move: int) -> None:
+    async def _move(self, request: _Request, lost: _Lost, move: int) -> None:
         """Put the request on a route of live nodes, ready to re-prefill what it has so far."""
         old = request.session
         self._close(old, None)
         session_id = self._new_id()
-        route = await self._reroute(lost, session_id, len(cursor.prompt) + len(cursor.generated))
-        request.session = self._open(session_id, route)
-        cursor.restart(request.session.id)
+        context = len(request.prompt) + len(request.generated)
+        route = await self._reroute(lost, session_id, context)
+        request.session = self._open(session_id, route, request.params.max_tokens)
         self.reroutes += 1
+        names = {str(p): self._name(p) for p in request.session.peers}
         log.warning("session %s moved to %s as %s (re-route %d of %d, re-prefilling %d tokens): %s", old.id,
-                    " -> ".join(self._name(NodeId(s.peer)) for s in route), request.session.id, move,
-                    self.max_reroutes, len(cursor.prompt) + len(cursor.generated), lost.reason)
+                    describe(route, names), request.session.id, move, self.max_reroutes, context, lost.reason)
 
-    async def _reroute(self, lost: _Lost, session_id: SessionId, input_len: int) -> list[Stage]:
+    async def _reroute(self, lost: _Lost, session_id: SessionId, input_len: int) -> Route:
         """A route without the nodes that failed: suspects (alive as far as liveness knows) are avoided for
         long enough for a dead one to be marked down; after that only liveness decides."""
         deadline = trio.current_time() + self.ready_timeout_s
@@ -313,3 +389,5 @@ class PipelineGenerator:
                                   f"{self.ready_timeout_s:g} s: {self.deployment.why_not_ready()}",
                                   status=503, code=lost.code)
         return route
+
+

@@ -24,7 +24,7 @@ from hetnode.errors import (
     StreamClosed,
 )
 from hetnode.ids import NodeId
-from hetnode.node.stage import StageServer
+from hetnode.node.hops import HopServer
 from hetnode.protocol.discover import serve_discover
 from hetnode.protocol.framing import FramedStream
 from hetnode.protocol.messages import (
@@ -75,12 +75,15 @@ class NodeConfig:
 
 
 class NodeDaemon:
-    def __init__(self, config: NodeConfig, transport: Transport, stage: StageServer | None = None) -> None:
+    def __init__(self, config: NodeConfig, transport: Transport, hops: HopServer | None = None) -> None:
         if not config.bootstrap:
             raise ConfigError("at least one --bootstrap address is needed")
         self.config = config
         self.transport = transport
-        self.stage = stage
+        self.hops = hops
+        if hops is not None:
+            # Sessions are installed only by the coordinator this node joined.
+            hops.is_coordinator = lambda peer: peer == self.coordinator
         self.coordinator: NodeId | None = None
         self.coordinator_addrs: list[str] = []
         self.members: dict[NodeId, MemberInfo] = {}
@@ -133,10 +136,10 @@ class NodeDaemon:
                 continue
             backoff = self.config.backoff_initial_s
             self.joins += 1
-            if self.stage is not None and self.joins > 1:
+            if self.hops is not None and self.joins > 1:
                 # While we were out, peers rejected our data streams, and a rejecting peer drains what arrives
                 # for a while before it resets: data sent on them now would vanish without an error.
-                await self.stage.mailbox.forget_all()
+                await self.hops.mailbox.forget_all()
             self.joined.set()
             if not started:
                 started = True
@@ -248,8 +251,8 @@ class NodeDaemon:
                     self._set_members(msg.version, msg.members)
             elif isinstance(msg, Assignment):
                 self.assignment = msg
-                if self.stage is not None:
-                    self.stage.start_assign(msg, self._report_assignment)
+                if self.hops is not None:
+                    self.hops.start_assign(msg, self._report_assignment)
             elif isinstance(msg, ProbeOrder):
                 if self._session_nursery is not None:
                     self._session_nursery.start_soon(self._run_probe_order, framed, msg)
@@ -261,7 +264,7 @@ class NodeDaemon:
                 return
 
     def load(self) -> Load:
-        return self.stage.load() if self.stage is not None else Load()
+        return self.hops.load() if self.hops is not None else Load()
 
     async def _report_assignment(self, status: AssignmentStatus) -> None:
         framed = self._framed

@@ -1,26 +1,35 @@
-"""A node's part of the data path: hold the assigned layers, run what arrives, pass the result on.
+"""A node's part of the data path: hold the assigned layers, serve the sessions installed on it, pass results on.
 
 An Assignment names a model and a layer range; the node loads only that shard (in the worker thread) and
-reports ready. A new layer range is loaded beside the old shard, which goes on serving the old plan's requests
-meanwhile (many finish on it); then the new shard takes over and the old one's queued work gets StageFailed
-("shard replaced"), so those requests move to the new plan at once instead of waiting out a timeout. Only when
-both shards do not fit is the old one dropped first.
+reports ready. A new layer range is loaded beside the old shard, which goes on serving the sessions installed on
+it meanwhile (many finish there); then the new shard takes over for new sessions and the old one retires: its
+sessions get Failed ("shard replaced"), so their requests move at once instead of waiting out a timeout. Only
+when both shards do not fit is the old one dropped first.
 
-Forward messages become batch-loop work; after a step, a middle stage streams each item's hidden states to the
-next stage of that item's own route, and the last stage returns the sampled token (or ChunkDone for a prefill
-chunk that does not sample) to the coordinator. Anything that cannot run gets a StageFailed back to the
-coordinator with the reason; Release frees a session's KV.
+A session exists here only once its coordinator has installed its route (Install), and from then on its items are
+accepted only from the peers the route names: from the previous hop, or at a phase's first hop from the
+installing coordinator (the prompt) and from the phase's last hop (each decode token, fed straight back); Release
+and Renew only from the installing coordinator. Positions must continue exactly where the session stands, so no
+peer can rewind or overwrite a session. Items that arrive before their Install (it travels on another stream)
+wait for it, bounded in number and time. A session whose coordinator stops renewing its lease is freed.
+
+After each step the node sends one Items message per next hop carrying every item for that hop, through a
+per-peer outbox, so the batch loop never waits on the network. The last hop samples, streams the tokens of the
+step to their coordinators (one Tokens message each), and feeds every session that goes on back to the first hop
+of its phase; it stops a session by itself at a stop token or at max_tokens.
 """
 
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
 
 import torch
 import trio
 
-from hetnode.errors import HetnodeError
+from hetnode.errors import HetnodeError, ProtocolError
 from hetnode.ids import NodeId, SessionId
 from hetnode.node.batcher import BatchLoop, Pace, Work
 from hetnode.node.engine import EngineConfig, ItemResult, SamplingParams, StepItem, TorchEngine
@@ -29,15 +38,22 @@ from hetnode.protocol.messages import (
     INFER_PROTOCOL,
     Assignment,
     AssignmentStatus,
-    ChunkDone,
-    Forward,
+    ErrorReply,
+    Failed,
+    Install,
+    Item,
+    Items,
     Load,
+    Phase,
     Release,
+    Renew,
     Sampling,
-    StageFailed,
-    TokenOut,
+    Token,
+    Tokens,
     infer_decoder,
 )
+from hetnode.protocol.outbox import Outbox
+from hetnode.protocol.routes import places_of, route_problem
 from hetnode.protocol.tensors import from_wire, to_wire
 from hetnode.protocol.transport import Transport
 
@@ -46,6 +62,10 @@ log = logging.getLogger(__name__)
 ReportStatus = Callable[[AssignmentStatus], Awaitable[None]]
 PaceFactory = Callable[[TorchEngine], Pace | None]
 _RETIRE_TIMEOUT_S = 30.0
+_PARK_SESSIONS = 1024  # sessions whose items may wait for their Install at once
+_PARK_ITEMS = 64  # items one such session may have waiting
+_PARK_S = 10.0  # how long they wait before they are refused
+_RELEASED_MEMORY = 65536  # sessions released recently: late items for them are dropped quietly
 
 
 def sampling_params(s: Sampling) -> SamplingParams:
@@ -53,7 +73,56 @@ def sampling_params(s: Sampling) -> SamplingParams:
                           stop_token_ids=tuple(s.stop_token_ids), logprobs=s.logprobs)
 
 
-class StageServer:
+@dataclass(eq=False)
+class HopSession:
+    """One session as this hop serves it."""
+
+    id: SessionId
+    coordinator: NodeId
+    phase: Phase
+    hop: int  # this node's index in the phase's hops
+    sampling: SamplingParams
+    prefill_end: int
+    max_tokens: int
+    lease_s: float
+    loop: BatchLoop
+    deadline: float
+    next_start: int = 0  # the next position this hop expects (items are submitted in order)
+    generated: int = 0  # last hop: tokens sampled so far
+    done: bool = False  # last hop: the session's last token went out
+
+    @property
+    def is_first(self) -> bool:
+        return self.hop == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.hop == len(self.phase.hops) - 1
+
+    def sender_problem(self, peer: NodeId, item: Item) -> str:
+        """Why `peer` may not send `item` of this session here ('' when it may)."""
+        hops = self.phase.hops
+        if not self.is_first:
+            prev = NodeId(hops[self.hop - 1].peer)
+            return "" if peer == prev else f"only the previous hop {prev} sends this session's items here"
+        if item.start < self.prefill_end:
+            if peer != self.coordinator:
+                return "only the installing coordinator sends a session's context"
+            if item.start + item.count > self.prefill_end:
+                return f"context items end at position {self.prefill_end}"
+            return ""
+        if peer != NodeId(hops[-1].peer):
+            return "only the phase's last hop feeds decode tokens back"
+        return "" if item.count == 1 else "a decode item carries one token"
+
+
+@dataclass
+class _Parked:
+    since: float
+    items: list[tuple[NodeId, Item, torch.Tensor]] = field(default_factory=list)
+
+
+class HopServer:
     def __init__(self, transport: Transport, is_member: Callable[[NodeId], bool], *, device: str = "cpu",
                  dtype: str = "float32", engine_config: EngineConfig | None = None,
                  pace_factory: PaceFactory | None = None) -> None:
@@ -63,9 +132,16 @@ class StageServer:
         self.engine_config = engine_config
         self.pace_factory = pace_factory
         self.mailbox = Mailbox(transport, INFER_PROTOCOL, infer_decoder, self._on_message, is_member)
+        self.outbox = Outbox(self.mailbox, self._send_failed)
+        # Who may install sessions here: the coordinator the node joined (set by NodeDaemon); nobody until then.
+        self.is_coordinator: Callable[[NodeId], bool] = lambda peer: False
         self.assignment: Assignment | None = None
         self.engine: TorchEngine | None = None
         self.loop: BatchLoop | None = None
+        self.sessions: dict[SessionId, HopSession] = {}
+        self.leases_expired = 0
+        self._released: OrderedDict[SessionId, None] = OrderedDict()
+        self._parked: dict[SessionId, _Parked] = {}
         self._loop_scope: trio.CancelScope | None = None
         self._nursery: trio.Nursery | None = None
         self._assign_lock = trio.Lock()
@@ -73,16 +149,18 @@ class StageServer:
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
+            await nursery.start(self.outbox.run)
             self.mailbox.install()
+            nursery.start_soon(self._expire)
             task_status.started()
             await trio.sleep_forever()
 
     def load(self) -> Load:
         if self.loop is None:
-            return Load()
+            return Load(leases_expired=self.leases_expired)
         kv = self.loop.kv
         return Load(queued_tokens=max(0, self.loop.queued_tokens), active_sessions=kv.sessions,
-                    kv_blocks_used=kv.used_blocks, kv_blocks_free=kv.free_blocks)
+                    kv_blocks_used=kv.used_blocks, kv_blocks_free=kv.free_blocks, leases_expired=self.leases_expired)
 
     # -- assignments -------------------------------------------------------------------------------------
 
@@ -116,7 +194,7 @@ class StageServer:
                     await self._unload(reason)
                     engine = await trio.to_thread.run_sync(self._load_engine, a)
             except (HetnodeError, OSError, ValueError, RuntimeError, MemoryError) as exc:
-                # The old shard (if any) stays: the old plan's requests on it can still finish.
+                # The old shard (if any) stays: the sessions on it can still finish.
                 log.error("loading layers [%d, %d) of %s failed: %s", a.first_layer, a.last_layer, a.model, exc)
                 await report(AssignmentStatus(plan_version=a.plan_version, state="failed", detail=str(exc)))
                 return
@@ -147,11 +225,13 @@ class StageServer:
 
     async def _retire(self, engine: TorchEngine | None, loop: BatchLoop | None, scope: trio.CancelScope | None,
                       reason: str) -> None:
-        """Stop a shard that is no longer current: its step under way finishes, its queued work fails."""
+        """Stop a shard that is no longer current: its step under way finishes, its sessions fail."""
         if loop is not None:
             # Bounded: a step is seconds at most; a loop stuck past that is cancelled, its work lost.
             with trio.move_on_after(_RETIRE_TIMEOUT_S):
                 await loop.stop(reason)
+            for session in [s for s in self.sessions.values() if s.loop is loop]:
+                self._fail_session(session, reason)
         if scope is not None:
             scope.cancel()
         if engine is not None:
@@ -160,80 +240,228 @@ class StageServer:
     # -- messages ----------------------------------------------------------------------------------------
 
     async def _on_message(self, peer: NodeId, msg: object, payload: bytes | None) -> None:
-        if isinstance(msg, Forward):
-            await self._on_forward(peer, msg, payload)
+        if isinstance(msg, Items):
+            await self._on_items(peer, msg, payload)
+        elif isinstance(msg, Install):
+            await self._on_install(peer, msg)
         elif isinstance(msg, Release):
-            if self.loop is not None:
-                self.loop.release(SessionId(msg.session))
+            session = self.sessions.get(SessionId(msg.session))
+            if session is not None and session.coordinator != peer:
+                self._refuse(peer, "not_yours", f"only the installing coordinator releases session {msg.session}")
+            else:
+                self._drop(SessionId(msg.session))
+        elif isinstance(msg, Renew):
+            now = trio.current_time()
+            for sid in msg.sessions:
+                session = self.sessions.get(SessionId(sid))
+                if session is not None and session.coordinator == peer:
+                    session.deadline = now + session.lease_s
         else:
-            log.warning("unexpected %s on the data path from %s", type(msg).__name__, peer)
+            raise ProtocolError(f"{type(msg).__name__} is not sent to a hop")
 
-    async def _on_forward(self, peer: NodeId, fwd: Forward, payload: bytes | None) -> None:
-        engine, loop = self.engine, self.loop
-        here = fwd.route[fwd.stage] if fwd.stage < len(fwd.route) else None
+    def _refuse(self, peer: NodeId, code: str, message: str) -> None:
+        log.warning("refused from %s: %s", peer, message)
+        self.outbox.post(peer, ErrorReply(code=code, message=message))
+
+    async def _on_install(self, peer: NodeId, msg: Install) -> None:
+        sid = SessionId(msg.session)
+        if not self.is_coordinator(peer):
+            self._refuse(peer, "not_coordinator", "only the coordinator installs sessions")
+            return
+        if sid in self.sessions or sid in self._released:
+            self._refuse(peer, "session_exists", f"session {sid} exists here already")
+            return
         problem = ""
-        if here is None or NodeId(here.peer) != self.transport.peer_id:
-            problem = "this node is not that stage of the route"
-        elif engine is None or loop is None:
+        engine, loop = self.engine, self.loop
+        places = places_of(msg.route, self.transport.peer_id)
+        if engine is None or loop is None:
             problem = "this node holds no layers (plan changing)"
-        elif (here.first_layer, here.last_layer) != (engine.first_layer, engine.last_layer):
-            problem = (f"route asks for layers [{here.first_layer}, {here.last_layer}) but this node holds "
-                       f"[{engine.first_layer}, {engine.last_layer}) (plan changed)")
-        if problem or payload is None:
-            await self._report_failure(fwd, problem or "forward without a tensor")
-            return
-        assert engine is not None and loop is not None
-        try:
-            tensor = from_wire(fwd.tensor, payload)
-        except HetnodeError as exc:
-            await self._report_failure(fwd, str(exc))
-            return
-        sampling = sampling_params(fwd.sampling) if fwd.sampling is not None else None
-        session = SessionId(fwd.session)
-        if engine.is_first:
-            if fwd.tensor.dtype != "int64" or tensor.dim() != 1:
-                await self._report_failure(fwd, "the first stage takes a 1-d int64 tensor of token ids")
-                return
-            item = StepItem(session, fwd.start, token_ids=tensor.tolist(), sampling=sampling)
+        elif problem := route_problem(msg.route, engine.config.num_layers):
+            pass
+        elif len(msg.route.phases) != 1 or msg.route.phases[0].kind != "mixed":
+            problem = "routes with several phases (KV hand-offs) are not served yet"
+        elif len(places) != 1:
+            problem = "this node is not on the route"
         else:
-            item = StepItem(session, fwd.start, hidden=tensor.to(engine.dtype), sampling=sampling)
+            hop = msg.route.phases[0].hops[places[0].hop]
+            if (hop.first_layer, hop.last_layer) != (engine.first_layer, engine.last_layer):
+                problem = (f"the route asks for layers [{hop.first_layer}, {hop.last_layer}) but this node holds "
+                           f"[{engine.first_layer}, {engine.last_layer}) (plan changed)")
+        parked = self._parked.pop(sid, None)
+        if problem:
+            self._report(peer, sid, problem)
+            return
+        assert loop is not None
+        phase = msg.route.phases[0]
+        session = self.sessions[sid] = HopSession(
+            id=sid, coordinator=peer, phase=phase, hop=places[0].hop, sampling=sampling_params(msg.sampling),
+            prefill_end=msg.prefill_end, max_tokens=msg.max_tokens, lease_s=msg.lease_s, loop=loop,
+            deadline=trio.current_time() + msg.lease_s)
+        for sender, item, rows in parked.items if parked else []:
+            await self._accept(sender, session, item, rows)
+
+    async def _on_items(self, peer: NodeId, msg: Items, payload: bytes | None) -> None:
+        if payload is None:
+            raise ProtocolError("Items without a tensor")
+        tensor = from_wire(msg.tensor, payload)
+        rows = sum(it.count for it in msg.items)
+        if tensor.dim() < 1 or tensor.shape[0] != rows:
+            raise ProtocolError(f"Items of {rows} positions with a tensor of shape {list(tensor.shape)}")
+        engine = self.engine
+        if engine is not None:
+            want = "1-d int64 token ids" if engine.is_first else f"[n, {engine.config.hidden_size}] hidden states"
+            ok = (tensor.dim() == 1 and msg.tensor.dtype == "int64") if engine.is_first else (
+                tensor.dim() == 2 and tensor.shape[1] == engine.config.hidden_size and tensor.is_floating_point())
+            if not ok:
+                raise ProtocolError(f"this hop takes {want}, not {msg.tensor.dtype}{list(tensor.shape)}")
+        offset = 0
+        for item in msg.items:
+            part = tensor[offset:offset + item.count]
+            offset += item.count
+            sid = SessionId(item.session)
+            session = self.sessions.get(sid)
+            if session is not None:
+                await self._accept(peer, session, item, part)
+            elif sid not in self._released:
+                self._park(peer, sid, item, part)
+
+    def _park(self, peer: NodeId, sid: SessionId, item: Item, rows: torch.Tensor) -> None:
+        parked = self._parked.get(sid)
+        if parked is None:
+            if len(self._parked) >= _PARK_SESSIONS:
+                self._refuse(peer, "unknown_session", f"session {sid} is not installed here")
+                return
+            parked = self._parked[sid] = _Parked(trio.current_time())
+        if len(parked.items) >= _PARK_ITEMS:
+            self._refuse(peer, "unknown_session", f"session {sid} is not installed here")
+            return
+        parked.items.append((peer, item, rows.clone()))
+
+    async def _accept(self, peer: NodeId, session: HopSession, item: Item, rows: torch.Tensor) -> None:
+        problem = session.sender_problem(peer, item)
+        if not problem and item.start != session.next_start:
+            problem = f"session {session.id} stands at position {session.next_start}, not {item.start}"
+        if problem:
+            self._refuse(peer, "refused", problem)  # the session itself is untouched
+            return
+        session.next_start = item.start + item.count
+        end = item.start + item.count
+        sampling = session.sampling if session.is_last and end >= session.prefill_end else None
+        engine = self.engine
+        if rows.dtype == torch.int64:
+            step_item = StepItem(session.id, item.start, token_ids=rows.tolist(), sampling=sampling)
+        else:
+            dtype = engine.dtype if engine is not None else rows.dtype
+            step_item = StepItem(session.id, item.start, hidden=rows.to(dtype), sampling=sampling)
         try:
-            await loop.submit(Work(item, fwd))
+            await session.loop.submit(Work(step_item, session))
         except trio.ClosedResourceError:
-            await self._report_failure(fwd, "shard replaced while the item waited (plan changed)")
+            self._fail_session(session, "shard replaced while the item waited (plan changed)")
+
+    # -- results -----------------------------------------------------------------------------------------
 
     async def _deliver(self, done: Sequence[tuple[Work, ItemResult]]) -> None:
+        onward: dict[NodeId, tuple[list[Item], list[torch.Tensor], list[HopSession]]] = {}
+        tokens: dict[NodeId, list[Token]] = {}
         for work, result in done:
-            fwd: Forward = work.ctx
-            try:
-                if fwd.stage + 1 < len(fwd.route):
-                    assert result.hidden is not None
-                    meta, raw = to_wire(result.hidden)
-                    nxt = fwd.route[fwd.stage + 1]
-                    await self.mailbox.send(NodeId(nxt.peer), Forward(
-                        session=fwd.session, start=fwd.start, route=fwd.route, stage=fwd.stage + 1,
-                        reply_to=fwd.reply_to, sampling=fwd.sampling, tensor=meta), raw)
-                elif result.token is None:
-                    await self.mailbox.send(NodeId(fwd.reply_to), ChunkDone(session=fwd.session, start=fwd.start))
-                else:
-                    await self.mailbox.send(NodeId(fwd.reply_to), TokenOut(
-                        session=fwd.session, start=fwd.start, token=result.token, logprob=result.logprob,
-                        top_logprobs=list(result.top_logprobs) if result.top_logprobs else None,
-                        stopped=result.stopped))
-            except HetnodeError as exc:
-                nxt_peer = fwd.route[fwd.stage + 1].peer if fwd.stage + 1 < len(fwd.route) else fwd.reply_to
-                await self._report_failure(fwd, f"could not pass the result on: {exc}", unreachable=nxt_peer)
+            session: HopSession = work.ctx
+            if self.sessions.get(session.id) is not session:
+                continue  # released or failed while the step ran
+            item = work.item
+            end = item.start + item.num_tokens
+            if not session.is_last:
+                assert result.hidden is not None
+                nxt = NodeId(session.phase.hops[session.hop + 1].peer)
+                _add(onward, nxt, Item(session.id, item.start, item.num_tokens), result.hidden, session)
+                continue
+            if result.token is None:
+                continue  # a prefill chunk that does not sample
+            session.generated += 1
+            last = result.stopped or session.generated >= session.max_tokens
+            session.done = last
+            tokens.setdefault(session.coordinator, []).append(Token(
+                session=session.id, position=end, token=result.token, logprob=result.logprob,
+                top_logprobs=list(result.top_logprobs) if result.top_logprobs else None, stopped=result.stopped,
+                last=last))
+            if not last:
+                first = NodeId(session.phase.hops[0].peer)
+                _add(onward, first, Item(session.id, end, 1), torch.tensor([result.token]), session)
+        for coordinator, toks in tokens.items():
+            if not self.outbox.post(coordinator, Tokens(tokens=toks)):
+                for t in toks:
+                    self._fail_local(SessionId(t.session), "could not queue the tokens for the coordinator")
+        for peer, (items, parts, sessions) in onward.items():
+            if peer == self.transport.peer_id:
+                for it, part, session in zip(items, parts, sessions, strict=True):
+                    # A one-hop phase feeds its own loop: straight back into the queue, never over the network.
+                    await self._accept(peer, session, it, part)
+                continue
+            meta, raw = to_wire(torch.cat(parts))
+            if not self.outbox.post(peer, Items(items=items, tensor=meta), raw):
+                for session in sessions:
+                    self._fail_session(session, f"could not queue the results for {peer}", unreachable=peer)
 
     async def _fail(self, work: Work, reason: str) -> None:
-        await self._report_failure(work.ctx, reason)
+        session: HopSession = work.ctx
+        if self.sessions.get(session.id) is session:
+            self._fail_session(session, reason)
 
-    async def _report_failure(self, fwd: Forward, reason: str, unreachable: str = "") -> None:
-        log.warning("session %s at position %d failed here: %s", fwd.session, fwd.start, reason)
-        if self.loop is not None:
-            self.loop.release(SessionId(fwd.session))
-        try:
-            await self.mailbox.send(NodeId(fwd.reply_to), StageFailed(
-                session=fwd.session, start=fwd.start, stage_peer=self.transport.peer_id, reason=reason,
-                unreachable=unreachable))
-        except HetnodeError as exc:
-            log.warning("could not report the failure to %s: %s", fwd.reply_to, exc)
+    async def _send_failed(self, peer: NodeId, msg: object, reason: str) -> None:
+        """The outbox could not deliver `msg` to `peer`: fail the sessions it carried."""
+        if isinstance(msg, Items):
+            for item in msg.items:
+                session = self.sessions.get(SessionId(item.session))
+                if session is not None:
+                    self._fail_session(session, f"could not pass the result on: {reason}", unreachable=peer)
+        elif isinstance(msg, Tokens):
+            for t in msg.tokens:
+                self._drop(SessionId(t.session))  # its coordinator is gone: nobody to report to
+
+    def _fail_session(self, session: HopSession, reason: str, unreachable: NodeId | None = None) -> None:
+        log.warning("session %s failed here: %s", session.id, reason)
+        self._drop(session.id)
+        self._report(session.coordinator, session.id, reason, unreachable)
+
+    def _fail_local(self, sid: SessionId, reason: str) -> None:
+        session = self.sessions.get(sid)
+        if session is not None:
+            self._fail_session(session, reason)
+
+    def _report(self, coordinator: NodeId, sid: SessionId, reason: str, unreachable: NodeId | None = None) -> None:
+        self.outbox.post(coordinator, Failed(session=sid, hop_peer=self.transport.peer_id, reason=reason,
+                                             unreachable=unreachable or ""))
+
+    def _drop(self, sid: SessionId) -> None:
+        """Forget the session and free its KV (released, failed or expired)."""
+        session = self.sessions.pop(sid, None)
+        self._parked.pop(sid, None)
+        self._released[sid] = None
+        if len(self._released) > _RELEASED_MEMORY:
+            self._released.popitem(last=False)
+        if session is not None:
+            session.loop.release(sid)
+
+    # -- leases ------------------------------------------------------------------------------------------
+
+    async def _expire(self) -> None:
+        """Free sessions whose coordinator went silent, and refuse items whose Install never came."""
+        while True:
+            await trio.sleep(1.0)
+            now = trio.current_time()
+            for session in [s for s in self.sessions.values() if s.deadline < now]:
+                self.leases_expired += 1
+                log.warning("session %s: no word from its coordinator %s for %.0f s; its lease expired, KV freed",
+                            session.id, session.coordinator, session.lease_s)
+                self._drop(session.id)
+            for sid in [sid for sid, p in self._parked.items() if now - p.since > _PARK_S]:
+                parked = self._parked.pop(sid)
+                for peer in {peer for peer, _, _ in parked.items}:
+                    self._refuse(peer, "unknown_session", f"session {sid} was never installed here")
+
+
+def _add(onward: dict[NodeId, tuple[list[Item], list[torch.Tensor], list[HopSession]]], peer: NodeId, item: Item,
+         part: torch.Tensor, session: HopSession) -> None:
+    items, parts, sessions = onward.setdefault(peer, ([], [], []))
+    items.append(item)
+    parts.append(part)
+    sessions.append(session)

@@ -4,7 +4,8 @@ The data path sends many small messages (a decode step's hidden state is a few K
 opening a libp2p stream costs protocol negotiation round trips, so each peer keeps one outbound stream per
 destination and reuses it. Messages on it arrive in order, which the data path relies on (a session's prefill
 chunks and decode steps reach each stage in position order). Inbound streams are read by one task each and
-handed to `on_message` in order; a message carrying a `tensor` field brings its raw payload frame along.
+handed to `on_message` in order; a message carrying a `tensor` field brings its raw payload frame along. A handler
+that raises ProtocolError gets the sender an error reply and a reset stream.
 """
 
 from __future__ import annotations
@@ -107,4 +108,10 @@ class Mailbox:
             if not self.is_allowed(peer):
                 await framed.reject("not_member", "membership lapsed")
                 return
-            await self.on_message(peer, msg, payload)
+            try:
+                await self.on_message(peer, msg, payload)
+            except ProtocolError as exc:
+                # The handler found the message malformed as a whole (not one session's business): the sender
+                # hears why and its stream is reset, so nothing after it on this stream is misread.
+                await framed.reject("bad_message", str(exc))
+                return

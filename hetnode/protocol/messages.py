@@ -17,7 +17,7 @@ from hetnode.ids import ProtocolId
 CTL_PROTOCOL = ProtocolId("/hetnode/ctl/1")
 PROBE_PROTOCOL = ProtocolId("/hetnode/probe/1")
 DISCOVER_PROTOCOL = ProtocolId("/hetnode/discover/1")
-INFER_PROTOCOL = ProtocolId("/hetnode/infer/1")
+INFER_PROTOCOL = ProtocolId("/hetnode/infer/2")
 
 Name = Annotated[str, msgspec.Meta(max_length=128)]
 Text = Annotated[str, msgspec.Meta(max_length=4096)]
@@ -76,6 +76,7 @@ class Load(msgspec.Struct, frozen=True, kw_only=True):
     active_sessions: Count = 0
     kv_blocks_used: Count = 0
     kv_blocks_free: Count = 0
+    leases_expired: Count = 0  # sessions freed because their coordinator went silent, since start
 
 
 class MemberInfo(msgspec.Struct, frozen=True, kw_only=True):
@@ -212,22 +213,50 @@ class DiscoverReply(_Msg, tag="discover_reply", frozen=True, kw_only=True):
 DiscoverMessage = DiscoverRequest | DiscoverReply | ErrorReply
 discover_decoder = msgspec.msgpack.Decoder(DiscoverMessage)
 
-# -- /hetnode/infer/1: the data path (coordinator -> stage 1 -> ... -> last stage -> coordinator) ---------
-# Each peer keeps one outbound stream per destination and sends messages down it in order; a Forward is
-# followed by one raw frame with its tensor (token ids for the first stage, hidden states after it).
+# -- /hetnode/infer/2: the data path ------------------------------------------------------------------------
+# A session's route is installed once on each of its hops (Install, from the coordinator); after that only
+# compact Items travel: one message per next hop per step, carrying every item for that hop, followed by one raw
+# frame with all their tensors stacked along the first axis (token ids for a phase's first hop, hidden states
+# after it). Each peer keeps one outbound stream per destination, so a session's items arrive in order.
 
 SessionStr = Annotated[str, msgspec.Meta(max_length=128)]
-MAX_STAGES = 256
+MAX_HOPS = 256
+MAX_PHASES = 4
+MAX_ITEMS = 4096  # items in one Items or Tokens message (a step's batch for one peer)
+MAX_TOKENS_PER_SESSION = 1 << 20
+PhaseKind = Literal["prefill", "decode", "mixed"]
 
 
-class Stage(msgspec.Struct, frozen=True, kw_only=True):
+class Hop(msgspec.Struct, frozen=True, kw_only=True):
+    """One node of a phase's pipeline and the layers it runs there."""
+
     peer: PeerStr
     first_layer: Count
     last_layer: Count  # exclusive
 
 
+class Phase(msgspec.Struct, frozen=True, kw_only=True):
+    """A pipeline of hops that runs a token range of the session.
+
+    `mixed` prefills the context from `first_token` and decodes on the same hops (Helix). `prefill` stops after
+    the first sampled token and hands the KV to the next phase; `decode` starts from handed-over KV. Phases may
+    cut the model at different layers. `last_token` bounds a partial prefill (Cronus: tokens [0, k) on a weak
+    node); None runs to the end of the context."""
+
+    kind: PhaseKind = "mixed"
+    hops: Annotated[list[Hop], msgspec.Meta(min_length=1, max_length=MAX_HOPS)]
+    first_token: Count = 0
+    last_token: Count | None = None
+
+
+class Route(msgspec.Struct, frozen=True, kw_only=True):
+    """The phases one session runs through, in order."""
+
+    phases: Annotated[list[Phase], msgspec.Meta(min_length=1, max_length=MAX_PHASES)]
+
+
 class Sampling(msgspec.Struct, frozen=True, kw_only=True):
-    """The wire form of the last stage's sampling parameters."""
+    """The wire form of the last hop's sampling parameters."""
 
     temperature: Annotated[float, msgspec.Meta(ge=0, le=100)] = 0.0
     top_k: Annotated[int, msgspec.Meta(ge=0, le=1 << 22)] = 0
@@ -237,55 +266,79 @@ class Sampling(msgspec.Struct, frozen=True, kw_only=True):
     logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None
 
 
-class Forward(_Msg, tag="forward", frozen=True, kw_only=True):
-    """Run `tensor` (positions [start, start + n)) of `session` through route[stage] and pass it on."""
+class Install(_Msg, tag="install", frozen=True, kw_only=True):
+    """Serve `session` along `route` (sent by the coordinator to every hop, once per session).
+
+    The session prefills `prefill_end` tokens (the prompt, or after a move the prompt and what was generated
+    before), then samples up to `max_tokens` tokens; the last hop of a decode phase feeds each token straight
+    back to the phase's first hop and stops by itself at a stop token or at `max_tokens`. Hops accept the
+    session's messages only from the peers the route names; the session is freed when the coordinator's lease
+    (renewed by Renew) runs out."""
 
     session: SessionStr
-    start: Count
-    route: Annotated[list[Stage], msgspec.Meta(min_length=1, max_length=MAX_STAGES)]
-    stage: Count
-    reply_to: PeerStr  # who gets TokenOut / StageFailed: the coordinator
-    sampling: Sampling | None = None  # only on items that sample (the last prefill chunk, every decode)
+    route: Route
+    sampling: Sampling
+    prefill_end: Annotated[int, msgspec.Meta(ge=1, le=MAX_TOKENS_PER_SESSION)]
+    max_tokens: Annotated[int, msgspec.Meta(ge=1, le=MAX_TOKENS_PER_SESSION)]
+    lease_s: Annotated[float, msgspec.Meta(gt=0, le=3600)]
+
+
+class Item(msgspec.Struct, frozen=True, array_like=True):
+    """Positions [start, start + count) of a session; its rows of the message's tensor follow the previous
+    item's."""
+
+    session: SessionStr
+    start: Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKENS_PER_SESSION)]
+    count: Annotated[int, msgspec.Meta(ge=1, le=MAX_TOKENS_PER_SESSION)]
+
+
+class Items(_Msg, tag="items", frozen=True, kw_only=True):
+    items: Annotated[list[Item], msgspec.Meta(min_length=1, max_length=MAX_ITEMS)]
     tensor: TensorMeta
 
 
-class TokenOut(_Msg, tag="token", frozen=True, kw_only=True):
+class Token(msgspec.Struct, frozen=True, kw_only=True):
     session: SessionStr
-    start: Count  # the item this token came out of
+    position: Count  # where the token stands in the session's context (the length of what came before it)
     token: Count
     logprob: float | None = None
     top_logprobs: Annotated[list[tuple[Count, float]], msgspec.Meta(max_length=20)] | None = None
-    stopped: bool = False
+    stopped: bool = False  # a stop token: the session ends here
+    last: bool = False  # the session's last token (stop token or max_tokens): the hops expect nothing more
 
 
-class ChunkDone(_Msg, tag="chunk_done", frozen=True, kw_only=True):
-    """The last stage finished a prefill chunk that does not sample."""
+class Tokens(_Msg, tag="tokens", frozen=True, kw_only=True):
+    """Sampled tokens, streamed from a last hop to the coordinators of their sessions (one message per step)."""
+
+    tokens: Annotated[list[Token], msgspec.Meta(min_length=1, max_length=MAX_ITEMS)]
+
+
+class Failed(_Msg, tag="failed", frozen=True, kw_only=True):
+    """`hop_peer` cannot go on with the session (or could not pass its result on); the coordinator moves it."""
 
     session: SessionStr
-    start: Count
-
-
-class StageFailed(_Msg, tag="stage_failed", frozen=True, kw_only=True):
-    """`stage_peer` could not run the item (or pass its result on); the coordinator moves the request."""
-
-    session: SessionStr
-    start: Count
-    stage_peer: PeerStr
+    hop_peer: PeerStr
     reason: Text
-    unreachable: PeerStr = ""  # the next stage, when passing the result on to it failed (a suspect, not proof)
+    unreachable: PeerStr = ""  # the next hop, when passing the result on to it failed (a suspect, not proof)
 
 
 class Release(_Msg, tag="release", frozen=True, kw_only=True):
-    """Free the session's KV on this stage (sent to every stage of the route)."""
+    """Free the session's KV on this hop (the coordinator sends it to every hop when the session ends)."""
 
     session: SessionStr
 
 
-InferMessage = Forward | TokenOut | ChunkDone | StageFailed | Release | ErrorReply
+class Renew(_Msg, tag="renew", frozen=True, kw_only=True):
+    """The coordinator's sessions on this hop that are still alive: their leases start over."""
+
+    sessions: Annotated[list[SessionStr], msgspec.Meta(max_length=65536)]
+
+
+InferMessage = Install | Items | Tokens | Failed | Release | Renew | ErrorReply
 infer_decoder = msgspec.msgpack.Decoder(InferMessage)
 
 ALL_MESSAGE_TYPES: tuple[type[msgspec.Struct], ...] = (
     ErrorReply, Join, Welcome, Refuse, Heartbeat, Members, ProbeOrder, LinkReport, Assignment, AssignmentStatus, Leave,
     Ping, Pong, BulkStart, BulkDone, DiscoverRequest, DiscoverReply,
-    Forward, TokenOut, ChunkDone, StageFailed, Release,
+    Install, Items, Tokens, Failed, Release, Renew,
 )

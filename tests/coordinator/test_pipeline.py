@@ -27,7 +27,7 @@ from hetnode.models.tiny import write_tiny_model
 from hetnode.models.tokenizer import load_tokenizer
 from hetnode.node.daemon import NodeConfig, NodeDaemon
 from hetnode.node.engine import SamplingParams
-from hetnode.node.stage import StageServer
+from hetnode.node.hops import HopServer
 from hetnode.protocol.memory import MemoryNetwork
 from hetnode.protocol.messages import HardwareProfile
 from hetnode.protocol.probe import ProbeSettings
@@ -74,7 +74,7 @@ async def _nodes(net: MemoryNetwork, nursery: trio.Nursery, bws: list[float], ou
         return
     name = f"n{len(out)}"
     async with net.transport(name) as t:
-        stage = StageServer(t, lambda peer: node.is_member(peer))
+        stage = HopServer(t, lambda peer: node.is_member(peer))
         node = NodeDaemon(NodeConfig(bootstrap=("/memory/coord/p2p/coord",), token="t", name=name,
                                      profile=profile(bws[0]), probe=ProbeSettings(first_bytes=1024, max_bytes=1024)),
                           t, stage)
@@ -114,9 +114,9 @@ async def test_three_stage_pipeline_matches_single_process(tiny_model: Path) -> 
         await gen.wait_released()
         await trio.testing.wait_all_tasks_blocked()  # the Release messages reach the stages' handlers
         for node in nodes:  # every stage freed every session's KV
-            assert node.stage is not None and node.stage.loop is not None
-            await node.stage.loop.wait_idle()
-            assert node.stage.loop.kv.used_blocks == 0
+            assert node.hops is not None and node.hops.loop is not None
+            await node.hops.loop.wait_idle()
+            assert node.hops.loop.kv.used_blocks == 0
     assert got == want
 
 

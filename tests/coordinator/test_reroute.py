@@ -28,9 +28,9 @@ from hetnode.models.tiny import write_tiny_model
 from hetnode.models.tokenizer import load_tokenizer
 from hetnode.node.daemon import NodeConfig, NodeDaemon
 from hetnode.node.engine import SamplingParams
-from hetnode.node.stage import StageServer
+from hetnode.node.hops import HopServer
 from hetnode.protocol.memory import MemoryNetwork
-from hetnode.protocol.messages import HardwareProfile, Stage
+from hetnode.protocol.messages import HardwareProfile, Hop
 from hetnode.protocol.probe import ProbeSettings
 
 PROMPTS = [[5, 6, 7], list(range(20, 45)), list(range(100, 170)), [9] * 11]
@@ -69,7 +69,7 @@ def profile(bw: float) -> HardwareProfile:
 @dataclass
 class _Node:
     daemon: NodeDaemon
-    stage: StageServer
+    hops: HopServer
     scope: trio.CancelScope
     gone: trio.Event
 
@@ -90,12 +90,12 @@ class Cluster:
         try:
             with trio.CancelScope() as scope:
                 async with self.net.transport(name) as t, trio.open_nursery() as nursery:
-                    stage = StageServer(t, lambda peer: daemon.is_member(peer))
+                    hops = HopServer(t, lambda peer: daemon.is_member(peer))
                     daemon = NodeDaemon(NodeConfig(bootstrap=("/memory/coord/p2p/coord",), token="t", name=name,
-                                                   profile=profile(bw), probe=PROBE), t, stage)
-                    await nursery.start(stage.run)
+                                                   profile=profile(bw), probe=PROBE), t, hops)
+                    await nursery.start(hops.run)
                     await nursery.start(daemon.run)
-                    task_status.started(_Node(daemon, stage, scope, gone))
+                    task_status.started(_Node(daemon, hops, scope, gone))
                     await trio.sleep_forever()
         finally:
             gone.set()
@@ -187,9 +187,9 @@ async def assert_kv_freed(c: Cluster) -> None:
     await c.gen.wait_released()
     await trio.testing.wait_all_tasks_blocked()  # the Release messages reach the stages' handlers
     for node in c.nodes.values():
-        if node.stage.loop is not None:
-            await node.stage.loop.wait_idle()
-            assert node.stage.loop.kv.used_blocks == 0
+        if node.hops.loop is not None:
+            await node.hops.loop.wait_idle()
+            assert node.hops.loop.kv.used_blocks == 0
 
 
 @pytest.mark.parametrize(("victim", "hold"), [("n0", False), ("n1", False), ("n2", False), ("n1", True)])
@@ -236,12 +236,12 @@ async def test_reroutes_are_bounded(tiny_model: Path) -> None:
         gen = c.gen
         plan = c.coord.deployment.plan  # type: ignore[union-attr]
         assert plan is not None
-        routes: list[list[Stage]] = []
+        routes: list[list[Hop]] = []
 
-        async def broken_route(exclude: set[NodeId]) -> list[Stage]:
+        async def broken_route(exclude: set[NodeId]) -> list[Hop]:
             # Every stage asks for the layers of the one after it: the first stage refuses every item.
             stages = list(plan.stages)
-            routes.append([Stage(peer=s.peer, first_layer=t.first_layer, last_layer=t.last_layer)
+            routes.append([Hop(peer=s.peer, first_layer=t.first_layer, last_layer=t.last_layer)
                            for s, t in zip(stages, stages[1:] + stages[:1], strict=True)])
             return routes[-1]
 

@@ -41,12 +41,18 @@ addrs = st.lists(st.text(max_size=80), max_size=4)
 profile = st.builds(m.HardwareProfile, device=short_text, device_type=short_text,
                     num_devices=st.integers(1, 64), memory_bytes=count, matmul_tflops=unit,
                     mem_bandwidth_gbps=unit, dtype=short_text, emulated=st.booleans(), host=short_text)
-load = st.builds(m.Load, queued_tokens=count, active_sessions=count, kv_blocks_used=count, kv_blocks_free=count)
+load = st.builds(m.Load, queued_tokens=count, active_sessions=count, kv_blocks_used=count, kv_blocks_free=count,
+                 leases_expired=count)
 member = st.builds(m.MemberInfo, peer_id=peer, name=short_text, region=short_text, addrs=addrs)
 link = st.builds(m.LinkMeasurement, dst=peer, bandwidth_mbps=unit, rtt_ms=unit, measured_at=unit)
 meta = st.builds(m.TensorMeta, dtype=st.sampled_from(sorted(m.DTYPES)),
                  shape=st.lists(st.integers(0, 4096), max_size=4))
-stage = st.builds(m.Stage, peer=peer, first_layer=count, last_layer=count)
+hop = st.builds(m.Hop, peer=peer, first_layer=count, last_layer=count)
+phase = st.builds(m.Phase, kind=st.sampled_from(["prefill", "decode", "mixed"]), hops=st.lists(hop, min_size=1,
+                  max_size=4), first_token=count, last_token=st.none() | count)
+route = st.builds(m.Route, phases=st.lists(phase, min_size=1, max_size=m.MAX_PHASES))
+position = st.integers(0, m.MAX_TOKENS_PER_SESSION)
+positive = st.integers(1, m.MAX_TOKENS_PER_SESSION)
 sampling = st.builds(m.Sampling, temperature=st.floats(0, 100), top_k=st.integers(0, 1000),
                      top_p=st.floats(1e-6, 1.0), seed=st.none() | st.integers(0, (1 << 63) - 1),
                      stop_token_ids=st.lists(count, max_size=4), logprobs=st.none() | st.integers(0, 20))
@@ -81,14 +87,16 @@ MESSAGES = st.one_of(
     built(m.BulkDone, received_bytes=count),
     built(m.DiscoverRequest),
     built(m.DiscoverReply, coordinator=peer, addrs=addrs),
-    built(m.Forward, session=short_text, start=count, route=st.lists(stage, min_size=1, max_size=4),
-              stage=count, reply_to=peer, sampling=st.none() | sampling, tensor=meta),
-    built(m.TokenOut, session=short_text, start=count, token=count,
-              logprob=st.none() | st.floats(-100, 0), stopped=st.booleans(),
-              top_logprobs=st.none() | st.lists(st.tuples(count, st.floats(-100, 0)), max_size=3)),
-    built(m.ChunkDone, session=short_text, start=count),
-    built(m.StageFailed, session=short_text, start=count, stage_peer=peer, reason=short_text,
-              unreachable=st.just("") | peer),
+    built(m.Install, session=short_text, route=route, sampling=sampling, prefill_end=positive, max_tokens=positive,
+              lease_s=st.floats(0.001, 3600)),
+    built(m.Items, items=st.lists(st.builds(m.Item, short_text, position, positive), min_size=1, max_size=4),
+              tensor=meta),
+    built(m.Tokens, tokens=st.lists(st.builds(
+        m.Token, session=short_text, position=count, token=count, logprob=st.none() | st.floats(-100, 0),
+        stopped=st.booleans(), last=st.booleans(),
+        top_logprobs=st.none() | st.lists(st.tuples(count, st.floats(-100, 0)), max_size=3)), min_size=1, max_size=3)),
+    built(m.Failed, session=short_text, hop_peer=peer, reason=short_text, unreachable=st.just("") | peer),
+    built(m.Renew, sessions=st.lists(short_text, max_size=4)),
     built(m.Release, session=short_text),
 )
 
@@ -132,5 +140,13 @@ def test_oversized_lists_and_tensors_are_refused() -> None:
         m.ctl_decoder.decode(msgspec.msgpack.encode({"t": "links", "links": [], "failed": ["p"] * 5000}))
     with pytest.raises(msgspec.ValidationError):  # a shape dimension over 2**31
         m.infer_decoder.decode(msgspec.msgpack.encode({
-            "t": "forward", "session": "s", "start": 0, "route": [{"peer": "p", "first_layer": 0, "last_layer": 1}],
-            "stage": 0, "reply_to": "c", "tensor": {"dtype": "float32", "shape": [1 << 40]}}))
+            "t": "items", "items": [["s", 0, 1]], "tensor": {"dtype": "float32", "shape": [1 << 40]}}))
+    with pytest.raises(msgspec.ValidationError):  # more items than a step carries
+        m.infer_decoder.decode(msgspec.msgpack.encode({
+            "t": "items", "items": [["s", i, 1] for i in range(m.MAX_ITEMS + 1)],
+            "tensor": {"dtype": "int64", "shape": [m.MAX_ITEMS + 1]}}))
+    with pytest.raises(msgspec.ValidationError):  # a route of more phases than any design has
+        hops = [{"peer": "p", "first_layer": 0, "last_layer": 1}]
+        m.infer_decoder.decode(msgspec.msgpack.encode({
+            "t": "install", "session": "s", "route": {"phases": [{"hops": hops}] * (m.MAX_PHASES + 1)},
+            "sampling": {}, "prefill_end": 1, "max_tokens": 1, "lease_s": 1}))
