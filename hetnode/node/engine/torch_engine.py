@@ -105,6 +105,7 @@ class TorchEngine(Engine):
         except BaseException:
             growth.rollback()
             raise
+        growth.commit()
         out: list[ItemResult] = [results[0]] * len(items)
         for pos, i in enumerate(order):
             out[i] = results[pos]
