@@ -174,6 +174,37 @@ def test_rewind_step_refused_for_kv_full_keeps_the_rewound_tokens(make: Callable
         torch.testing.assert_close(got, want)
 
 
+def test_step_failing_in_the_forward_pass_changes_no_session(
+    make: Callable[..., Engine], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine, never_tried = make(), make()
+    for e in (engine, never_tried):
+        e.step([StepItem(A, 0, token_ids=list(range(10, 19))), StepItem(B, 0, token_ids=[5, 6, 7, 8, 9])])
+    before = _kv_state(engine)
+    if not isinstance(engine, TorchEngine):
+        pytest.skip("fault injection reaches into the torch backend")
+
+    def boom(x: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("device lost")
+
+    # The last layer's MLP fails after every layer has written the step's keys and values: over A's tokens
+    # 4-8 (a rewind), past B's end (an append) and into C's fresh blocks.
+    monkeypatch.setattr(engine.stack.layers[-1], "down", boom)
+    failing = [
+        StepItem(B, 5, token_ids=[1]),
+        StepItem(A, 4, token_ids=[20, 21, 22, 23, 24, 25]),
+        StepItem(SessionId("c"), 0, token_ids=[1, 2, 3, 4, 5]),
+    ]
+    with pytest.raises(RuntimeError, match="device lost"):
+        engine.step(failing)
+    monkeypatch.undo()
+    assert _kv_state(engine) == before
+    params = SamplingParams(return_logits=True)
+    after = [StepItem(A, 9, token_ids=[19], sampling=params), StepItem(B, 5, token_ids=[10], sampling=params)]
+    for got, want in zip(_continue(engine, after), _continue(never_tried, after), strict=True):
+        torch.testing.assert_close(got, want)
+
+
 def test_blocks_taken_by_a_failed_step_are_returned(
     make: Callable[..., Engine], monkeypatch: pytest.MonkeyPatch
 ) -> None:
