@@ -3,6 +3,10 @@
 A session's KV on a stage is a lease: a block table (the blocks that hold its tokens, in order) and a token
 count. It grows as prefill chunks and decode tokens arrive, shrinks when a caller rewinds it, and ends with
 `release`, which is idempotent so that every exit path (EOS, client gone, error, re-plan) may call it.
+
+A step changes KV all or nothing: `KVPool.grow` reserves room for every session of the step, and the step then
+either commits the growth or rolls it back. A rewind gives nothing up before the commit, so a rollback finds
+the rewound tokens where they were (the engine restores the values the step overwrote in place).
 """
 
 from __future__ import annotations
@@ -35,6 +39,10 @@ class SessionKV:
         return self._num_tokens
 
     @property
+    def num_blocks(self) -> int:
+        return len(self._blocks)
+
+    @property
     def capacity(self) -> int:
         return len(self._blocks) * self._allocator.block_size
 
@@ -48,13 +56,35 @@ class SessionKV:
 
     def extend(self, count: int) -> list[int]:
         """Make room for `count` more tokens and return their slots; all or nothing (`KVCacheFull`)."""
+        return self.overwrite(self._num_tokens, count)
+
+    def overwrite(self, start: int, count: int) -> list[int]:
+        """Hold positions [0, start + count), the last `count` of them new, and return the new ones' slots.
+
+        Unlike `truncate` then `extend`, a rewind (start < num_tokens) keeps its blocks: the new tokens go into
+        the slots of the ones they replace, and blocks past the new end stay in the table until `trim`, so that
+        `restore` can bring the old tokens back. All or nothing (`KVCacheFull`).
+        """
         self._check_live()
-        if count < 0:
-            raise ValueError(f"token count must be >= 0, got {count}")
-        start = self._num_tokens
-        self._blocks.extend(self._allocator.allocate(self.blocks_needed(start + count)))
-        self._num_tokens = start + count
+        if count < 0 or not 0 <= start <= self._num_tokens:
+            raise ValueError(f"cannot write {count} tokens at {start} into {self.session}'s {self._num_tokens}")
+        end = start + count
+        self._blocks.extend(self._allocator.allocate(self.blocks_needed(end)))
+        self._num_tokens = end
         return self.slots(start, count)
+
+    def trim(self) -> None:
+        """Free the blocks past the ones that hold the session's tokens (left there by `overwrite`)."""
+        self.truncate(self._num_tokens)
+
+    def restore(self, num_tokens: int, num_blocks: int) -> None:
+        """Undo `overwrite`s: back to `num_tokens` tokens in the first `num_blocks` blocks of the table."""
+        self._check_live()
+        if not 0 <= num_blocks <= len(self._blocks) or num_tokens > num_blocks * self._allocator.block_size:
+            raise ValueError(f"cannot restore {self.session} to {num_tokens} tokens in {num_blocks} blocks")
+        self._allocator.free(self._blocks[num_blocks:])
+        del self._blocks[num_blocks:]
+        self._num_tokens = num_tokens
 
     def truncate(self, num_tokens: int) -> None:
         """Forget every token at position >= num_tokens, freeing the blocks that no longer hold any."""
@@ -130,23 +160,34 @@ class Span:
 
 
 class Growth:
-    """The slots a `KVPool.grow` call handed out, and how to take it back if the step using them fails."""
+    """The slots a `KVPool.grow` call handed out; the step that uses them ends with `commit` or `rollback`."""
 
-    def __init__(self, pool: KVPool, spans: Sequence[Span], created: set[SessionId], slots: list[list[int]]):
-        self.slots = slots  # slots[i]: the cache slots of spans[i]'s tokens, in position order
+    def __init__(self, pool: KVPool) -> None:
+        self.slots: list[list[int]] = []  # slots[i]: the cache slots of spans[i]'s tokens, in position order
+        # Slots of tokens that rewound sessions still hold and the step overwrites: a caller that wants to roll
+        # back the values too (not only the bookkeeping) saves them before writing.
+        self.overwritten: list[int] = []
         self._pool = pool
-        self._spans = spans
-        self._created = created
+        self._created: list[SessionId] = []
+        self._before: list[tuple[SessionKV, int, int]] = []  # (lease, num_tokens, num_blocks) before the step
+        self._rewound: list[SessionKV] = []
+        self._done = False
+
+    def commit(self) -> None:
+        """The step succeeded: rewound sessions give back the blocks past their new end."""
+        if not self._done:
+            self._done = True
+            for lease in self._rewound:
+                lease.trim()
 
     def rollback(self) -> None:
-        """Undo the growth: sessions this call created are released; the others end at their span's start."""
-        for span in self._spans:
-            if span.session in self._created:
-                self._pool.release(span.session)
-            else:
-                lease = self._pool.get(span.session)
-                if lease is not None and lease.num_tokens > span.start:
-                    lease.truncate(span.start)
+        """The step failed: sessions this call created are released, the others hold what they held before."""
+        if not self._done:
+            self._done = True
+            for lease, num_tokens, num_blocks in self._before:
+                lease.restore(num_tokens, num_blocks)
+            for session in self._created:
+                self._pool.release(session)
 
 
 class KVPool:
@@ -188,36 +229,43 @@ class KVPool:
         return sum(self.release(session) for session in list(self._leases))
 
     def blocks_needed(self, spans: Sequence[Span]) -> int:
-        """Net new blocks `grow(spans)` would take, after what rewinding the spans' sessions gives back."""
+        """Free blocks `grow(spans)` takes. A rewind reuses its own blocks, but those past its new end come
+        back only when the step commits, so they cannot serve another session of the same step."""
         need = 0
+        blocks_for_tokens = self.allocator.blocks_for_tokens
         for span in self._check(spans):
             lease = self._leases.get(span.session)
-            held = len(lease.blocks) if lease is not None else 0
-            keep = self.allocator.blocks_for_tokens(span.start)
-            need += self.allocator.blocks_for_tokens(span.start + span.count) - keep
-            if lease is not None:
-                # Only blocks that nobody else holds come back to the free list.
-                need -= sum(1 for b in lease.blocks[keep:held] if self.allocator.refcount(b) == 1)
+            held = lease.num_blocks if lease is not None else 0
+            need += max(0, blocks_for_tokens(span.start + span.count) - held)
         return need
 
     def grow(self, spans: Sequence[Span]) -> Growth:
-        """Reserve room for every span at once, rewinding sessions whose span starts before their end.
+        """Reserve room for every span at once; a span that starts before its session's end rewinds it.
 
-        All or nothing: `KVCacheFull` (or `ValueError` for a malformed span) leaves the pool unchanged.
+        All or nothing: `KVCacheFull` (or `ValueError` for a malformed span) leaves the pool unchanged, and so
+        does `rollback` on the returned growth.
         """
         need = self.blocks_needed(spans)
         if need > self.allocator.num_free:
             raise KVCacheFull(need, self.allocator.num_free, self.block_size)
-        created: set[SessionId] = set()
-        slots: list[list[int]] = []
-        for span in spans:
-            if span.session not in self._leases:
-                created.add(span.session)
-            lease = self.lease(span.session)
-            if lease.num_tokens > span.start:
-                lease.truncate(span.start)
-            slots.append(lease.extend(span.count))
-        return Growth(self, spans, created, slots)
+        growth = Growth(self)
+        try:
+            for span in spans:
+                lease = self._leases.get(span.session)
+                if lease is None:
+                    lease = self.lease(span.session)
+                    growth._created.append(span.session)
+                else:
+                    held = lease.num_tokens
+                    growth._before.append((lease, held, lease.num_blocks))
+                    if span.start < held:
+                        growth._rewound.append(lease)
+                        growth.overwritten += lease.slots(span.start, min(held, span.start + span.count) - span.start)
+                growth.slots.append(lease.overwrite(span.start, span.count))
+        except BaseException:
+            growth.rollback()
+            raise
+        return growth
 
     def usage(self) -> KVUsage:
         return KVUsage(

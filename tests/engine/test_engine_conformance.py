@@ -135,3 +135,100 @@ def test_close_releases_everything(make: Callable[..., Engine]) -> None:
     assert engine.kv_usage().used_blocks == 6
     engine.close()
     assert engine.kv_usage().used_blocks == 0 and engine.kv_usage().sessions == 0
+
+
+def _kv_state(engine: Engine) -> tuple[object, ...]:
+    """Everything a failed step must leave as it found it: usage, and (where visible) each session's table."""
+    tables = (
+        {lease.session: (lease.num_tokens, lease.blocks) for lease in engine.pool}
+        if isinstance(engine, TorchEngine)
+        else {}
+    )
+    return engine.kv_usage(), tables
+
+
+def _continue(engine: Engine, items: list[StepItem]) -> list[torch.Tensor]:
+    results = engine.step(items)
+    return [r.logits for r in results if r.logits is not None]
+
+
+def test_rewind_step_refused_for_kv_full_keeps_the_rewound_tokens(make: Callable[..., Engine]) -> None:
+    engine, never_tried = make(), make()  # 8 blocks of 4 tokens
+    for e in (engine, never_tried):
+        e.step([StepItem(A, 0, token_ids=list(range(10, 19))), StepItem(B, 0, token_ids=list(range(30, 46)))])
+    before = _kv_state(engine)  # A: 9 tokens in 3 blocks, B: 16 in 4, 1 block free
+    # A rewinds to 4 and B to 0, giving back 4 blocks between them, but only once the step succeeds; the new
+    # session needs 3 blocks now, and there is 1.
+    with pytest.raises(KVCacheFull):
+        engine.step(
+            [
+                StepItem(A, 4, token_ids=[7]),
+                StepItem(SessionId("c"), 0, token_ids=list(range(50, 62))),
+                StepItem(B, 0, token_ids=[1, 2]),
+            ]
+        )
+    assert _kv_state(engine) == before
+    params = SamplingParams(return_logits=True)
+    after = [StepItem(A, 9, token_ids=[19], sampling=params), StepItem(B, 16, token_ids=[46], sampling=params)]
+    for got, want in zip(_continue(engine, after), _continue(never_tried, after), strict=True):
+        torch.testing.assert_close(got, want)
+
+
+def test_step_failing_in_the_forward_pass_changes_no_session(
+    make: Callable[..., Engine], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine, never_tried = make(), make()
+    for e in (engine, never_tried):
+        e.step([StepItem(A, 0, token_ids=list(range(10, 19))), StepItem(B, 0, token_ids=[5, 6, 7, 8, 9])])
+    before = _kv_state(engine)
+    if not isinstance(engine, TorchEngine):
+        pytest.skip("fault injection reaches into the torch backend")
+
+    def boom(x: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("device lost")
+
+    # The last layer's MLP fails after every layer has written the step's keys and values: over A's tokens
+    # 4-8 (a rewind), past B's end (an append) and into C's fresh blocks.
+    monkeypatch.setattr(engine.stack.layers[-1], "down", boom)
+    failing = [
+        StepItem(B, 5, token_ids=[1]),
+        StepItem(A, 4, token_ids=[20, 21, 22, 23, 24, 25]),
+        StepItem(SessionId("c"), 0, token_ids=[1, 2, 3, 4, 5]),
+    ]
+    with pytest.raises(RuntimeError, match="device lost"):
+        engine.step(failing)
+    monkeypatch.undo()
+    assert _kv_state(engine) == before
+    params = SamplingParams(return_logits=True)
+    after = [StepItem(A, 9, token_ids=[19], sampling=params), StepItem(B, 5, token_ids=[10], sampling=params)]
+    for got, want in zip(_continue(engine, after), _continue(never_tried, after), strict=True):
+        torch.testing.assert_close(got, want)
+
+
+def test_blocks_taken_by_a_failed_step_are_returned(
+    make: Callable[..., Engine], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = make()  # 8 blocks of 4 tokens
+    engine.step([StepItem(A, 0, token_ids=list(range(10, 18))), StepItem(B, 0, token_ids=list(range(30, 46)))])
+    before = _kv_state(engine)  # A: 8 tokens in 2 blocks, B: 16 in 4, 2 blocks free
+    # A's next token needs a block, the new session two; B's rewind frees three, but only after the step.
+    with pytest.raises(KVCacheFull):
+        engine.step(
+            [
+                StepItem(A, 8, token_ids=[1]),
+                StepItem(SessionId("c"), 0, token_ids=list(range(50, 58))),
+                StepItem(B, 0, token_ids=[1, 2]),
+            ]
+        )
+    assert _kv_state(engine) == before
+    if not isinstance(engine, TorchEngine):
+        return
+
+    def boom(x: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(engine.stack.layers[0], "down", boom)
+    with pytest.raises(RuntimeError, match="device lost"):
+        engine.step([StepItem(A, 8, token_ids=[1]), StepItem(B, 14, token_ids=[1, 2, 3, 4, 5, 6])])
+    assert _kv_state(engine) == before
+    assert engine.kv_usage().free_blocks == 2

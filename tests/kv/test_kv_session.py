@@ -65,13 +65,40 @@ def test_grow_is_all_or_nothing() -> None:
     assert pool.usage().used_blocks == 1
 
 
-def test_grow_counts_blocks_a_rewind_gives_back() -> None:
+def test_a_rewind_reuses_its_own_blocks() -> None:
     pool = KVPool(num_blocks=2, block_size=4)
     pool.lease(A).extend(8)
     assert pool.blocks_needed([Span(A, 2, 4)]) == 0
     growth = pool.grow([Span(A, 2, 4)])
     assert growth.slots == [[2, 3, 4, 5]]
+    assert growth.overwritten == [2, 3, 4, 5]  # tokens A held there until this step
     assert pool.lease(A).num_tokens == 6
+
+
+def test_a_rewind_gives_blocks_back_only_when_its_step_commits() -> None:
+    pool = KVPool(num_blocks=4, block_size=4)
+    pool.lease(A).extend(12)
+    with pytest.raises(KVCacheFull):  # A's blocks 1 and 2 are not free while the step may still fail
+        pool.grow([Span(A, 0, 1), Span(B, 0, 9)])
+    growth = pool.grow([Span(A, 5, 1)])
+    assert growth.overwritten == [5]
+    assert pool.lease(A).blocks == (0, 1, 2)
+    growth.commit()
+    assert pool.lease(A).blocks == (0, 1)
+    assert pool.usage().free_blocks == 2
+
+
+def test_rollback_of_a_rewind_keeps_the_rewound_tokens() -> None:
+    pool = KVPool(num_blocks=8, block_size=4)
+    pool.lease(A).extend(9)
+    pool.lease(B).extend(3)
+    before = [(lease.session, lease.num_tokens, lease.blocks) for lease in pool]
+    growth = pool.grow([Span(A, 2, 1), Span(B, 1, 10), Span(C, 0, 3)])
+    growth.rollback()
+    growth.rollback()  # a second call (or a commit after it) changes nothing
+    growth.commit()
+    assert [(lease.session, lease.num_tokens, lease.blocks) for lease in pool] == before
+    assert pool.usage().free_blocks == 4
 
 
 def test_grow_refuses_gaps_and_duplicates() -> None:
@@ -104,7 +131,15 @@ _op = st.one_of(
     st.tuples(st.just("rewind"), st.sampled_from([A, B, C]), st.integers(0, 12)),
     st.tuples(st.just("release"), st.sampled_from([A, B, C])),
     st.tuples(st.just("fail"), st.lists(st.tuples(st.sampled_from([A, B, C]), st.integers(1, 6)), max_size=3)),
+    st.tuples(
+        st.sampled_from(["step", "fail-step"]),
+        st.lists(st.tuples(st.sampled_from([A, B, C]), st.integers(0, 12), st.integers(1, 6)), max_size=3),
+    ),
 )
+
+
+def _tables(pool: KVPool) -> list[tuple[SessionId, int, tuple[int, ...]]]:
+    return [(lease.session, lease.num_tokens, lease.blocks) for lease in pool]
 
 
 @given(st.lists(_op, max_size=40))
@@ -125,6 +160,24 @@ def test_any_sequence_of_steps_returns_every_block(ops: list[tuple]) -> None:  #
                 continue
             if op[0] == "fail":  # the step that used the slots raised: its caller rolls back
                 growth.rollback()
+        elif op[0] in ("step", "fail-step"):  # steps that may rewind: commit, or roll back to what was there
+            spans, seen = [], set()
+            for session, start, count in op[1]:
+                if session not in seen:
+                    seen.add(session)
+                    lease = pool.get(session)
+                    spans.append(Span(session, min(start, lease.num_tokens if lease else 0), count))
+            before = _tables(pool)
+            try:
+                growth = pool.grow(spans)
+            except KVCacheFull:
+                assert _tables(pool) == before
+                continue
+            if op[0] == "fail-step":
+                growth.rollback()
+                assert _tables(pool) == before
+            else:
+                growth.commit()
         elif op[0] == "rewind" and (lease := pool.get(op[1])) is not None:
             lease.truncate(min(op[2], lease.num_tokens))
         elif op[0] == "release":

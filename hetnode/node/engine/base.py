@@ -113,7 +113,8 @@ class Engine(ABC):
 
     @abstractmethod
     def blocks_needed(self, items: Sequence[StepItem]) -> int:
-        """Net new KV blocks `step(items)` would take, so a batch loop can admit work that fits."""
+        """Free KV blocks `step(items)` needs, so a batch loop can admit work that fits. Blocks a rewind gives
+        back return only when its step succeeds (a failed step must find them intact), so they do not count."""
 
     @abstractmethod
     def kv_usage(self) -> KVUsage: ...

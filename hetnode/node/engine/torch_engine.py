@@ -99,12 +99,22 @@ class TorchEngine(Engine):
             growth = self.pool.grow([Span(it.session, it.start, it.num_tokens) for it in ordered])
         except ValueError as exc:
             raise EngineError(str(exc)) from exc
+        saved = None
         try:
             with torch.inference_mode():
+                # A rewind writes over tokens its session still holds until the step commits: keep them.
+                if growth.overwritten:
+                    saved = self.kv.save(growth.overwritten)
                 results = self._run(ordered, growth.slots)
         except BaseException:
-            growth.rollback()
+            try:
+                if saved is not None:
+                    with torch.inference_mode():
+                        self.kv.load(saved)
+            finally:
+                growth.rollback()
             raise
+        growth.commit()
         out: list[ItemResult] = [results[0]] * len(items)
         for pos, i in enumerate(order):
             out[i] = results[pos]
