@@ -13,6 +13,7 @@ import random
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
+import msgspec
 import trio
 
 from hetnode.errors import (
@@ -261,7 +262,12 @@ class NodeDaemon:
                 return
 
     def load(self) -> Load:
-        return self.stage.load() if self.stage is not None else Load()
+        if self.stage is None:
+            return Load()
+        load, loop = self.stage.load(), self.stage.loop
+        # The block size turns the block counts into the pool's size in tokens, which the coordinator's
+        # scheduler uses instead of its planner's estimate (requests too large for the real pool are refused).
+        return load if loop is None else msgspec.structs.replace(load, kv_block_size=loop.kv.block_size)
 
     async def _report_assignment(self, status: AssignmentStatus) -> None:
         framed = self._framed
@@ -269,14 +275,21 @@ class NodeDaemon:
             return  # the session ended; the next join gets a fresh assignment
         try:
             await framed.send_msg(status)
+            if status.state == "ready":
+                # The new shard's KV pool at once, rather than at the next heartbeat: until then the coordinator
+                # routes by its planner's estimate of the pool.
+                await self._heartbeat(framed)
         except (StreamClosed, OSError) as exc:
             log.info("could not report assignment status: %s", exc)
 
     async def _heartbeats(self, framed: FramedStream, interval: float) -> None:
         while True:
-            self._heartbeat_seq += 1
-            await framed.send_msg(Heartbeat(seq=self._heartbeat_seq, load=self.load()))
+            await self._heartbeat(framed)
             await trio.sleep(interval)
+
+    async def _heartbeat(self, framed: FramedStream) -> None:
+        self._heartbeat_seq += 1
+        await framed.send_msg(Heartbeat(seq=self._heartbeat_seq, load=self.load()))
 
     async def _run_probe_order(self, framed: FramedStream, order: ProbeOrder) -> None:
         """Measure the ordered links one after another (concurrent probes would measure each other)."""
