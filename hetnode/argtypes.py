@@ -14,3 +14,14 @@ def positive(value: str) -> float:
     if not x > 0:
         raise argparse.ArgumentTypeError(f"must be positive: {value!r}")
     return x
+
+
+def non_negative(value: str) -> float:
+    """A number >= 0, or argparse's error naming the value."""
+    try:
+        x = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {value!r}") from None
+    if not x >= 0 or x == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0: {value!r}")
+    return x

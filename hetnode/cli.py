@@ -17,6 +17,7 @@ from pathlib import Path
 
 import trio
 
+from hetnode.argtypes import non_negative as _non_negative
 from hetnode.argtypes import positive as _positive
 from hetnode.errors import ConfigError, HetnodeError, PeerUnreachable, Refused
 
@@ -102,8 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --emulate: a step lasts X times the emulated device's modelled step time "
                         "(or the real time, if longer), so emulated devices keep their relative speeds "
                         "(default: 100)")
-    j.add_argument("--retry-budget", type=_positive, default=60.0, metavar="S",
-                   help="give up (exit 1) when no bootstrap peer answers for this long (default: 60)")
+    j.add_argument("--retry-budget", type=_non_negative, default=3600.0, metavar="S",
+                   help="give up (exit 1) when no bootstrap peer answers for this long; 0: never give up "
+                        "(default: 3600, so that a coordinator back after minutes finds its nodes)")
     _common(j)
 
     t = sub.add_parser("testnet", help="run a local multi-process testnet on 127.0.0.1",

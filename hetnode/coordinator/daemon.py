@@ -217,6 +217,8 @@ class Coordinator:
                 return
             if isinstance(msg, Heartbeat):
                 self.registry.heartbeat(peer, msg.load, now=trio.current_time(), wall=time.time())
+                if self.deployment is not None:
+                    self.deployment.on_load(peer, msg.load)
                 self._poke()
             elif isinstance(msg, LinkReport):
                 stored = self.registry.report_links(peer, msg.links)

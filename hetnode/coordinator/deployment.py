@@ -31,7 +31,7 @@ from hetnode.coordinator.generation import GenerationError
 from hetnode.coordinator.planning import live_cluster, live_profiles
 from hetnode.coordinator.registry import NodeRecord, Registry
 from hetnode.coordinator.routing import make_scheduler, scheduler_names
-from hetnode.coordinator.scheduler import PipelineScheduler
+from hetnode.coordinator.scheduler import Decision, PipelineScheduler
 from hetnode.errors import ConfigError
 from hetnode.ids import NodeId
 from hetnode.models.config import ModelConfig
@@ -41,7 +41,7 @@ from hetnode.planner.model import ModelSpec, from_model_config
 from hetnode.planner.placement import PlannerOptions, evaluate, plan_placement
 from hetnode.planner.plan import NodePlacement, PlacementPlan
 from hetnode.planner.profile import ProfileTable, kv_tokens
-from hetnode.protocol.messages import Assignment, AssignmentStatus, Hop
+from hetnode.protocol.messages import Assignment, AssignmentStatus, Hop, Load
 
 log = logging.getLogger(__name__)
 
@@ -270,6 +270,8 @@ class Deployment:
                 self._routed[key] = plan.scheduler
                 return [Hop(peer=s.node, first_layer=s.first_layer, last_layer=s.last_layer)
                         for s in decision.pipeline]
+            if decision.too_large:  # no retry can help: the client must send less
+                raise GenerationError(decision.reason, status=400, code="kv_capacity_exceeded")
             if not decision.queued:
                 full = decision.reason.startswith("queue full")
                 raise GenerationError(f"the scheduler refused the request: {decision.reason}",
@@ -299,6 +301,21 @@ class Deployment:
             return
         now = trio.current_time()
         admitted = scheduler.cancel(key, now) if output_len is None else scheduler.finish(key, output_len, now)
+        self._wake(scheduler, admitted, now)
+
+    def on_load(self, peer: NodeId, load: Load) -> None:
+        """A heartbeat's load: a node of the plan that is ready reports its real KV pool, which replaces the
+        planner's estimate in the scheduler (that estimate was what let through a prompt no pool could hold)."""
+        plan = self.plan
+        total = load.kv_blocks_used + load.kv_blocks_free
+        # Before its ready status the node may still report the pool of its previous shard.
+        if plan is None or peer not in plan.ready or not load.kv_block_size or not total:
+            return
+        now = trio.current_time()
+        self._wake(plan.scheduler, plan.scheduler.set_capacity(str(peer), total * load.kv_block_size, now), now)
+
+    def _wake(self, scheduler: PipelineScheduler, admitted: list[Decision], now: float) -> None:
+        """Hand queued requests that the scheduler let go (started or refused) to their waiters."""
         for d in admitted:
             waiting = self._waiting.pop(d.request_id, None)
             if waiting is None:

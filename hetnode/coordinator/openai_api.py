@@ -42,12 +42,14 @@ from hetnode.coordinator.openai_output import (
 from hetnode.coordinator.openai_schema import (
     ApiError,
     GenerationRequest,
+    PendingRequest,
     check_model,
     error_body,
-    openai_error,
+    load_body,
     parse_chat,
     parse_completion,
 )
+from hetnode.coordinator.tokenizing import SHORT_PROMPT_CHARS, PromptTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -71,9 +73,12 @@ class ApiMetrics(Protocol):
     def observe_request(self, record: RequestRecord) -> None: ...
 
 
-def openai_routes(generator: Generator, *, metrics: ApiMetrics | None = None) -> list[Route]:
-    """The OpenAI routes, to pass to `build_app(extra_routes=...)`."""
-    api = _OpenAIApi(generator, metrics)
+def openai_routes(generator: Generator, *, metrics: ApiMetrics | None = None,
+                  short_prompt_chars: int = SHORT_PROMPT_CHARS) -> list[Route]:
+    """The OpenAI routes, to pass to `build_app(extra_routes=...)`.
+
+    short_prompt_chars: prompts up to this long are tokenized in a lane of their own (see tokenizing.py)."""
+    api = _OpenAIApi(generator, metrics, short_prompt_chars)
     return [
         Route("/v1/models", api.list_models, methods=["GET"]),
         Route("/v1/models/{model:path}", api.get_model, methods=["GET"]),
@@ -83,14 +88,13 @@ def openai_routes(generator: Generator, *, metrics: ApiMetrics | None = None) ->
 
 
 class _OpenAIApi:
-    def __init__(self, generator: Generator, metrics: ApiMetrics | None) -> None:
+    def __init__(self, generator: Generator, metrics: ApiMetrics | None, short_prompt_chars: int) -> None:
         self.generator = generator
         self.metrics = metrics
         self.created = int(time.time())
         self.pieces = TokenPieces(generator.tokenizer)
-        # One tokenizing thread: a fast tokenizer mutates its settings on calls made with other options, and a
-        # concurrent call then fails with "Already borrowed".
-        self._tokenize = trio.CapacityLimiter(1)
+        self.tokenizing = PromptTokenizer(generator.tokenizer, short_chars=short_prompt_chars,
+                                          context_len=generator.model_config.max_position_embeddings)
 
     def _model(self) -> dict[str, Any]:
         return {"id": self.generator.model_name, "object": "model", "created": self.created, "owned_by": "hetnode"}
@@ -111,21 +115,29 @@ class _OpenAIApi:
     async def chat_completions(self, request: Request) -> Response:
         return await self._generation(request, parse_chat, "chat.completions")
 
-    async def _generation(self, request: Request, parse: Callable[[Any, Generator], GenerationRequest],
-                          endpoint: str) -> Response:
+    async def _generation(self, request: Request, parse: Callable[..., PendingRequest], endpoint: str) -> Response:
         start = trio.current_time()
         try:
-            body = json.loads(await request.body())
-        except (ValueError, RecursionError) as exc:  # bad JSON, bad UTF-8, absurdly deep nesting
-            self._record_refusal(endpoint, start, 400)
-            return openai_error(400, f"We could not parse the JSON body of your request ({exc}). The OpenAI API "
-                                "expects a JSON payload.")
-        try:
-            req = await trio.to_thread.run_sync(parse, body, self.generator, limiter=self._tokenize)
+            # Every check but the length in tokens runs first, on the event loop (they are quick), so that a
+            # request refused for its size never waits for, or takes, a tokenizing thread.
+            pending = parse(load_body(await request.body()), self.generator, max_chars=self.tokenizing.max_chars)
+            req = pending.finish(await self._tokenize(pending), self.generator)
         except ApiError as exc:
             self._record_refusal(endpoint, start, exc.status)
             return exc.response()
         return _GenerationResponse(self, req, endpoint, start)
+
+    async def _tokenize(self, pending: PendingRequest) -> list[int]:
+        if pending.ids is not None:
+            return pending.ids
+        if pending.text is not None:
+            return await self.tokenizing.encode(pending.text)
+        assert pending.messages is not None
+        try:
+            return await self.tokenizing.chat(pending.messages)
+        except Exception as exc:  # the template's own error (jinja2 raises what the template author chose)
+            raise ApiError(f"the model's chat template cannot render these messages: {exc}",
+                           param="messages") from exc
 
     def _record_refusal(self, endpoint: str, start: float, status: int) -> None:
         self.record(RequestRecord(endpoint, status, False, 0, 0, None, False, None, trio.current_time() - start))

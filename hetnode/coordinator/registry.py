@@ -161,6 +161,7 @@ class Registry:
                     "active_sessions": r.load.active_sessions,
                     "kv_blocks_used": r.load.kv_blocks_used,
                     "kv_blocks_free": r.load.kv_blocks_free,
+                    "kv_block_size": r.load.kv_block_size,
                 },
                 "last_seen": r.last_seen,
                 "joined_at": r.joined_at,

@@ -66,6 +66,7 @@ class Decision:
     queued: bool = False
     reason: str = ""
     waited_s: float = 0.0
+    too_large: bool = False  # refused because no pipeline's KV could ever hold its prompt: the request's fault
 
     def __post_init__(self) -> None:
         if self.queued and self.pipeline is not None:
@@ -278,6 +279,10 @@ class PipelineScheduler(ABC):
         if input_len < 0:
             raise ValueError(f"input_len must be >= 0, not {input_len}")
         self._now = max(self._now, now)
+        largest = self.largest_kv
+        if self._alive_path and input_len > largest:
+            return Decision(request_id, too_large=True, reason=f"prompt of {input_len} tokens needs more KV than "
+                            f"any route holds (largest: {largest:.0f} tokens)")
         unservable = self._unservable(input_len)
         if unservable:
             return Decision(request_id, reason=unservable)
@@ -343,6 +348,32 @@ class PipelineScheduler(ABC):
                 del self._queue[rid]
                 rejected.append(Decision(rid, reason=reason, waited_s=max(0.0, self._now - waiting.since)))
         return NodeDown(node, affected, tuple(rejected))
+
+    def set_capacity(self, node: str, tokens: int, now: float | None = None) -> list[Decision]:
+        """The node's KV pool holds `tokens` (as it reports it), replacing the capacity given at construction.
+
+        Returns the queued requests that the change let start, or left unservable, as `finish` does.
+        """
+        v = self._index.get(node)
+        if tokens < 0:
+            raise ValueError(f"kv capacity of {node} must be >= 0, not {tokens}")
+        if v is None or v >= self._sink or self._capacity[v] == tokens:
+            return []
+        now = self._now if now is None else max(self._now, now)
+        self._now = now
+        self._capacity[v] = tokens
+        self._cap_limit[v] = self.high_water * tokens
+        if v not in self._down:
+            self._limit[v] = self._cap_limit[v]
+        self._refresh_bottlenecks()
+        return self._drain(now)
+
+    @property
+    def largest_kv(self) -> float:
+        """The most KV (tokens) one pipeline of up nodes holds: the largest prompt that could ever run (inf when
+        no node is limited, -inf when no pipeline avoids the nodes that are down)."""
+        # The high-water mark scales every node's limit alike, so it scales the best pipeline's bottleneck too.
+        return self._largest / self.high_water
 
     def kv_estimate(self) -> dict[str, NodeKV]:
         """A snapshot of the KV estimate of every node in the plan."""

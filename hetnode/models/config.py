@@ -30,7 +30,8 @@ def check_bounds(obj: Any) -> None:
         value, lo, hi = getattr(obj, f.name), f.metadata.get("lo"), f.metadata.get("hi")
         if isinstance(value, bool) or not isinstance(value, int | float):
             continue
-        if (lo is not None and value < lo) or (hi is not None and value > hi):
+        # Written as "not inside" so that NaN, which compares false with everything, is out of bounds too.
+        if (lo is not None and not value >= lo) or (hi is not None and not value <= hi):
             raise ConfigError(f"{value} is outside [{lo}, {hi}] ({f.metadata['doc']})", key=f.name)
 
 

@@ -24,6 +24,7 @@ from hetnode.errors import (
     StreamClosed,
 )
 from hetnode.ids import NodeId
+from hetnode.node.backoff import backoff_delay
 from hetnode.node.hops import HopServer
 from hetnode.protocol.discover import serve_discover
 from hetnode.protocol.framing import FramedStream
@@ -67,10 +68,11 @@ class NodeConfig:
     """Human-readable, unique among up members."""
     profile: HardwareProfile
     region: str = ""
-    retry_budget_s: float = 60.0
-    """Give up when no bootstrap address has answered for this long (exit 1)."""
+    retry_budget_s: float = 3600.0
+    """Give up when no bootstrap address has answered for this long (exit 1); 0: never give up. Long, so that
+    a coordinator restarted after minutes (an upgrade, a crash) finds its nodes still there."""
     backoff_initial_s: float = 0.25
-    backoff_max_s: float = 8.0
+    backoff_max_s: float = 30.0
     probe: ProbeSettings = field(default_factory=ProbeSettings)
 
 
@@ -117,7 +119,7 @@ class NodeDaemon:
         Raises Refused when the coordinator refuses us and PeerUnreachable when the retry budget runs out."""
         self.transport.set_handler(PROBE_PROTOCOL, self._handle_probe)
         self.transport.set_handler(DISCOVER_PROTOCOL, self._handle_discover)
-        backoff = self.config.backoff_initial_s
+        attempt = 0  # failed joins in a row
         failing_since = trio.current_time()
         started = False
         while True:
@@ -125,16 +127,20 @@ class NodeDaemon:
                 framed, welcome = await self._join()
             except (PeerUnreachable, StreamClosed, ProtocolError, OSError) as exc:
                 waited = trio.current_time() - failing_since
-                if waited >= self.config.retry_budget_s:
+                budget = self.config.retry_budget_s
+                if budget and waited >= budget:
                     raise PeerUnreachable(
                         f"could not join through {', '.join(self.config.bootstrap)} "
                         f"for {waited:.0f} s (last error: {exc})") from exc
-                delay = min(backoff, self.config.retry_budget_s - waited) * (0.75 + random.random() / 2)
+                delay = backoff_delay(attempt, initial_s=self.config.backoff_initial_s,
+                                      max_s=self.config.backoff_max_s, u=random.random())
+                if budget:
+                    delay = min(delay, budget - waited)
                 log.warning("join failed (%s); retrying in %.1f s", exc, delay)
                 await trio.sleep(delay)
-                backoff = min(backoff * 2, self.config.backoff_max_s)
+                attempt += 1
                 continue
-            backoff = self.config.backoff_initial_s
+            attempt = 0
             self.joins += 1
             if self.hops is not None and self.joins > 1:
                 # While we were out, peers rejected our data streams, and a rejecting peer drains what arrives
@@ -272,14 +278,21 @@ class NodeDaemon:
             return  # the session ended; the next join gets a fresh assignment
         try:
             await framed.send_msg(status)
+            if status.state == "ready":
+                # The new shard's KV pool at once, rather than at the next heartbeat: until then the coordinator
+                # routes by its planner's estimate of the pool.
+                await self._heartbeat(framed)
         except (StreamClosed, OSError) as exc:
             log.info("could not report assignment status: %s", exc)
 
     async def _heartbeats(self, framed: FramedStream, interval: float) -> None:
         while True:
-            self._heartbeat_seq += 1
-            await framed.send_msg(Heartbeat(seq=self._heartbeat_seq, load=self.load()))
+            await self._heartbeat(framed)
             await trio.sleep(interval)
+
+    async def _heartbeat(self, framed: FramedStream) -> None:
+        self._heartbeat_seq += 1
+        await framed.send_msg(Heartbeat(seq=self._heartbeat_seq, load=self.load()))
 
     async def _run_probe_order(self, framed: FramedStream, order: ProbeOrder) -> None:
         """Measure the ordered links one after another (concurrent probes would measure each other)."""

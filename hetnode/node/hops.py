@@ -159,8 +159,11 @@ class HopServer:
         if self.loop is None:
             return Load(leases_expired=self.leases_expired)
         kv = self.loop.kv
+        # The block size turns the block counts into the pool's size in tokens, which the coordinator's scheduler
+        # uses instead of its planner's estimate (requests too large for the real pool are refused).
         return Load(queued_tokens=max(0, self.loop.queued_tokens), active_sessions=kv.sessions,
-                    kv_blocks_used=kv.used_blocks, kv_blocks_free=kv.free_blocks, leases_expired=self.leases_expired)
+                    kv_blocks_used=kv.used_blocks, kv_blocks_free=kv.free_blocks, kv_block_size=kv.block_size,
+                    leases_expired=self.leases_expired)
 
     # -- assignments -------------------------------------------------------------------------------------
 

@@ -25,7 +25,7 @@ from typing import Any
 import trio
 
 from hetnode.errors import ConfigError, HetnodeError
-from hetnode.planner.cluster import ClusterSpec, load_cluster, uniform_cluster
+from hetnode.planner.cluster import ClusterSpec, NodeSpec, load_cluster, uniform_cluster
 from hetnode.protocol.identity import load_or_create_identity, peer_id_of
 from hetnode.testnet.emulation import write_link_emulation
 
@@ -169,6 +169,24 @@ class Running:
         return Path(self.state.state_dir) / "state.json"
 
 
+def join_args(args: argparse.Namespace, spec: NodeSpec, bootstrap: str, state_dir: Path,
+              emulate: list[str]) -> list[str]:
+    """The `hetnode join ...` arguments of one testnet node.
+
+    No --retry-budget: nodes keep the default (an hour), so that a coordinator restarted by hand, or killed by
+    a failover test, finds its nodes waiting for it rather than gone (they gave up after 30 s once).
+    """
+    cmd = ["join", "--bootstrap", bootstrap, "--listen", "/ip4/127.0.0.1/tcp/0",
+           "--identity", str(state_dir / "keys" / f"{spec.name}.key"), "--name", spec.name,
+           "--region", spec.region, "--log-level", args.log_level, *emulate]
+    if spec.device != "cpu":
+        cmd += ["--emulate", spec.device]
+        dilation = getattr(args, "compute_dilation", None)
+        if dilation is not None:
+            cmd += ["--compute-dilation", str(dilation)]
+    return cmd
+
+
 async def start(args: argparse.Namespace) -> Running:
     """Start the coordinator, then every node concurrently; returns once all are ready."""
     state_dir: Path = args.state_dir
@@ -237,14 +255,7 @@ async def start(args: argparse.Namespace) -> Running:
         async def start_node(spec_index: int) -> None:
             spec = cluster.nodes[spec_index]
             log_path = log_dir / f"{spec.name}.log"
-            cmd = [*base, "join", "--bootstrap", bootstrap, "--listen", "/ip4/127.0.0.1/tcp/0",
-                   "--identity", str(state_dir / "keys" / f"{spec.name}.key"), "--name", spec.name,
-                   "--region", spec.region, "--log-level", args.log_level, "--retry-budget", "30", *emulate]
-            if spec.device != "cpu":
-                cmd += ["--emulate", spec.device]
-                dilation = getattr(args, "compute_dilation", None)
-                if dilation is not None:
-                    cmd += ["--compute-dilation", str(dilation)]
+            cmd = [*base, *join_args(args, spec, bootstrap, state_dir, emulate)]
             proc, node_ready = await _spawn(cmd, log_path, env, lifeline=lifeline,
                                             ready_timeout_s=args.ready_timeout, name=f"node {spec.name}")
             procs.append((Proc(spec.name, "node", proc.pid, str(log_path), node_ready["peer_id"]), proc))

@@ -176,10 +176,40 @@ async def test_unreachable_bootstrap_exhausts_retry_budget(autojump_clock: trio.
         assert 20 <= trio.current_time() - t0 < 30
 
 
+async def test_without_a_budget_a_node_never_gives_up(autojump_clock: trio.testing.MockClock) -> None:
+    net = MemoryNetwork()
+    async with net.transport("lonely") as t:
+        daemon = NodeDaemon(node_config("lonely", bootstrap="/memory/nobody/p2p/nobody", retry_budget_s=0), t)
+        with trio.move_on_after(24 * 3600) as still_trying:
+            await daemon.run()
+        assert still_trying.cancelled_caught
+
+
+async def test_node_waits_out_a_long_coordinator_outage(autojump_clock: trio.testing.MockClock) -> None:
+    """With the default budget a node outlives a coordinator that is down for ten minutes (nodes once gave up
+    after 30 s, and the restarted coordinator had none)."""
+    net = MemoryNetwork()
+    async with trio.open_nursery() as nursery:
+        async with node_later(net, nursery) as get_node:  # the default retry budget
+            async with cluster(net, nursery) as coord:
+                n1 = await get_node()
+                assert coord.registry.is_member(n1.transport.peer_id)
+            await trio.sleep(600)
+            async with cluster(net, nursery) as coord2:
+                joined = trio.current_time()
+                with trio.fail_after(60):
+                    while not coord2.registry.is_member(n1.transport.peer_id):
+                        await n1.joined.wait()
+                        await trio.sleep(0.1)
+                # Backoff is capped: the node found the new coordinator within one capped wait (30 s + jitter).
+                assert trio.current_time() - joined <= 30 * 1.25 + 1
+        nursery.cancel_scope.cancel()
+
+
 async def test_node_rejoins_after_coordinator_restart(autojump_clock: trio.testing.MockClock) -> None:
     net = MemoryNetwork()
     async with trio.open_nursery() as nursery:
-        async with node_later(net, nursery) as get_node:
+        async with node_later(net, nursery, retry_budget_s=100) as get_node:
             async with cluster(net, nursery) as coord:
                 n1 = await get_node()
                 assert coord.registry.is_member(n1.transport.peer_id)
@@ -194,9 +224,9 @@ async def test_node_rejoins_after_coordinator_restart(autojump_clock: trio.testi
 
 
 @asynccontextmanager
-async def node_later(net: MemoryNetwork, nursery: trio.Nursery) -> AsyncIterator[object]:
+async def node_later(net: MemoryNetwork, nursery: trio.Nursery, **kw: object) -> AsyncIterator[object]:
     async with net.transport("n1") as t:
-        daemon = NodeDaemon(node_config("n1", retry_budget_s=100), t)
+        daemon = NodeDaemon(node_config("n1", **kw), t)
 
         async def start() -> NodeDaemon:
             await nursery.start(daemon.run)

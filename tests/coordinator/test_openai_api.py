@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import json
+import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
@@ -16,11 +18,12 @@ import trio
 import trio.testing
 from starlette.applications import Starlette
 
-from hetnode.coordinator.api import build_app
+from hetnode.coordinator.api import MAX_BODY_BYTES, build_app
 from hetnode.coordinator.daemon import Coordinator, CoordinatorConfig
 from hetnode.coordinator.generation import GenerationParams, Generator, TokenEvent
 from hetnode.coordinator.local import LocalGenerator
 from hetnode.coordinator.openai_api import ApiMetrics, RequestRecord, openai_routes
+from hetnode.coordinator.tokenizing import max_token_chars
 from hetnode.ids import SessionId
 from hetnode.models.tiny import write_tiny_model
 from hetnode.models.tokenizer import chat_prompt_ids, load_tokenizer
@@ -103,16 +106,17 @@ async def gen(engine: TorchEngine, tokenizer: Any, nursery: trio.Nursery) -> Loc
 
 
 @asynccontextmanager
-async def api_app(generator: Generator, metrics: ApiMetrics | None = None) -> AsyncIterator[Starlette]:
+async def api_app(generator: Generator, metrics: ApiMetrics | None = None, **options: Any,
+                  ) -> AsyncIterator[Starlette]:
     """The coordinator's real app (middleware, error handlers) with the OpenAI routes."""
     async with MemoryNetwork().transport("coord") as transport:
         yield build_app(Coordinator(CoordinatorConfig(token="t"), transport),
-                        extra_routes=openai_routes(generator, metrics=metrics))
+                        extra_routes=openai_routes(generator, metrics=metrics, **options))
 
 
 @asynccontextmanager
-async def api_client(generator: Generator) -> AsyncIterator[httpx.AsyncClient]:
-    async with api_app(generator) as app, httpx.AsyncClient(
+async def api_client(generator: Generator, **options: Any) -> AsyncIterator[httpx.AsyncClient]:
+    async with api_app(generator, **options) as app, httpx.AsyncClient(
         transport=httpx.ASGITransport(app=app), base_url="http://api", timeout=30
     ) as client:
         yield client
@@ -592,3 +596,154 @@ async def test_metrics_see_every_request(gen: LocalGenerator) -> None:
     assert (streamed.endpoint, streamed.stream, streamed.completion_tokens) == ("chat.completions", True, 3)
     assert (refused.status, refused.completion_tokens, refused.finish_reason) == (400, 0, None)
     assert not any(r.client_gone for r in recorder.records)
+
+
+# -- bad input ------------------------------------------------------------------------------------------------
+
+
+async def post_raw(client: httpx.AsyncClient, path: str, body: str) -> httpx.Response:
+    """POST a body written by hand: JSON that json.dumps would not write (NaN, lone surrogate escapes)."""
+    return await client.post(path, content=body.encode(), headers={"content-type": "application/json"})
+
+
+NON_FINITE = [
+    ("completions", '"prompt": "x", "temperature": NaN', "temperature", "NaN"),
+    ("completions", '"prompt": "x", "temperature": Infinity', "temperature", "Infinity"),
+    ("completions", '"prompt": "x", "top_p": -Infinity', "top_p", "-Infinity"),
+    ("completions", '"prompt": "x", "top_p": 1e999', "top_p", "Infinity"),
+    ("completions", '"prompt": "x", "presence_penalty": NaN', "presence_penalty", "NaN"),
+    ("completions", '"prompt": "x", "frequency_penalty": -1e400', "frequency_penalty", "-Infinity"),
+    ("completions", '"prompt": "x", "logit_bias": {"50": NaN}', "logit_bias.50", "NaN"),
+    ("chat/completions", '"messages": [{"role": "user", "content": "hi"}], "temperature": NaN', "temperature", "NaN"),
+    ("chat/completions", '"messages": [{"role": "user", "content": "hi"}], "metadata": {"a": [1, Infinity]}',
+     "metadata.a[1]", "Infinity"),
+]
+
+
+@pytest.mark.parametrize(("endpoint", "fields", "param", "shown"), NON_FINITE,
+                         ids=[f"{e}-{p}-{v}" for e, _, p, v in NON_FINITE])
+async def test_non_finite_numbers_are_refused_wherever_they_are(client: httpx.AsyncClient, endpoint: str,
+                                                                fields: str, param: str, shown: str) -> None:
+    r = await post_raw(client, f"/v1/{endpoint}", f'{{"model": "{MODEL}", {fields}}}')
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and error["type"] == "invalid_request_error"
+    assert error["message"] == f"Invalid '{param}': expected a finite number, but got {shown} instead."
+
+
+async def test_ignored_numeric_parameters_are_still_range_checked(client: httpx.AsyncClient) -> None:
+    for fields, param in (({"presence_penalty": 2.5}, "presence_penalty"),
+                          ({"frequency_penalty": -3}, "frequency_penalty"),
+                          ({"logit_bias": {"7": 101}}, "logit_bias.7"),
+                          ({"logit_bias": {"7": "up"}}, "logit_bias.7"),
+                          ({"temperature": 10**400}, "temperature")):
+        r = await client.post("/v1/completions", json={"model": MODEL, "prompt": "x", **fields})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (fields, r.text)
+
+
+LONE_SURROGATE = [
+    ("completions", '"prompt": "\\ud800abc"', "prompt", 0),
+    ("completions", '"prompt": ["ab\\udfff"]', "prompt", 2),
+    ("chat/completions", '"messages": [{"role": "user", "content": "hi \\ud83d"}]', "messages[0].content", 3),
+    ("chat/completions", '"messages": [{"role": "user", "content": [{"type": "text", "text": "\\udc00"}]}]',
+     "messages[0].content[0].text", 0),
+]
+
+
+@pytest.mark.parametrize(("endpoint", "fields", "param", "at"), LONE_SURROGATE,
+                         ids=[f"{e}-{p}" for e, _, p, _ in LONE_SURROGATE])
+async def test_lone_surrogate_is_a_clear_400(client: httpx.AsyncClient, endpoint: str, fields: str, param: str,
+                                             at: int) -> None:
+    r = await post_raw(client, f"/v1/{endpoint}", f'{{"model": "{MODEL}", {fields}}}')
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param
+    assert f"is not valid Unicode: lone surrogate at character {at}" in error["message"]
+
+
+async def test_error_quoting_a_lone_surrogate_is_still_an_answer(client: httpx.AsyncClient) -> None:
+    r = await post_raw(client, "/v1/completions", '{"model": "gpt\\ud800", "prompt": "x"}')
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    assert "gpt\\ud800" in r.json()["error"]["message"]
+
+
+class GatedTokenizer:
+    """The real tokenizer, counting the prompts it is asked to tokenize and holding those longer than `gate`
+    until `release` is set (so that a test sees what happens while a long tokenization is in flight)."""
+
+    def __init__(self, inner: Any, gate: int, calls: list[int] | None = None,
+                 entered: threading.Event | None = None, release: threading.Event | None = None) -> None:
+        self.inner, self.gate = inner, gate
+        self.calls = [] if calls is None else calls  # shared with copies: PromptTokenizer copies its tokenizer
+        self.entered = entered or threading.Event()
+        self.release = release or threading.Event()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> GatedTokenizer:
+        return GatedTokenizer(copy.deepcopy(self.inner, memo), self.gate, self.calls, self.entered, self.release)
+
+    def _call(self, chars: int) -> None:
+        self.calls.append(chars)
+        if chars > self.gate:
+            self.entered.set()
+            self.release.wait(30)
+
+    def encode(self, text: str, *args: Any, **kwargs: Any) -> Any:
+        self._call(len(text))
+        return self.inner.encode(text, *args, **kwargs)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], *args: Any, **kwargs: Any) -> Any:
+        self._call(sum(len(m["content"]) for m in messages))
+        return self.inner.apply_chat_template(messages, *args, **kwargs)
+
+
+async def test_prompt_too_long_in_characters_is_refused_without_tokenizing(engine: TorchEngine, tokenizer: Any,
+                                                                           nursery: trio.Nursery) -> None:
+    gated = GatedTokenizer(tokenizer, gate=10**9)
+    gen = await start_generator(engine, gated, nursery)
+    limit = CTX * max_token_chars(tokenizer)
+    async with api_client(gen) as client:
+        for endpoint, body in (("completions", {"prompt": "a" * (limit + 1)}),
+                               ("chat/completions", {"messages": [{"role": "system", "content": "a" * limit},
+                                                                  {"role": "user", "content": "b"}]})):
+            r = await client.post(f"/v1/{endpoint}", json={"model": MODEL, **body})
+            assert r.status_code == 400, r.text
+            error = r.json()["error"]
+            assert error["code"] == "context_length_exceeded"
+            assert f"has {limit + 1} characters" in error["message"] and f"at most {limit}" in error["message"]
+        assert gated.calls == []
+        # One character fewer is tokenized, and then refused for its length in tokens.
+        r = await client.post("/v1/completions", json={"model": MODEL, "prompt": "a" * limit})
+        assert r.status_code == 400 and "resulted in" in r.json()["error"]["message"]
+        assert gated.calls == [limit]
+        # A body over the byte limit never gets that far.
+        r = await client.post("/v1/completions", json={"model": MODEL, "prompt": "a" * (MAX_BODY_BYTES + 1)})
+        assert r.status_code == 413 and gated.calls == [limit]
+
+
+async def test_short_prompt_is_served_while_a_long_one_is_tokenized(engine: TorchEngine, tokenizer: Any,
+                                                                    nursery: trio.Nursery) -> None:
+    gated = GatedTokenizer(tokenizer, gate=100)
+    gen = await start_generator(engine, gated, nursery)
+    long_status: list[int] = []
+    async with api_client(gen, short_prompt_chars=100) as client:
+
+        async def long_request() -> None:
+            r = await client.post("/v1/completions", json={"model": MODEL, "prompt": "word " * 40, "max_tokens": 2})
+            long_status.append(r.status_code)
+
+        try:
+            async with trio.open_nursery() as n:
+                n.start_soon(long_request)
+                assert await trio.to_thread.run_sync(gated.entered.wait, 10)  # its tokenizing is under way
+                with trio.fail_after(10):  # the gate holds for 30 s: a short request stuck behind it fails here
+                    body = await post(client, "/v1/completions", prompt=PROMPT, max_tokens=2)
+                    assert body["usage"]["completion_tokens"] == 2
+                    await post(client, "/v1/chat/completions", messages=USER, max_tokens=2)
+                assert long_status == []  # still held at the gate
+                gated.release.set()
+        finally:
+            gated.release.set()
+    assert long_status == [200]

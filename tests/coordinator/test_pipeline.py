@@ -18,7 +18,7 @@ import trio.testing
 
 from hetnode.coordinator.daemon import Coordinator, CoordinatorConfig
 from hetnode.coordinator.deployment import PlanningConfig
-from hetnode.coordinator.generation import GenerationParams
+from hetnode.coordinator.generation import GenerationError, GenerationParams
 from hetnode.coordinator.local import LocalGenerator
 from hetnode.coordinator.sessions import PipelineGenerator
 from hetnode.ids import NodeId
@@ -26,7 +26,7 @@ from hetnode.models.resolve import load_config
 from hetnode.models.tiny import write_tiny_model
 from hetnode.models.tokenizer import load_tokenizer
 from hetnode.node.daemon import NodeConfig, NodeDaemon
-from hetnode.node.engine import SamplingParams
+from hetnode.node.engine import EngineConfig, SamplingParams
 from hetnode.node.hops import HopServer
 from hetnode.protocol.memory import MemoryNetwork
 from hetnode.protocol.messages import HardwareProfile
@@ -47,6 +47,7 @@ def profile(bw: float) -> HardwareProfile:
 
 @asynccontextmanager
 async def network(model: Path, bandwidths: list[float], method: str = "pipeline",
+                  engine_config: EngineConfig | None = None,
                   ) -> AsyncIterator[tuple[PipelineGenerator, list[NodeDaemon]]]:
     net = MemoryNetwork()
     cfg = load_config(model)
@@ -57,7 +58,7 @@ async def network(model: Path, bandwidths: list[float], method: str = "pipeline"
                                    planning=PlanningConfig(method=method))
         await nursery.start(coord.run)
         nodes: list[NodeDaemon] = []
-        async with _nodes(net, nursery, bandwidths, nodes):
+        async with _nodes(net, nursery, bandwidths, nodes, engine_config):
             plan = await coord.deployment.wait_ready(30)  # type: ignore[union-attr]
             assert plan is not None
             if method == "pipeline":
@@ -68,20 +69,20 @@ async def network(model: Path, bandwidths: list[float], method: str = "pipeline"
 
 @asynccontextmanager
 async def _nodes(net: MemoryNetwork, nursery: trio.Nursery, bws: list[float], out: list[NodeDaemon],
-                 ) -> AsyncIterator[None]:
+                 engine_config: EngineConfig | None = None) -> AsyncIterator[None]:
     if not bws:
         yield
         return
     name = f"n{len(out)}"
     async with net.transport(name) as t:
-        stage = HopServer(t, lambda peer: node.is_member(peer))
+        stage = HopServer(t, lambda peer: node.is_member(peer), engine_config=engine_config)
         node = NodeDaemon(NodeConfig(bootstrap=("/memory/coord/p2p/coord",), token="t", name=name,
                                      profile=profile(bws[0]), probe=ProbeSettings(first_bytes=1024, max_bytes=1024)),
                           t, stage)
         await nursery.start(stage.run)
         await nursery.start(node.run)
         out.append(node)
-        async with _nodes(net, nursery, bws[1:], out):
+        async with _nodes(net, nursery, bws[1:], out, engine_config):
             yield
 
 
@@ -177,3 +178,25 @@ async def test_helix_plan_routes_each_request_through_the_scheduler(tiny_model: 
         assert await deployment.wait_ready(30) is again
         assert await collect(gen, PROMPTS[0], 12) == want[0]
     assert got == want
+
+
+async def test_prompt_that_no_real_kv_pool_holds_is_refused_at_admission(tiny_model: Path) -> None:
+    """The nodes' KV pools (50 blocks of 4 tokens) are far smaller than the planner's estimate for 8 GiB nodes:
+    the scheduler takes the pools' real size from the heartbeats and refuses a longer prompt with a 400 at once,
+    instead of prefilling it on pipelines that cannot hold it."""
+    async with network(tiny_model, [30.0, 20.0], engine_config=EngineConfig(block_size=4, num_kv_blocks=50),
+                       ) as (gen, _nodes):
+        plan = gen.deployment.plan
+        assert plan is not None
+        await trio.testing.wait_all_tasks_blocked()  # the nodes' heartbeats right after their ready status
+        assert plan.scheduler.largest_kv == 200
+        with pytest.raises(GenerationError) as refused:
+            await collect(gen, list(range(3, 223)), 4)  # 220 tokens: within the 256-token context
+        assert refused.value.status == 400
+        assert str(refused.value) == "prompt of 220 tokens needs more KV than any route holds (largest: 200 tokens)"
+        assert plan.scheduler.running == 0 and plan.scheduler.queue_len == 0
+        # A prompt the pools hold, but not with the expected output (240 tokens) under the high-water mark, is
+        # refused for now (503: the estimate may change), not as the client's fault.
+        with pytest.raises(GenerationError) as refused:
+            await collect(gen, PROMPTS[1], 4)
+        assert refused.value.status == 503

@@ -296,6 +296,36 @@ def test_request_too_large_for_any_pipeline_is_rejected_not_queued() -> None:
     assert names(sched.submit("fits", 1600, now=0.0)) == ("b",)
 
 
+def test_prompt_larger_than_every_pipelines_kv_is_refused_as_too_large() -> None:
+    # A pipeline holds what its smallest node holds: a1-a2 4000, a1-b2 5000, b1-a2 4000, b1-b2 5800.
+    sched = IwrrScheduler(chain_plan(), kv_capacity={"a1": 5000, "a2": 4000, "b1": 5800, "b2": 6000})
+    assert sched.largest_kv == 5800
+    d = sched.submit("big", 6000, now=0.0)
+    assert d.rejected and d.too_large and sched.queue_len == 0
+    assert d.reason == "prompt of 6000 tokens needs more KV than any route holds (largest: 5800 tokens)"
+    # Within the pool but not under its high-water mark with the expected output: refused, not the prompt's fault.
+    d = sched.submit("tight", 5700, now=0.0)
+    assert d.rejected and not d.too_large
+    sched.node_down("b1")
+    assert sched.largest_kv == 5000
+    assert sched.submit("now-big", 5001, now=0.0).too_large
+
+
+def test_set_capacity_replaces_the_estimate() -> None:
+    sched = IwrrScheduler(fan_plan({"a": 1.0}), kv_capacity={"a": 100_000}, high_water=1.0, avg_output_len=0)
+    assert names(sched.submit("r1", 6000, now=0.0)) == ("a",)
+    # The real pool turns out smaller than the planner's estimate: a prompt over it is refused at once.
+    assert sched.set_capacity("a", 5800, now=1.0) == []
+    assert sched.largest_kv == 5800 and sched.kv_estimate()["a"].capacity == 5800
+    assert sched.submit("r2", 6000, now=1.0).too_large
+    assert sched.submit("r3", 100, now=1.0).queued  # r1 still holds more than the pool: wait
+    (started,) = sched.set_capacity("a", 6200, now=2.0)  # room after all: the queue moves
+    assert started.request_id == "r3" and started.assigned
+    assert sched.set_capacity("a", 6200) == [] and sched.set_capacity("nobody", 1) == []
+    with pytest.raises(ValueError):
+        sched.set_capacity("a", -1)
+
+
 def test_backtracks_out_of_dead_ends() -> None:
     # SOURCE -> x (heavy flow) or y; x's only successor is full, so every pipeline through x is a dead end.
     plan = make_plan(4, {"x": (0, 2), "y": (0, 2), "full": (2, 4), "free": (2, 4)}, {

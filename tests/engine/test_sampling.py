@@ -64,8 +64,20 @@ def test_logprobs_are_the_models_log_softmax() -> None:
     assert draw.logits is not None and torch.equal(draw.logits, LOGITS[0])
 
 
+def test_vanishing_temperature_is_greedy_not_garbage() -> None:
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(5)) * 30
+    greedy = logits.argmax(-1).tolist()
+    # 1e-300 is 0.0 in float32 (the old division gave NaN); 1e-30 is a normal float32 whose quotients overflow.
+    for temperature in (1e-300, 5e-324, 1e-39, 1e-30, 1e-6):
+        for extra in ({}, {"top_k": 5}, {"top_p": 0.9}):
+            params = SamplingParams(temperature=temperature, seed=11, **extra)  # type: ignore[arg-type]
+            for position in range(20):
+                assert [d.token for d in sample(logits, [params] * 4, [position] * 4)] == greedy, (temperature, extra)
+
+
 def test_bad_parameters_are_config_errors() -> None:
-    for kwargs in ({"temperature": -1.0}, {"top_p": 0.0}, {"top_k": -2}, {"seed": -1}, {"logprobs": 99}):
+    for kwargs in ({"temperature": -1.0}, {"top_p": 0.0}, {"top_k": -2}, {"seed": -1}, {"logprobs": 99},
+                   {"temperature": float("nan")}, {"top_p": float("nan")}, {"temperature": float("inf")}):
         with pytest.raises(ConfigError):
             SamplingParams(**kwargs)  # type: ignore[arg-type]
 

@@ -17,6 +17,11 @@ from hetnode.errors import ConfigError
 from hetnode.models.config import bounded, check_bounds
 
 _MASK64 = (1 << 64) - 1
+# Below this a temperature samples as greedy. Logits are float32, so the division is done in float32, where a
+# smaller divisor is subnormal or zero (1e-300 becomes 0.0) and the top logit's 0 / 0 would be NaN. Nothing is
+# lost: at such a temperature logits as little as 1e-30 apart are 1e8 apart once scaled, so the softmax is
+# one-hot already (ties aside, which greedy breaks toward the lower id).
+_MIN_TEMPERATURE = float(torch.finfo(torch.float32).tiny)
 
 
 @dataclass(frozen=True)
@@ -38,7 +43,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < _MIN_TEMPERATURE or self.top_k == 1
 
 
 GREEDY = SamplingParams()
@@ -65,7 +70,9 @@ def uniform(seed: int, position: int) -> float:
 
 def _draw(row: torch.Tensor, params: SamplingParams, u: float) -> int:
     # row: [V] float32 logits
-    scaled = row / params.temperature
+    # The maximum off first: every scaled logit is then <= 0, so a small temperature sends the others to -inf
+    # (probability 0) rather than overflowing them to +inf, where softmax computes inf - inf = NaN.
+    scaled = (row - row.max()) / params.temperature
     if params.top_k or params.top_p < 1.0:
         k = min(params.top_k or scaled.numel(), scaled.numel())
         values, indices = torch.topk(scaled, k)  # sorted, most likely first
