@@ -19,7 +19,7 @@ from transformers import PreTrainedTokenizerBase
 
 from hetnode.errors import HetnodeError
 from hetnode.models.config import ModelConfig
-from hetnode.node.engine.sampling import SamplingParams
+from hetnode.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)

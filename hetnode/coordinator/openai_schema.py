@@ -26,7 +26,7 @@ from starlette.responses import JSONResponse
 from hetnode.coordinator.generation import GenerationParams, Generator
 from hetnode.coordinator.tokenizing import lone_surrogate
 from hetnode.errors import ConfigError
-from hetnode.node.engine.sampling import SamplingParams
+from hetnode.sampling_params import SamplingParams
 
 # Without max_tokens a request gets this many tokens at most (fewer where the context ends sooner).
 DEFAULT_MAX_TOKENS = 256

@@ -27,6 +27,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass
 
+import msgspec
 import trio
 from transformers import PreTrainedTokenizerBase
 
@@ -36,7 +37,6 @@ from hetnode.coordinator.registry import Registry
 from hetnode.errors import HetnodeError
 from hetnode.ids import NodeId, SessionId
 from hetnode.models.config import ModelConfig
-from hetnode.node.engine.sampling import SamplingParams
 from hetnode.protocol.mailbox import Mailbox
 from hetnode.protocol.messages import (
     INFER_PROTOCOL,
@@ -57,6 +57,7 @@ from hetnode.protocol.messages import (
 )
 from hetnode.protocol.routes import describe, pipeline_route, route_peers
 from hetnode.protocol.transport import Transport
+from hetnode.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -322,6 +323,13 @@ class PipelineGenerator:
         install = Install(session=session.id, route=session.route, sampling=wire_sampling(request.params.sampling),
                           prefill_end=len(context), max_tokens=request.params.max_tokens - len(request.generated),
                           lease_s=self.lease_s)
+        try:
+            # Exactly the checks the hops make on arrival: a value they would refuse (a NaN that slipped past
+            # the API) fails this request here, instead of resetting a stream other requests share.
+            infer_decoder.decode(msgspec.msgpack.encode(install))
+        except msgspec.ValidationError as exc:
+            raise GenerationError(f"the request cannot be sent to the nodes: {exc}", status=400,
+                                  code="invalid_request") from exc
         meta, raw = token_ids_frame(context)
         unreachable: list[tuple[NodeId, str]] = []
 

@@ -12,15 +12,17 @@ from __future__ import annotations
 import functools
 import re
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 from gguf import GGUFReader, ReaderTensor
 from gguf.quants import dequantize
 
 from hetnode.errors import ConfigError
 from hetnode.models.config import ModelConfig, RopeConfig
+
+if TYPE_CHECKING:
+    import torch
 
 _GLOBAL_NAMES = {
     "model.embed_tokens.weight": "token_embd.weight",
@@ -132,6 +134,8 @@ class GGUFTensors:
             return False
 
     def get(self, hf_name: str) -> torch.Tensor:
+        import torch  # here, not at the top: the coordinator reads GGUF configs and must not load torch
+
         tensor = self._tensors[gguf_name(hf_name)]
         weights = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
         if self._arch == "llama" and (".attn_q." in tensor.name or ".attn_k." in tensor.name):

@@ -200,3 +200,26 @@ async def test_prompt_that_no_real_kv_pool_holds_is_refused_at_admission(tiny_mo
         with pytest.raises(GenerationError) as refused:
             await collect(gen, PROMPTS[1], 4)
         assert refused.value.status == 503
+
+
+async def test_a_request_the_nodes_would_refuse_fails_alone(tiny_model: Path) -> None:
+    """A request whose wire form a node would refuse (here: more stop ids than the protocol carries) is a 400 at
+    the coordinator, before anything is sent: it never resets the stream that other requests share."""
+    async with LocalGenerator.open(tiny_model) as local:
+        want = await collect(local, PROMPTS[2], 24)
+    async with network(tiny_model, [30.0, 20.0]) as (gen, _nodes):
+        bad = GenerationParams(max_tokens=4, sampling=SamplingParams(stop_token_ids=tuple(range(1000, 1065))))
+        got: list[int] = []
+
+        async def good() -> None:
+            got.extend(await collect(gen, PROMPTS[2], 24))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(good)
+            with pytest.raises(GenerationError) as refused:
+                async with gen.generate(PROMPTS[0], bad) as events:
+                    async for _ in events:
+                        pass
+            assert refused.value.status == 400 and "stop_token_ids" in str(refused.value)
+        assert got == want
+        assert gen.reroutes == 0
