@@ -250,6 +250,7 @@ class Coordinator:
         if self.generator is not None:
             self.generator.node_down(peer, reason)
         if self.deployment is not None:
+            self.deployment.node_down(peer)
             self.deployment.membership_changed(f"{self._name(peer)} {reason}")
 
     async def _send_ctl(self, peer: NodeId, msg: ProbeOrder | Assignment) -> bool:

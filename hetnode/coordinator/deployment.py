@@ -129,7 +129,8 @@ class Deployment:
         self.debounce_s = debounce_s
         self.planning = planning or PlanningConfig()
         self.spec: ModelSpec = from_model_config(model, model_config, bytes_per_param=PLAN_BYTES_PER_PARAM)
-        self.plan: Plan | None = None
+        self.plan: Plan | None = None  # the newest plan (its shards may still be loading)
+        self.serving: Plan | None = None  # the newest plan that was ever ready: it serves until the next one is
         self.history: list[dict[str, object]] = []
         self.problem = "no nodes have joined yet"
         self._versions = 0
@@ -179,7 +180,8 @@ class Deployment:
         members = [r for r in self.registry.up_members() if str(r.peer_id) in placed or r in members]
         stages = sorted((Hop(peer=p.node, first_layer=p.first_layer, last_layer=p.last_layer)
                          for p in placement.placements), key=lambda s: (s.first_layer, s.last_layer, s.peer))
-        if self.plan is not None and self.plan.stages == stages and self.plan.placement.method == placement.method:
+        if (self.plan is not None and self.plan.stages == stages and self.plan.placement.method == placement.method
+                and not self.plan.scheduler.down):
             # The same layout, but a member that joined again (a restarted node) lost its shard: assign it anew.
             await self._assign(self.plan, [r for r in members if r.assignment is None])
             self._notify()
@@ -192,7 +194,8 @@ class Deployment:
             kv_capacity={p.node: kv_tokens(profiles.profiles[p.node].memory_bytes, self.spec, p.layers)
                          for p in placement.placements})
         plan = Plan(self._versions, stages, names, reason, time.time(), placement, scheduler)
-        self._retire(self.plan)
+        if self.plan is not self.serving:
+            self._retire(self.plan)  # replaced before it was ever ready
         self.plan = plan
         self.problem = ""
         described = [f"{n}[{s.first_layer},{s.last_layer})" for s, n in zip(stages, names, strict=True)]
@@ -202,6 +205,10 @@ class Deployment:
         log.info("plan %d (%s; %s, %.1f tokens/s): %s", plan.version, reason, placement.method,
                  placement.max_flow, ", ".join(described))
         await self._assign(plan, members)
+        if self.serving is not None and self.serving is not plan:
+            # Nodes the new plan leaves idle drop their shard at once: the serving plan can no longer use them.
+            for peer in self.serving.peers() - plan.peers():
+                self._mask(self.serving, peer)
         self._notify()
         return plan
 
@@ -335,9 +342,16 @@ class Deployment:
             return
         if status.state == "ready":
             plan.ready.add(peer)
+            if self.serving is not None and self.serving is not plan and peer in self.serving.peers():
+                old = next(h for h in self.serving.stages if NodeId(h.peer) == peer)
+                new = next(h for h in plan.stages if NodeId(h.peer) == peer)
+                if (old.first_layer, old.last_layer) != (new.first_layer, new.last_layer):
+                    self._mask(self.serving, peer)  # its old shard is gone: no new request through it there
             plan.failed.pop(peer, None)
-            if plan.is_ready:
+            if plan.is_ready and self.serving is not plan:
                 log.info("plan %d ready", plan.version)
+                old, self.serving = self.serving, plan
+                self._retire(old)  # its queued requests try the new plan; its running ones finish where they are
         elif status.state == "failed":
             plan.ready.discard(peer)
             plan.failed[peer] = status.detail or "failed"
@@ -351,18 +365,38 @@ class Deployment:
         """The ready plan whose nodes are all up and none in `avoid`, waiting up to timeout_s for one (and for
         a pending re-plan, which may change it); None if there is none by then."""
         with trio.move_on_after(timeout_s):
-            while self._dirty.is_set() or self._usable(avoid) is None:
+            while self._usable(avoid) is None:
                 await self._changed.wait()
         return self._usable(avoid)
 
+    async def wait_serving(self, plan: Plan, timeout_s: float) -> bool:
+        """Until `plan` is the one that serves (all its shards ready); False if it is not by the timeout."""
+        with trio.move_on_after(timeout_s):
+            while self.serving is not plan:
+                await self._changed.wait()
+        return self.serving is plan
+
     def _usable(self, avoid: Collection[NodeId]) -> Plan | None:
-        plan = self.plan
-        if plan is None or not plan.is_ready:
+        """The plan to route by: the newest once it is ready; until then the one that served before (a re-plan
+        never stalls new requests). Nodes that went down are masked by its scheduler; the plan is unusable only
+        when no pipeline of up nodes is left, or it uses a node the caller must avoid."""
+        plan = self.plan if self.plan is not None and self.plan.is_ready else self.serving
+        if plan is None or plan.scheduler.largest_kv == -math.inf:
             return None
-        # A node marked down leaves the plan "ready" until the debounced re-plan replaces it: never hand it out.
-        if any(p in avoid or not self.registry.is_member(p) for p in plan.peers()):
+        if any(p in avoid for p in plan.peers()):
             return None
         return plan
+
+    def node_down(self, peer: NodeId) -> None:
+        """Mask a node that went down in the schedulers of the plans in use: the rest keeps serving meanwhile."""
+        for plan in {id(p): p for p in (self.plan, self.serving) if p is not None}.values():
+            self._mask(plan, peer)
+        self._notify()
+
+    def _mask(self, plan: Plan, peer: NodeId) -> None:
+        if peer in plan.peers():
+            now = trio.current_time()
+            self._wake(plan.scheduler, list(plan.scheduler.node_down(str(peer), now).rejected), now)
 
     def why_not_ready(self) -> str:
         if self.plan is None:

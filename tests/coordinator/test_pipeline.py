@@ -175,6 +175,7 @@ async def test_helix_plan_routes_each_request_through_the_scheduler(tiny_model: 
         again = await deployment.replan("operator asked", method="petals")
         assert again is not None and again.placement.method == "petals"
         assert again.version == plan.version + 1 and deployment.history[-1]["reason"] == "operator asked"
+        assert await deployment.wait_serving(again, 30)
         assert await deployment.wait_ready(30) is again
         assert await collect(gen, PROMPTS[0], 12) == want[0]
     assert got == want

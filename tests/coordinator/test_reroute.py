@@ -118,14 +118,15 @@ class Cluster:
 
 
 @asynccontextmanager
-async def cluster(model: Path, bandwidths: list[float], **gen_options: object) -> AsyncIterator[Cluster]:
+async def cluster(model: Path, bandwidths: list[float], method: str = "pipeline", **gen_options: object,
+                  ) -> AsyncIterator[Cluster]:
     net = MemoryNetwork()
     async with trio.open_nursery() as nursery, net.transport("coord") as ct:
         coord = Coordinator(CoordinatorConfig(token="t", probe_interval_s=3600, probe=PROBE), ct)
         # These tests kill a middle stage: a pipeline through every node, not Helix's placement (which would
         # replicate a small model on every node).
         gen = coord.enable_serving(model=str(model), model_config=load_config(model),
-                                   tokenizer=load_tokenizer(model), planning=PlanningConfig(method="pipeline"))
+                                   tokenizer=load_tokenizer(model), planning=PlanningConfig(method=method))
         assert coord.deployment is not None
         coord.deployment.debounce_s = 0.05
         for key, value in gen_options.items():
@@ -255,3 +256,29 @@ async def test_reroutes_are_bounded(tiny_model: Path) -> None:
         # The route source is the only thing that was broken.
         gen.route_for = None  # back to the scheduler's routes
         assert await collect(gen, PROMPTS[0], 4)
+
+
+async def test_a_node_down_is_masked_not_the_whole_plan(tiny_model: Path, undisturbed: dict[int, list[int]]) -> None:
+    """Three replicas; one dies and no re-plan follows: the scheduler masks the dead node and every new request
+    is served by the other two at once, instead of waiting for a plan without it."""
+    async with cluster(tiny_model, [30.0, 20.0, 10.0], method="helix") as c:
+        deployment = c.coord.deployment
+        assert deployment is not None
+        plan = deployment.serving
+        layers = c.gen.model_config.num_layers
+        assert plan is not None and sorted((s.first_layer, s.last_layer) for s in plan.stages) == [(0, layers)] * 3
+        deployment.debounce_s = 3600  # no re-plan: only the mask keeps requests off the dead node
+        await c.kill("n0")
+        with trio.fail_after(30):
+            while "n0" not in plan.scheduler.down:
+                await deployment._changed.wait()
+        got: dict[int, list[int]] = {}
+
+        async def one(i: int, p: list[int]) -> None:
+            got[i] = await collect(c.gen, p, MAX_TOKENS)
+
+        async with trio.open_nursery() as nursery:
+            for i, p in enumerate(PROMPTS):
+                nursery.start_soon(one, i, p)
+        assert got == undisturbed
+        assert deployment.plan is plan and c.gen.reroutes == 0
