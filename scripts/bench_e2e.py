@@ -63,7 +63,9 @@ MODEL = "smollm2-135m"
 SCRIPT = str(Path(__file__).resolve())
 TESTNET_NODES = 3
 ENGINE_TARGET = 1.0
-TESTNET_TARGET = 0.7  # testnet / single process, aggregate decode tokens/s at batch 8
+# testnet / single process (1 thread), aggregate decode tokens/s, by batch: three pipelined processes can keep
+# both cores busy where one thread cannot; at batch 1 the hops' network time is what is left to pay.
+TESTNET_TARGETS = {8: 1.0, 1: 0.85}
 
 
 def log(msg: str) -> None:
@@ -446,8 +448,9 @@ def print_serving(r: dict[str, Any], batches: list[int], threads: list[int]) -> 
             ratio = r["ratios"][f"batch{batch}_vs_{n}t"]
             best = r["best_round_ratios"][f"batch{batch}_vs_{n}t"]
             verdict = ""
-            if batch == 8:
-                verdict = f" (target >= {TESTNET_TARGET:.1f}x: {'met' if ratio >= TESTNET_TARGET else 'MISSED'})"
+            target = TESTNET_TARGETS.get(batch)
+            if target is not None and n == 1:
+                verdict = f" (target >= {target:.2f}x: {'met' if ratio >= target else 'MISSED'})"
             parts.append(f"vs {n} thread{'s' if n > 1 else ''}: {ratio:.2f}x; best {best:.2f}x{verdict}")
         print(f"   batch {batch}: " + "  |  ".join(parts))
     print(f"\n   identical texts (greedy), against {r['sides'][r['identical_to']]['label']}:")

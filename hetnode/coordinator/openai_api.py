@@ -223,7 +223,7 @@ class _GenerationResponse(Response):
             }
         body = self._envelope("chat.completion" if self.req.chat else "text_completion", [choice])
         body["usage"] = self._usage(gen)
-        await _send_json(send, 200, body)
+        await _send_json(send, 200, body, _route_header(gen))
 
     # -- streams ----------------------------------------------------------------------------------------------
 
@@ -294,6 +294,7 @@ class _SseSink(Sink):
             (b"content-type", b"text/event-stream; charset=utf-8"),
             (b"cache-control", b"no-cache"),
             (b"x-accel-buffering", b"no"),  # nginx in front: pass the events through as they come
+            *_route_header(r.gen),
         ]})
         if r.req.chat:
             delta = {"role": "assistant", "content": "", "refusal": None}
@@ -322,8 +323,13 @@ def _dumps(data: Any) -> bytes:
     return json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode()
 
 
-async def _send_json(send: Send, status: int, data: Any) -> None:
+def _route_header(gen: Generation) -> list[tuple[bytes, bytes]]:
+    """Which nodes served the request (the route it started on), for operators and benchmarks."""
+    return [(b"x-hetnode-route", gen.route.encode("ascii", "replace"))] if gen.route else []
+
+
+async def _send_json(send: Send, status: int, data: Any, headers: list[tuple[bytes, bytes]] | None = None) -> None:
     body = _dumps(data)
     await send({"type": "http.response.start", "status": status, "headers": [
-        (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *(headers or [])]})
     await send({"type": "http.response.body", "body": body, "more_body": False})

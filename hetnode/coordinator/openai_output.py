@@ -40,6 +40,7 @@ class Generation:
     finish_reason: str = "length"
     completion_tokens: int = 0  # every token generated, a final stop token included (it took a step)
     first_token_at: float | None = None  # trio.current_time() of the first token
+    route: str = ""  # the nodes that serve it, when the generator says (`x-hetnode-route`)
 
 
 class Sink(ABC):
@@ -80,6 +81,7 @@ async def run_generation(generator: Generator, req: GenerationRequest, sink: Sin
             await sink.piece(text, ready)
 
     async with generator.generate(req.prompt_ids, req.params) as events:
+        out.route = getattr(events, "route", "")
         try:
             async for event in events:
                 if out.first_token_at is None:

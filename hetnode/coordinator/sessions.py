@@ -109,6 +109,17 @@ class _Request:
         self.generated: list[int] = []
 
 
+class RoutedEvents:
+    """A generation's tokens, and the route it runs on (`route`: node names and layers, per phase)."""
+
+    def __init__(self, events: AsyncIterator[TokenEvent], route: str) -> None:
+        self._events = events
+        self.route = route
+
+    def __aiter__(self) -> AsyncIterator[TokenEvent]:
+        return self._events
+
+
 class PipelineGenerator:
     def __init__(self, transport: Transport, registry: Registry, deployment: Deployment, *, model_name: str,
                  model_config: ModelConfig, tokenizer: PreTrainedTokenizerBase, step_timeout_s: float = 120.0,
@@ -285,8 +296,9 @@ class PipelineGenerator:
                                   status=503, code="no_capacity")
         request = _Request(list(prompt_ids), params, self._open(session_id, route, params.max_tokens))
         self._active += 1
+        names = {str(p): self._name(p) for p in request.session.peers}
         try:
-            yield self._events(request)
+            yield RoutedEvents(self._events(request), describe(route, names))
         finally:
             self._active -= 1
             self._close(request.session, len(request.generated))

@@ -23,6 +23,7 @@ from hetnode.coordinator.daemon import Coordinator, CoordinatorConfig
 from hetnode.coordinator.generation import GenerationParams, Generator, TokenEvent
 from hetnode.coordinator.local import LocalGenerator
 from hetnode.coordinator.openai_api import ApiMetrics, RequestRecord, openai_routes
+from hetnode.coordinator.sessions import RoutedEvents
 from hetnode.coordinator.tokenizing import max_token_chars
 from hetnode.ids import SessionId
 from hetnode.models.tiny import write_tiny_model
@@ -747,3 +748,29 @@ async def test_short_prompt_is_served_while_a_long_one_is_tokenized(engine: Torc
         finally:
             gated.release.set()
     assert long_status == [200]
+
+
+class Routed:
+    """A real generator whose generations say which route they run on, as the network's does."""
+
+    def __init__(self, inner: LocalGenerator) -> None:
+        self.inner = inner
+        self.model_name, self.model_config, self.tokenizer = MODEL, inner.model_config, inner.tokenizer
+
+    @asynccontextmanager
+    async def generate(self, prompt_ids: list[int], params: GenerationParams,
+                       ) -> AsyncIterator[AsyncIterator[TokenEvent]]:
+        async with self.inner.generate(prompt_ids, params) as events:
+            yield RoutedEvents(events.__aiter__(), "mixed: gpu-7 [0,30)")
+
+
+async def test_the_route_header_names_the_nodes(gen: LocalGenerator) -> None:
+    async with api_client(Routed(gen)) as client:
+        for stream in (False, True):
+            r = await client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2,
+                                                           "temperature": 0, "stream": stream})
+            assert r.status_code == 200 and r.headers["x-hetnode-route"] == "mixed: gpu-7 [0,30)"
+    async with api_client(gen) as client:  # a generator that does not say: no header
+        r = await client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2})
+        assert r.status_code == 200 and "x-hetnode-route" not in r.headers
+    await kv_drained(gen.engine)

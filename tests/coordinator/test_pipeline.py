@@ -224,3 +224,14 @@ async def test_a_request_the_nodes_would_refuse_fails_alone(tiny_model: Path) ->
             assert refused.value.status == 400 and "stop_token_ids" in str(refused.value)
         assert got == want
         assert gen.reroutes == 0
+
+
+async def test_a_generation_names_its_route(tiny_model: Path) -> None:
+    async with network(tiny_model, [30.0, 20.0]) as (gen, _nodes):
+        plan = gen.deployment.plan
+        assert plan is not None
+        want = "mixed: " + " -> ".join(f"{n} [{s.first_layer},{s.last_layer})"
+                                       for s, n in zip(plan.stages, plan.names, strict=True))
+        async with gen.generate(PROMPTS[0], GenerationParams(max_tokens=2, sampling=SamplingParams())) as events:
+            assert getattr(events, "route", None) == want
+            assert len([e async for e in events]) == 2
