@@ -251,7 +251,9 @@ class HopServer:
             session = self.sessions.get(SessionId(msg.session))
             if session is not None and session.coordinator != peer:
                 self._refuse(peer, "not_yours", f"only the installing coordinator releases session {msg.session}")
-            else:
+            elif session is not None or self.is_coordinator(peer):
+                # The coordinator may release a session whose Install never got here (refused, or lost): its
+                # late items are then dropped. Anyone else's release of an unknown session changes nothing.
                 self._drop(SessionId(msg.session))
         elif isinstance(msg, Renew):
             now = trio.current_time()
