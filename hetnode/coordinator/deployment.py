@@ -192,7 +192,8 @@ class Deployment:
             self.planning.scheduler, placement, seed=self._versions, high_water=self.planning.high_water,
             queue_limit=self.planning.queue_limit,
             kv_capacity={p.node: kv_tokens(profiles.profiles[p.node].memory_bytes, self.spec, p.layers)
-                         for p in placement.placements})
+                         for p in placement.placements},
+            **self._live_inputs(placement, profiles))
         plan = Plan(self._versions, stages, names, reason, time.time(), placement, scheduler)
         if self.plan is not self.serving:
             self._retire(self.plan)  # replaced before it was ever ready
@@ -211,6 +212,21 @@ class Deployment:
                 self._mask(self.serving, peer)
         self._notify()
         return plan
+
+    def _live_inputs(self, placement: PlacementPlan, profiles: ProfileTable) -> dict[str, object]:
+        """What the baseline policies read from the nodes, as the simulator feeds them from its nodes: the
+        tokens waiting in each node's queue (shortest-queue) and each node's measured step throughput, its T_j
+        until it has measured one (swarm); both from the nodes' latest heartbeats."""
+        def load(node: str) -> Load:
+            record = self.registry.nodes.get(NodeId(node))
+            return record.load if record is not None else Load()
+
+        if self.planning.scheduler == "shortest-queue":
+            return {"queue_len": lambda node: float(load(node).queued_tokens)}
+        if self.planning.scheduler == "swarm":
+            planned = {p.node: profiles.profiles[p.node].tokens_per_s(p.layers) for p in placement.placements}
+            return {"throughput": lambda node: load(node).tokens_per_s or planned.get(node, 0.0)}
+        return {}
 
     async def _place(self, members: list[NodeRecord]) -> tuple[PlacementPlan, ProfileTable]:
         profiles, skipped = live_profiles(members, self.spec, kv_share=self.planning.kv_share)

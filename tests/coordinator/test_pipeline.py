@@ -29,7 +29,7 @@ from hetnode.node.daemon import NodeConfig, NodeDaemon
 from hetnode.node.engine import EngineConfig, SamplingParams
 from hetnode.node.hops import HopServer
 from hetnode.protocol.memory import MemoryNetwork
-from hetnode.protocol.messages import HardwareProfile
+from hetnode.protocol.messages import HardwareProfile, Load
 from hetnode.protocol.probe import ProbeSettings
 
 PROMPTS = [[5, 6, 7], list(range(20, 45)), list(range(100, 170)), [9] * 11]
@@ -47,7 +47,7 @@ def profile(bw: float) -> HardwareProfile:
 
 @asynccontextmanager
 async def network(model: Path, bandwidths: list[float], method: str = "pipeline",
-                  engine_config: EngineConfig | None = None,
+                  engine_config: EngineConfig | None = None, scheduler: str = "iwrr",
                   ) -> AsyncIterator[tuple[PipelineGenerator, list[NodeDaemon]]]:
     net = MemoryNetwork()
     cfg = load_config(model)
@@ -55,7 +55,7 @@ async def network(model: Path, bandwidths: list[float], method: str = "pipeline"
         coord = Coordinator(CoordinatorConfig(token="t", probe_interval_s=3600,
                                               probe=ProbeSettings(first_bytes=1024, max_bytes=1024)), ct)
         gen = coord.enable_serving(model=str(model), model_config=cfg, tokenizer=load_tokenizer(model),
-                                   planning=PlanningConfig(method=method))
+                                   planning=PlanningConfig(method=method, scheduler=scheduler))
         await nursery.start(coord.run)
         nodes: list[NodeDaemon] = []
         async with _nodes(net, nursery, bandwidths, nodes, engine_config):
@@ -235,3 +235,31 @@ async def test_a_generation_names_its_route(tiny_model: Path) -> None:
         async with gen.generate(PROMPTS[0], GenerationParams(max_tokens=2, sampling=SamplingParams())) as events:
             assert getattr(events, "route", None) == want
             assert len([e async for e in events]) == 2
+
+
+async def test_the_baseline_schedulers_read_the_nodes_live_load(tiny_model: Path) -> None:
+    """shortest-queue and swarm see each node's queued tokens and measured throughput from its heartbeats, as the
+    simulator feeds them from its nodes (they no longer fall back to counting their own requests, or to uniform)."""
+    for scheduler in ("shortest-queue", "swarm"):
+        async with network(tiny_model, [30.0, 20.0, 10.0], method="helix", scheduler=scheduler) as (gen, _n):
+            deployment = gen.deployment
+            plan = deployment.plan
+            assert plan is not None and sorted(plan.names) == ["n0", "n1", "n2"] and len(plan.stages) == 3
+
+            nodes = deployment.registry.nodes
+
+            def report(**by_node: Load) -> None:
+                # Straight into the registry, and routed before any await: no real heartbeat lands in between.
+                for name, load in by_node.items():
+                    nodes[NodeId(name)].load = load  # noqa: B023 (called only inside this iteration)
+
+            picked = []
+            for k, busy in enumerate(["n0", "n1", "n2"] * 2):
+                if scheduler == "shortest-queue":
+                    report(**{n: Load(queued_tokens=500 if n != busy else 0) for n in ("n0", "n1", "n2")})
+                else:  # swarm: a draw in proportion to throughput, one node a million times faster
+                    report(**{n: Load(tokens_per_s=1e6 if n == busy else 1.0) for n in ("n0", "n1", "n2")})
+                route = await deployment.route(f"r{k}", 5)
+                picked.append(route[0].peer)
+                deployment.route_done(f"r{k}", 1)
+            assert picked == ["n0", "n1", "n2"] * 2
