@@ -65,9 +65,9 @@ class BatchConfig:
 
     max_batch_tokens: int = 8192  # most tokens one step carries (bounds activation memory), >= 1
     min_chunk: int = 16  # smallest piece split off a prompt chunk beside other work, >= 1
-    # Admit a prompt larger than the whole pool when the node holds no KV at all (an overcommit). Off: such a
-    # prompt is refused. The simulator's paper reproductions can turn it on to keep Helix's accounting, in
-    # which memory limits only admission order, never a request's feasibility.
+    # Admit a prompt larger than the whole pool when the node holds no KV at all, and let it grow while it is
+    # alone (an overcommit). Off: such a prompt is refused. A simulation can turn it on to keep the old
+    # accounting, in which memory limits only admission order, never a request's feasibility.
     admit_oversized: bool = False
 
     def __post_init__(self) -> None:
@@ -212,7 +212,7 @@ class BatchPolicy:
                     blocked.append(it)
                     waiting.append(it)
                     continue
-            elif not ledger.reserve(s, end):
+            elif not ledger.reserve(s, end, overcommit=self.admit_oversized and len(ledger) == 1):
                 blocked.append(it)
                 waiting.append(it)
                 continue
