@@ -4,7 +4,7 @@ No torch, no trio, no I/O, no clock: a policy is an object that takes plain reco
 and each executor (the node's batch loop, the simulated node) turns the decision into work.
 """
 
-from hetnode.policy.batching import PREEMPTED, BatchConfig, BatchPolicy, Pending, Step
+from hetnode.policy.batching import MIN_CHUNK, PREEMPTED, BatchConfig, BatchPolicy, Pending, Step
 from hetnode.policy.kv_ledger import KVLedger
 
-__all__ = ["PREEMPTED", "BatchConfig", "BatchPolicy", "KVLedger", "Pending", "Step"]
+__all__ = ["MIN_CHUNK", "PREEMPTED", "BatchConfig", "BatchPolicy", "KVLedger", "Pending", "Step"]

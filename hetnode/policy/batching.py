@@ -37,6 +37,7 @@ from typing import Generic, Protocol, TypeVar
 from hetnode.policy.kv_ledger import KVLedger
 
 PREEMPTED = "preempted: out of KV memory on this node"
+MIN_CHUNK = 16  # BatchConfig.min_chunk's default
 
 _SESSION = attrgetter("session")
 _START = attrgetter("start")
@@ -64,7 +65,7 @@ class BatchConfig:
     """Knobs of the batch policy; both executors take the same defaults."""
 
     max_batch_tokens: int = 8192  # most tokens one step carries (bounds activation memory), >= 1
-    min_chunk: int = 16  # smallest piece split off a prompt chunk beside other work, >= 1
+    min_chunk: int = MIN_CHUNK  # smallest piece split off a prompt chunk beside other work, >= 1
     # Admit a prompt larger than the whole pool when the node holds no KV at all, and let it grow while it is
     # alone (an overcommit). Off: such a prompt is refused. A simulation can turn it on to keep the old
     # accounting, in which memory limits only admission order, never a request's feasibility.
