@@ -31,17 +31,12 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from operator import add, attrgetter, le
 from typing import Generic, Protocol, TypeVar
 
 from hetnode.policy.kv_ledger import KVLedger
 
 PREEMPTED = "preempted: out of KV memory on this node"
 MIN_CHUNK = 16  # BatchConfig.min_chunk's default
-
-_SESSION = attrgetter("session")
-_START = attrgetter("start")
-_NTOK = attrgetter("num_tokens")
 
 
 class Pending(Protocol):
@@ -90,15 +85,15 @@ class Step(Generic[T]):
     __slots__ = ("batch", "blocked", "dropped", "preempted", "refused", "split", "split_tokens", "tokens",
                  "waiting")
 
-    def __init__(self, batch: list[T], waiting: list[T], *, tokens: int, split: T | None = None,
-                 split_tokens: int = 0, blocked: list[T] | None = None, refused: list[T] | None = None) -> None:
+    def __init__(self, batch: list[T], waiting: list[T], tokens: int, split: T | None, split_tokens: int,
+                 blocked: list[T], refused: list[T]) -> None:
         self.batch = batch
         self.waiting = waiting
         self.tokens = tokens
         self.split = split
         self.split_tokens = split_tokens
-        self.blocked: list[T] = blocked or []
-        self.refused: list[T] = refused or []
+        self.blocked = blocked
+        self.refused = refused
         self.preempted: list[Hashable] = []
         self.dropped: list[T] = []
 
@@ -109,8 +104,8 @@ class Step(Generic[T]):
 
 
 def refusal(need_blocks: int, capacity: int, block_size: int) -> str:
-    return (f"the prompt needs {need_blocks} KV blocks ({need_blocks * block_size} tokens) and this node's whole "
-            f"pool is {capacity} blocks")
+    return (f"out of KV memory on this node: the prompt needs {need_blocks} KV blocks ({need_blocks * block_size} "
+            f"tokens) and the node's whole pool is {capacity} blocks")
 
 
 class BatchPolicy:
@@ -134,12 +129,15 @@ class BatchPolicy:
     def form(self, queue: Sequence[T]) -> Step[T]:
         """The next step over `queue` (arrival order). Reserves KV in the ledger for what runs; may preempt."""
         step = self._form(queue)
-        while step.stalled and step.blocked:
-            grow = [it for it in step.blocked if it.session in self.ledger]
+        if step.batch or not step.blocked:
+            return step
+        ledger = self.ledger
+        while not step.batch and step.blocked:
+            grow = [it.session for it in step.blocked if it.session in ledger]
             if not grow:
                 break
-            victim = self.ledger.youngest(it.session for it in grow)
-            self.ledger.release(victim)
+            victim = ledger.youngest(grow)
+            ledger.release(victim)
             keep = [it for it in step.waiting if it.session != victim]
             dropped = [it for it in step.waiting if it.session == victim]
             preempted, earlier = [*step.preempted, victim], step.dropped + dropped
@@ -150,26 +148,10 @@ class BatchPolicy:
         return step
 
     def _form(self, queue: Sequence[T]) -> Step[T]:
-        # The usual step: every item belongs to an admitted session and stays inside its reservation, no
-        # session twice, all within the budget. Then the whole queue runs and the ledger does not change; the
-        # general loop would decide the same (tests/policy check it), this only does it in C: a simulation
-        # forms tens of millions of such steps.
-        n = len(queue)
-        if n <= self.budget:
-            sessions = list(map(_SESSION, queue))
-            try:
-                limits = list(map(self.ledger.limit.__getitem__, sessions))
-            except KeyError:  # a new session: admission
-                return self._form_general(queue)
-            ntok = list(map(_NTOK, queue))
-            tokens = sum(ntok)
-            if (tokens <= self.budget and all(map(le, map(add, map(_START, queue), ntok), limits))
-                    and len(set(sessions)) == n):
-                return Step(list(queue), [], tokens=tokens)
-        return self._form_general(queue)
-
-    def _form_general(self, queue: Sequence[T]) -> Step[T]:
+        # One pass in arrival order. A simulation runs this millions of times, hence the locals: every item of
+        # every step at every node comes through here.
         ledger = self.ledger
+        limits = ledger.limit
         budget = self.budget
         min_chunk = self.min_chunk
         batch: list[T] = []
@@ -178,29 +160,33 @@ class BatchPolicy:
         refused: list[T] = []
         refused_sessions: set[Hashable] = set()
         seen: set[Hashable] = set()
+        see = seen.add
+        run = batch.append
+        wait = waiting.append
         tokens = 0
         split: T | None = None
         split_tokens = 0
         admitting = True  # first come, first admitted: one new session waiting on KV stops later ones
         for it in queue:
             s = it.session
-            if s in refused_sessions:
-                refused.append(it)
-                continue
             if s in seen:
-                waiting.append(it)
+                if s in refused_sessions:
+                    refused.append(it)
+                else:
+                    wait(it)
                 continue
-            seen.add(s)
+            see(s)
             n = it.num_tokens
             take = n
-            room = budget - tokens
-            if n > room:
+            if tokens + n > budget:
+                room = budget - tokens
                 if batch and (n == 1 or room < min_chunk):
-                    waiting.append(it)
+                    wait(it)
                     continue
                 take = room
             end = it.start + take
-            if s not in ledger:
+            limit = limits.get(s)
+            if limit is None:
                 need = max(it.prefill_end, end)
                 if ledger.blocks_for(need) > ledger.capacity:
                     if not (self.admit_oversized and admitting and not ledger.used):
@@ -211,16 +197,15 @@ class BatchPolicy:
                 elif not admitting or not ledger.reserve(s, need):
                     admitting = False
                     blocked.append(it)
-                    waiting.append(it)
+                    wait(it)
                     continue
-            elif not ledger.reserve(s, end, overcommit=self.admit_oversized and len(ledger) == 1):
+            elif end > limit and not ledger.reserve(s, end, overcommit=self.admit_oversized and len(ledger) == 1):
                 blocked.append(it)
-                waiting.append(it)
+                wait(it)
                 continue
-            batch.append(it)
+            run(it)
             tokens += take
             if take < n:
                 split, split_tokens = it, take
-                waiting.append(it)
-        return Step(batch, waiting, tokens=tokens, split=split, split_tokens=split_tokens, blocked=blocked,
-                    refused=refused)
+                wait(it)
+        return Step(batch, waiting, tokens, split, split_tokens, blocked, refused)

@@ -29,7 +29,7 @@ class KVLedger:
         self.block_size = block_size
         self.used = 0  # blocks reserved by all sessions together
         # session -> tokens its blocks hold (blocks x block_size), in admission order. Public, read-only outside:
-        # the batch policy's fast path checks a whole queue against it in C (map over __getitem__).
+        # the batch policy reads it directly in its per-item loop (a dict lookup, not a method call).
         self.limit: dict[Hashable, int] = {}
         self._age: dict[Hashable, int] = {}  # session -> admission sequence number
         self._next_age = 0
