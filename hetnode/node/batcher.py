@@ -242,7 +242,7 @@ class BatchLoop:
         queue = [q for q in self._deferred if q.session not in self._released]
         step = self.policy.form(queue)
         for q in step.refused:
-            await self._fail(q.work, f"out of KV memory on this stage: {self.policy.refusal(q)}")
+            await self._fail(q.work, self.policy.refusal(q))
         for q in step.dropped:
             await self._fail(q.work, PREEMPTED)
         self._engine_releases += [SessionId(str(s)) for s in step.preempted]
