@@ -138,6 +138,9 @@ class SimCoordinator:
         self.max_reroutes = max_reroutes  # as PipelineGenerator: moves of one request before it gives up
         self.sessions = 0  # session ids handed out
         self.preemptions = 0
+        # Set at the first refusal: items of a refused request may still be on links; nodes drop them on arrival
+        # (the runtime's batch loop drops work of released sessions the same way).
+        self.stragglers = False
         self.window = window
         self.bin_s = bin_s
         self.routes: dict[tuple[tuple[str, int, int], ...], Route] = {}
@@ -346,6 +349,10 @@ class SimCoordinator:
             decisions = list(self.scheduler.cancel(r.rid, now))
             if reason != PREEMPTED or r.restarts >= self.max_reroutes:
                 r.rejected = reason if reason != PREEMPTED else f"{reason}; gave up after {r.restarts} moves"
+                # The rest of a split chunk may wait at other stages: it must not take KV there again.
+                for node, _ in r.stages:
+                    node.queue = [x for x in node.queue if x.origin is not r]
+                self.stragglers = True
             else:
                 self.preemptions += 1
                 r.restarts += 1

@@ -121,6 +121,8 @@ class Simulation:
             processed += 1
             if kind == NODE_MESSAGE:
                 node = nodes[a]
+                if coord.stragglers:
+                    b = [r for r in b if not r.origin.rejected]
                 if node.queue:
                     node.queue.extend(b)
                 else:
