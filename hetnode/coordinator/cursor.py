@@ -40,6 +40,11 @@ class SessionCursor:
         self.position = 0
         self._prefill_end = len(self.prompt) + len(self.generated)
 
+    @property
+    def prefill_end(self) -> int:
+        """Tokens this pipeline prefills before decoding (what a stage reserves KV for at the first chunk)."""
+        return self._prefill_end
+
     def next_item(self) -> StepItem:
         """The next item to send to the first stage."""
         if self.finished:

@@ -58,6 +58,8 @@ class LocalGenerator:
 
     async def _deliver(self, done: list[tuple[Work, ItemResult]]) -> None:
         for work, result in done:
+            if work.item.start + work.item.num_tokens != work.ctx:
+                continue  # a piece of a chunk the batch loop split: the chunk's last piece answers for it
             inbox = self._inboxes.get(work.item.session)
             if inbox is not None:
                 inbox.send_nowait(result)
@@ -85,7 +87,7 @@ class LocalGenerator:
         cursor = SessionCursor(session, prompt_ids, params, self.prefill_chunk)
         while not cursor.finished:
             item = cursor.next_item()
-            await self.loop.submit(Work(item))
+            await self.loop.submit(Work(item, ctx=item.start + item.num_tokens, prefill_end=cursor.prefill_end))
             outcome = await recv.receive()
             if isinstance(outcome, str):
                 raise GenerationError(outcome, status=503, code="engine_error")

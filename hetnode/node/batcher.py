@@ -1,9 +1,14 @@
 """The dynamic batch loop around one engine (Helix §5.1): each step takes all work that arrived meanwhile.
 
 Work arrives on a bounded channel, so a full node pushes back on its senders instead of growing a queue. The
-loop waits for the first item, then drains whatever else is already queued (never waiting for more), up to
-the step's token budget, and runs one engine step in the device's worker thread (CapacityLimiter(1): the
-engine is not thread-safe). Results go to `deliver`; items that cannot run go to `fail` with a reason.
+loop waits for the first item, then drains whatever else is already queued (never waiting for more), and lets
+the batch policy (`hetnode.policy.BatchPolicy`, the same object the simulator runs) pick the step: the token
+budget, one item per session, chunked prefill, and KV admission against a ledger as large as the engine's pool.
+Work whose KV does not fit waits in the queue; the engine never sees more than the ledger reserved, so a step
+cannot fail for KV memory. A prompt chunk the policy splits runs as pieces, each delivered as it completes
+(sampling only on the last). The step runs in the device's worker thread (CapacityLimiter(1): the engine is not
+thread-safe). Results go to `deliver`; items that cannot run go to `fail` with a reason: a prompt larger than
+the whole pool, a session the policy preempted (out of KV with nothing else able to run), an `EngineError`.
 `stop` ends the loop without stranding anyone: the step under way completes and delivers, and every item still
 queued goes to `fail`, so its requester hears about it instead of waiting for an answer that never comes.
 
@@ -14,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +30,7 @@ from hetnode.ids import SessionId
 from hetnode.kv import KVUsage
 from hetnode.kv.blocks import KVCacheFull
 from hetnode.node.engine.base import Engine, EngineError, ItemResult, StepItem
+from hetnode.policy import MIN_CHUNK, PREEMPTED, BatchConfig, BatchPolicy, KVLedger
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +42,38 @@ _RELEASED_MEMORY = 65536
 class Work:
     item: StepItem
     ctx: Any = None  # whatever the owner needs to route the result (reply address, next stage, ...)
+    # Tokens the session prefills, so that its first item here reserves KV for the whole prompt; 0: the item's
+    # own end (all a stage that sees only chunks knows; later chunks then grow the reservation).
+    prefill_end: int = 0
+
+    def __post_init__(self) -> None:
+        if self.prefill_end <= 0:
+            object.__setattr__(self, "prefill_end", self.item.start + self.item.num_tokens)
+
+
+class _Queued:
+    """A queued item as the batch policy reads it (`hetnode.policy.Pending`)."""
+
+    __slots__ = ("num_tokens", "prefill_end", "session", "start", "work")
+
+    def __init__(self, work: Work) -> None:
+        self.work = work
+        self.session = work.item.session
+        self.start = work.item.start
+        self.num_tokens = work.item.num_tokens
+        self.prefill_end = work.prefill_end
+
+
+def split_item(item: StepItem, k: int) -> tuple[StepItem, StepItem]:
+    """The first `k` tokens of `item` (no sampling: it is not the end of the chunk) and the rest."""
+    if item.token_ids is not None:
+        ids = list(item.token_ids)
+        return (StepItem(item.session, item.start, token_ids=ids[:k]),
+                StepItem(item.session, item.start + k, token_ids=ids[k:], sampling=item.sampling))
+    assert item.hidden is not None
+    # hidden: [n, H] -> [k, H] and [n - k, H]
+    return (StepItem(item.session, item.start, hidden=item.hidden[:k]),
+            StepItem(item.session, item.start + k, hidden=item.hidden[k:], sampling=item.sampling))
 
 
 Deliver = Callable[[list[tuple[Work, ItemResult]]], Awaitable[None]]
@@ -45,7 +83,7 @@ Pace = Callable[[Sequence[StepItem]], float]
 
 class BatchLoop:
     def __init__(self, engine: Engine, *, deliver: Deliver, fail: Fail, pace: Pace | None = None,
-                 queue_size: int = 4096) -> None:
+                 queue_size: int = 4096, min_chunk: int = MIN_CHUNK) -> None:
         self.engine = engine
         self._deliver = deliver
         self._fail = fail
@@ -53,12 +91,17 @@ class BatchLoop:
         # None wakes an idle loop so that a release frees KV at once rather than at the next step.
         self._send, self._recv = trio.open_memory_channel[Work | None](queue_size)
         self._limiter = trio.CapacityLimiter(1)
-        self._deferred: deque[Work] = deque()
-        self._releases: list[SessionId] = []
+        self._deferred: list[_Queued] = []
+        self._stalled = False  # everything queued waits for KV: wait for new work or a release
+        self._releases: list[SessionId] = []  # asked for, not yet applied to the ledger
+        self._engine_releases: list[SessionId] = []  # dropped from the ledger, to free in the engine first
         self._released: OrderedDict[SessionId, None] = OrderedDict()
         self.queued_tokens = 0
         self.steps = 0
         self.kv = engine.kv_usage()
+        self.ledger = KVLedger(self.kv.total_blocks, self.kv.block_size)
+        self.policy = BatchPolicy(self.ledger, BatchConfig(max_batch_tokens=engine.engine_config.max_batch_tokens,
+                                                           min_chunk=min_chunk))
         self._idle = trio.Event()
         self._busy = False
         self._stopping: str | None = None
@@ -73,7 +116,7 @@ class BatchLoop:
     def _is_idle(self) -> bool:
         if self._stopped.is_set():
             return True
-        return (not self._busy and not self._deferred and not self._releases
+        return (not self._busy and not self._deferred and not self._releases and not self._engine_releases
                 and self._recv.statistics().current_buffer_used == 0)
 
     # -- producers ---------------------------------------------------------------------------------------
@@ -128,7 +171,7 @@ class BatchLoop:
             self._idle.set()
 
     async def _fail_pending(self, reason: str) -> None:
-        pending, self._deferred = list(self._deferred), deque()
+        pending, self._deferred = [q.work for q in self._deferred], []
         while True:
             try:
                 work = self._recv.receive_nowait()
@@ -140,12 +183,14 @@ class BatchLoop:
         for work in pending:
             if work.item.session not in self._released:
                 await self._fail(work, reason)
-        releases, self._releases = self._releases, []
+        releases = self._take_releases()
         if releases:
             await trio.to_thread.run_sync(self._release_sync, releases, limiter=self._limiter)
 
     async def _run_step(self, batch: list[Work]) -> None:
-        releases, self._releases = self._releases, []
+        releases = self._take_releases()
+        if releases:  # released while the batch formed: their KV goes now, so their items must not run
+            batch = [w for w in batch if w.item.session not in self._released]
         if not batch:
             if releases:
                 await trio.to_thread.run_sync(self._release_sync, releases, limiter=self._limiter)
@@ -166,39 +211,52 @@ class BatchLoop:
         if done:
             await self._deliver(done)
 
+    def _take_releases(self) -> list[SessionId]:
+        """Sessions to free in the engine; the ledger forgets them at the same time, before the next step."""
+        for session in self._releases:
+            self.ledger.release(session)
+        releases = self._engine_releases + self._releases
+        self._releases, self._engine_releases = [], []
+        return releases
+
+    def _receive(self, work: Work | None) -> None:
+        if work is not None:
+            self.queued_tokens -= work.item.num_tokens
+            self._deferred.append(_Queued(work))
+
     async def _next_batch(self) -> list[Work]:
-        if not self._deferred:
-            first = await self._recv.receive()
-            if first is not None:
-                self.queued_tokens -= first.item.num_tokens
-                self._deferred.append(first)
+        if not self._deferred or self._stalled:
+            self._receive(await self._recv.receive())
         # Everything already here, without waiting for more.
         while True:
             try:
                 work = self._recv.receive_nowait()
             except (trio.WouldBlock, trio.EndOfChannel):
                 break
-            if work is not None:
-                self.queued_tokens -= work.item.num_tokens
-                self._deferred.append(work)
-        budget = self.engine.engine_config.max_batch_tokens
-        batch: list[Work] = []
-        sessions: set[SessionId] = set()
-        later: deque[Work] = deque()
-        tokens = 0
-        while self._deferred:
-            work = self._deferred.popleft()
-            item = work.item
-            if item.session in self._released:
-                continue
-            # One item per session per step (a later prefill chunk waits for the earlier one), in order.
-            if item.session in sessions or (tokens + item.num_tokens > budget and batch):
-                later.append(work)
-                continue
-            batch.append(work)
-            sessions.add(item.session)
-            tokens += item.num_tokens
-        self._deferred = later
+            self._receive(work)
+        # Released sessions leave the ledger now (and the engine before the step), so the step may use their KV.
+        for session in self._releases:
+            self.ledger.release(session)
+        self._engine_releases += self._releases
+        self._releases = []
+        queue = [q for q in self._deferred if q.session not in self._released]
+        step = self.policy.form(queue)
+        for q in step.refused:
+            await self._fail(q.work, self.policy.refusal(q))
+        for q in step.dropped:
+            await self._fail(q.work, PREEMPTED)
+        self._engine_releases += [SessionId(str(s)) for s in step.preempted]
+        batch = [q.work for q in step.batch]
+        waiting = step.waiting
+        if step.split is not None:
+            k = step.split_tokens
+            piece, rest = split_item(step.split.work.item, k)
+            whole = step.split.work
+            batch[step.batch.index(step.split)] = Work(piece, whole.ctx, whole.prefill_end)
+            rest_work = Work(rest, whole.ctx, whole.prefill_end)
+            waiting = [_Queued(rest_work) if q is step.split else q for q in waiting]
+        self._deferred = waiting
+        self._stalled = step.stalled
         return batch
 
     def _release_sync(self, sessions: list[SessionId]) -> None:
@@ -211,23 +269,21 @@ class BatchLoop:
         self._release_sync(releases)
         try:
             results: list[ItemResult | str] = list(self.engine.step(items))
-        except (EngineError, KVCacheFull) as exc:
+        except EngineError as exc:
             # The engine changed nothing; find the items at fault by running each on its own.
-            results = [_reason(exc)] if len(items) == 1 else [self._step_one(item) for item in items]
+            results = [str(exc)] if len(items) == 1 else [self._step_one(item) for item in items]
+        except KVCacheFull as exc:
+            # The ledger reserved everything this step allocates, so this is a bookkeeping bug, not a full node.
+            log.error("KV cache full inside the ledger's reservations: %s", exc)
+            results = [f"KV accounting error on this stage: {exc}"] * len(items)
         self.kv = self.engine.kv_usage()
         return results
 
     def _step_one(self, item: StepItem) -> ItemResult | str:
         try:
             return self.engine.step([item])[0]
-        except (EngineError, KVCacheFull) as exc:
-            return _reason(exc)
+        except EngineError as exc:
+            return str(exc)
 
     def kv_usage(self) -> KVUsage:
         return self.kv
-
-
-def _reason(exc: Exception) -> str:
-    if isinstance(exc, KVCacheFull):
-        return f"out of KV cache memory on this stage: {exc}"
-    return str(exc)

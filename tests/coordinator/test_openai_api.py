@@ -29,6 +29,7 @@ from hetnode.ids import SessionId
 from hetnode.models.tiny import write_tiny_model
 from hetnode.models.tokenizer import chat_prompt_ids, load_tokenizer
 from hetnode.node.engine import Completion, EngineConfig, LocalPipeline, Request, SamplingParams, TorchEngine
+from hetnode.policy import PREEMPTED
 from hetnode.protocol.memory import MemoryNetwork
 
 MODEL = "tiny-llama"
@@ -57,7 +58,8 @@ def engine(model_dir: Path) -> Iterator[TorchEngine]:
 
 @pytest.fixture(scope="module")
 def small_kv_engine(model_dir: Path) -> Iterator[TorchEngine]:
-    """KV for 16 tokens: a 20-token prompt fails before its first token, a 6-token one after ~10 tokens."""
+    """KV for 16 tokens: a 20-token prompt is refused before its first token (it can never fit); a 6-token one
+    is preempted when its decode needs a 17th token of KV and nothing else could run."""
     e = TorchEngine.load(model_dir, engine_config=EngineConfig(block_size=4, num_kv_blocks=4))
     yield e
     e.close()
@@ -474,16 +476,19 @@ async def test_generation_errors_before_and_mid_stream(small_kv_engine: TorchEng
             assert r.status_code == 503 and r.headers["content-type"] == "application/json"
             error = r.json()["error"]
             assert error["type"] == "server_error" and error["code"] == "engine_error"
-            assert "KV" in error["message"]
+            # Queueing cannot help a prompt larger than the whole pool: a clear refusal, at once.
+            assert "needs 5 KV blocks (20 tokens)" in error["message"] and "pool is 4 blocks" in error["message"]
 
         runs_out = {"model": MODEL, "prompt": list(range(3, 9)), "max_tokens": 30, "temperature": 0}
         r = await client.post("/v1/completions", json=runs_out)
-        assert r.status_code == 503 and "KV" in r.json()["error"]["message"]
+        # Decode outgrew the pool with nothing else to run: the batch policy preempts the session (a pipeline
+        # generator would move it; the single-process one has nowhere to go).
+        assert r.status_code == 503 and r.json()["error"]["message"] == PREEMPTED
         r = await client.post("/v1/completions", json={**runs_out, "stream": True})
         assert r.status_code == 200  # the headers went out with the first token
         *chunks, last = sse_events(r.text, r.headers["content-type"])
         assert chunks and all(e["choices"][0]["finish_reason"] is None for e in chunks)
-        assert last["error"]["code"] == "engine_error" and "KV" in last["error"]["message"]
+        assert last["error"]["code"] == "engine_error" and last["error"]["message"] == PREEMPTED
     await kv_drained(small_kv_engine)
 
 

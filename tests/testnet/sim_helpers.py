@@ -43,22 +43,31 @@ def two_node_plan(split: int = 2) -> PlacementPlan:
 class Item:
     """A stand-in for SimRequest in node-level tests: the fields a node reads."""
 
-    __slots__ = ("kv_blocks", "kv_since", "kv_wait", "ntok", "nxt", "pf", "pos", "seg", "session")
+    __slots__ = ("kv_since", "kv_wait", "num_tokens", "nxt", "origin", "pf", "prefill_end", "seg", "session",
+                 "start")
 
-    def __init__(self, session: str, ntok: int, *, pf: bool, pos: int = 0, kv_blocks: int = 1,
+    def __init__(self, session: str, num_tokens: int, *, pf: bool, start: int = 0, prefill_end: int = 0,
                  seg: dict[int, int] | None = None) -> None:
         self.session = session
-        self.ntok = ntok
+        self.num_tokens = num_tokens
         self.pf = pf
-        self.pos = pos
-        self.kv_blocks = kv_blocks
+        self.start = start
+        self.prefill_end = prefill_end or start + num_tokens
         self.kv_since = -1.0
         self.kv_wait = 0.0
         self.seg = seg or {}
         self.nxt: dict[int, int] = {}
+        self.origin = self
+
+    def piece(self, k: int) -> Item:
+        clone = Item(self.session, k, pf=self.pf, start=self.start, prefill_end=self.prefill_end, seg=self.seg)
+        clone.origin = self.origin
+        self.start += k
+        self.num_tokens -= k
+        return clone
 
     def __repr__(self) -> str:
-        return f"Item({self.session}, {self.ntok})"
+        return f"Item({self.session}, {self.start}+{self.num_tokens})"
 
 
 def sessions(batch: Any) -> list[str]:

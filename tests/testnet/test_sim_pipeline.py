@@ -269,3 +269,50 @@ def test_the_coordinator_serves_one_thing_at_a_time() -> None:
     assert served[1].first_token == pytest.approx(base[0].first_token + 0.016, rel=1e-12)
     with pytest.raises(ConfigError, match="coordinator"):
         SimOptions(coordinator_token_s=-1.0)
+
+
+def test_a_decode_out_of_kv_is_preempted_and_moved_and_every_request_finishes() -> None:
+    # Three blocks per node; each request ends at 10 + 30 = 40 tokens (three blocks), so two cannot both grow.
+    wl = Workload(name="two", inputs=(10, 10), outputs=(30, 30), arrivals=(1.0, 1.0))
+    result = simulate(two_node_cluster(), TOY, PROFILES, two_node_plan(), workload=wl,
+                      scheduler=IwrrScheduler(two_node_plan()), duration_s=100.0, warmup_s=0.0,
+                      options=SimOptions(kv_capacity={"a": 48, "b": 48}))
+    assert result.summary["requests"]["preemptions"] >= 1
+    assert [(r.generated, r.rejected) for r in result.requests] == [(30, ""), (30, "")]
+    assert all(n.kv_peak <= 1.0 for n in result.nodes)  # never past the pool
+
+
+def test_a_prompt_larger_than_a_nodes_pool_is_refused_unless_oversized_prompts_are_admitted() -> None:
+    kw: dict[str, Any] = {"scheduler": IwrrScheduler(two_node_plan()), "duration_s": 100.0, "warmup_s": 0.0}
+    refused = simulate(two_node_cluster(), TOY, PROFILES, two_node_plan(), workload=one_request(100, 3),
+                       options=SimOptions(kv_capacity={"b": 64}), **kw)
+    (r,) = refused.requests
+    assert r.rejected.startswith("out of KV memory on this node") and "pool is 4 blocks" in r.rejected
+    assert {n.name: n.kv_peak for n in refused.nodes}["a"] > 0  # a ran it, then freed it
+    kw["scheduler"] = IwrrScheduler(two_node_plan())
+    lax = simulate(two_node_cluster(), TOY, PROFILES, two_node_plan(), workload=one_request(100, 3),
+                   options=SimOptions(kv_capacity={"b": 64}, admit_oversized=True), **kw)
+    (r,) = lax.requests
+    assert r.generated == 3 and not r.rejected
+    assert {n.name: n.kv_peak for n in lax.nodes}["b"] == 7 / 4  # an overcommit, alone
+
+
+def test_the_rest_of_a_refused_split_prompt_leaves_no_kv_behind(monkeypatch: pytest.MonkeyPatch) -> None:
+    import hetnode.testnet.sim.runner as runner
+
+    held: dict[str, int] = {}
+    stats = runner._node_stats
+
+    def record(n: Any, end: float, window: tuple[float, float]) -> Any:
+        held[n.name] = n.ledger.used + len(n.queue)
+        return stats(n, end, window)
+
+    monkeypatch.setattr(runner, "_node_stats", record)
+    # a splits the 200-token prompt into pieces of 16; over fast links b refuses the first while most of the rest
+    # still waits at a, which has freed the session's KV by the time it would run them.
+    wl = Workload(name="two", inputs=(200, 20), outputs=(3, 5), arrivals=(1.0, 1.0))
+    result = simulate(two_node_cluster(coord_ms=0.01, mid_ms=0.01), TOY, PROFILES, two_node_plan(), workload=wl,
+                      scheduler=IwrrScheduler(two_node_plan()), duration_s=100.0, warmup_s=0.0,
+                      options=SimOptions(kv_capacity={"b": 64}, max_batch_tokens=16))
+    assert [r.generated for r in result.requests] == [0, 5] and result.requests[0].rejected
+    assert held == {"a": 0, "b": 0}

@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from hetnode.errors import HetnodeError
+from hetnode.policy import PREEMPTED
 from hetnode.testnet.sim.node import SimNode
 
 
@@ -44,11 +45,16 @@ class Scheduler(Protocol):
 
     def finish(self, request_id: str, output_len: int, now: float) -> Sequence[Any]: ...
 
+    def cancel(self, request_id: str, now: float | None = None) -> Sequence[Any]: ...
+
 
 class SimRequest:
+    """A request, and the item of it in flight (the fields the batch policy reads: session, start, num_tokens,
+    prefill_end). A piece split off a prompt chunk by a node's policy is a clone whose `origin` is the request."""
+
     __slots__ = ("admitted", "arrival", "depth", "done", "first", "first_token", "gen", "idx", "input_len",
-                 "kv_blocks", "kv_since", "kv_wait", "last_token", "max_tbt", "ntok", "nxt", "output_len", "path",
-                 "pf", "pos", "prefill_end", "rejected", "rid", "seg", "stages")
+                 "kv_since", "kv_wait", "last_token", "max_tbt", "num_tokens", "nxt", "origin", "output_len",
+                 "path", "pf", "prefill_end", "rejected", "restarts", "rid", "seg", "session", "stages", "start")
 
     def __init__(self, idx: int, arrival: float, input_len: int, output_len: int) -> None:
         self.idx = idx
@@ -65,18 +71,33 @@ class SimRequest:
         self.kv_since = -1.0
         self.rejected = ""
         self.gen = 0  # tokens generated
-        # The item in flight: `ntok` tokens at positions [pos, pos + ntok); pf while it is a prompt chunk.
-        self.pos = 0
-        self.ntok = 0
+        self.restarts = 0  # moves after a node preempted it
+        self.origin = self
+        self.session = -1  # the nodes' key for its KV; a new one for each pipeline it runs on
+        # The item in flight: `num_tokens` tokens at positions [start, start + num_tokens); pf while it is a
+        # prompt chunk, of the `prefill_end` tokens prefilled before decoding.
+        self.start = 0
+        self.num_tokens = 0
         self.pf = True
         self.prefill_end = input_len
-        self.kv_blocks = 0  # KV blocks it holds at each stage
         self.first = -1  # index of the first stage's node
         self.nxt: dict[int, int] = {}  # node index -> the next hop's index (the coordinator after the last)
         self.seg: dict[int, int] = {}  # node index -> its layer-range slot there
         self.stages: tuple[tuple[SimNode, int], ...] = ()  # (node, layers it runs there)
         self.depth = 0
         self.path = ""
+
+
+    def piece(self, k: int) -> SimRequest:
+        """Split the item: a clone runs its first `k` tokens now; this request keeps the rest, at its place."""
+        clone = SimRequest.__new__(SimRequest)
+        for name in SimRequest.__slots__:
+            setattr(clone, name, getattr(self, name))
+        clone.num_tokens = k
+        clone.kv_since = -1.0
+        self.start += k
+        self.num_tokens -= k
+        return clone
 
 
 class Route:
@@ -101,7 +122,8 @@ Push = Callable[[float, int, Any, Any], None]
 class SimCoordinator:
     def __init__(self, scheduler: Scheduler, nodes: Sequence[SimNode], *, num_layers: int, send: Send,
                  release: Callable[[SimNode, int, float], None], prefill_chunk: int, block_size: int,
-                 window: tuple[float, float], bin_s: float, request_s: float = 0.0, token_s: float = 0.0) -> None:
+                 window: tuple[float, float], bin_s: float, request_s: float = 0.0, token_s: float = 0.0,
+                 max_reroutes: int = 3) -> None:
         if not request_s >= 0 or not token_s >= 0:
             raise ValueError(f"the coordinator's times must be >= 0, not {request_s} and {token_s}")
         self.scheduler = scheduler
@@ -113,6 +135,12 @@ class SimCoordinator:
         self.release = release
         self.chunk = prefill_chunk if prefill_chunk > 0 else 1 << 62
         self.block = block_size
+        self.max_reroutes = max_reroutes  # as PipelineGenerator: moves of one request before it gives up
+        self.sessions = 0  # session ids handed out
+        self.preemptions = 0
+        # Set at the first refusal: items of a refused request may still be on links; nodes drop them on arrival
+        # (the runtime's batch loop drops work of released sessions the same way).
+        self.stragglers = False
         self.window = window
         self.bin_s = bin_s
         self.routes: dict[tuple[tuple[str, int, int], ...], Route] = {}
@@ -151,18 +179,22 @@ class SimCoordinator:
         route = self.routes.get(key)
         if route is None:
             route = self.routes[key] = self._route(key)
-        r.admitted = now
+        if r.admitted < 0:
+            r.admitted = now
         r.first = route.first
         r.nxt = route.nxt
         r.seg = route.seg
         r.depth = route.depth
         r.path = route.path
         r.stages = route.stages
+        # A fresh session: after a move the new pipeline prefills the prompt and every token generated so far
+        # (as SessionCursor.restart), then samples the next token.
+        r.session = self.sessions
+        self.sessions += 1
         r.pf = True
-        r.pos = 0
-        r.prefill_end = r.input_len
-        r.ntok = min(self.chunk, r.input_len)
-        r.kv_blocks = -(-r.input_len // self.block)
+        r.start = 0
+        r.prefill_end = r.input_len + r.gen
+        r.num_tokens = min(self.chunk, r.prefill_end)
         self.inflight += 1
         if self.request_s:
             now = self.free = max(self.free, now) + self.request_s
@@ -209,20 +241,23 @@ class SimCoordinator:
 
     def _handle(self, items: list[SimRequest], now: float) -> None:
         chunk = self.chunk
-        block = self.block
         produced = 0
         prompt_done = 0
         going: list[SimRequest] = []
         for r in items:
+            if r.origin is not r or r.done >= 0 or r.rejected:
+                continue  # a piece of a split chunk (its last piece answers), or a request already ended
             if r.pf:
-                p = r.pos + r.ntok
+                p = r.start + r.num_tokens
                 end = r.prefill_end
-                r.pos = p
+                r.start = p
                 if p < end:  # the next prompt chunk
-                    r.ntok = chunk if p + chunk <= end else end - p
-                else:  # the prompt is in: the first token
-                    r.pf = False
-                    r.ntok = 1
+                    r.num_tokens = chunk if p + chunk <= end else end - p
+                    going.append(r)
+                    continue
+                r.pf = False
+                r.num_tokens = 1
+                if not r.gen:  # the prompt is in: the first token
                     r.first_token = r.last_token = now
                     r.gen = 1
                     produced += 1
@@ -230,23 +265,21 @@ class SimCoordinator:
                     if r.output_len <= 1:
                         self._finish(r, now)
                         continue
-                    if p % block == 0:
-                        self._grow(r, now)
-            else:
-                gap = now - r.last_token
-                if gap > r.max_tbt:
-                    r.max_tbt = gap
-                r.last_token = now
-                g = r.gen + 1
-                r.gen = g
-                produced += 1
-                if g >= r.output_len:
-                    self._finish(r, now)
+                    going.append(r)
                     continue
-                p = r.pos + 1
-                r.pos = p
-                if p % block == 0:
-                    self._grow(r, now)
+                # A moved request's context is back in: its next token, as a decode step would give it.
+                r.start = p - 1
+            gap = now - r.last_token
+            if gap > r.max_tbt:
+                r.max_tbt = gap
+            r.last_token = now
+            g = r.gen + 1
+            r.gen = g
+            produced += 1
+            if g >= r.output_len:
+                self._finish(r, now)
+                continue
+            r.start += 1
             going.append(r)
         if produced:
             self._count(now, produced, prompt_done)
@@ -281,25 +314,50 @@ class SimCoordinator:
             self.window_generated += produced
             self.window_prompt += prompt_done
 
-    def _grow(self, r: SimRequest, now: float) -> None:
-        """One more KV block at every stage (the item about to be sent starts a new block)."""
-        r.kv_blocks += 1
-        for node, _ in r.stages:  # node.kv_change(now, 1), inlined
-            node.kv_area += node.kv_used * (now - node.kv_t)
-            node.kv_t = now
-            used = node.kv_used = node.kv_used + 1
-            if used > node.kv_peak:
-                node.kv_peak = used
-
     def _finish(self, r: SimRequest, now: float) -> None:
         r.done = now
         self.inflight -= 1
         self.finished += 1
         for node, _ in r.stages:
-            self.release(node, r.kv_blocks, now)
-        for decision in self.scheduler.finish(r.rid, r.gen, now):
+            self.release(node, r.session, now)
+        self._admit_queued(self.scheduler.finish(r.rid, r.gen, now), now)
+        if self.on_finish is not None:
+            self.on_finish(now)
+
+    def _admit_queued(self, decisions: Sequence[Any], now: float) -> None:
+        for decision in decisions:
             queued = self.waiting.pop(decision.request_id, None)
             if queued is not None:
                 self._decided(queued, decision, now)
-        if self.on_finish is not None:
-            self.on_finish(now)
+
+    # -- failures at nodes ------------------------------------------------------------------------------
+
+    def on_failed(self, failed: list[tuple[SimRequest, str]], now: float) -> None:
+        """Requests a node refused (a prompt larger than its whole KV pool) or preempted (out of KV with nothing
+        able to run). As PipelineGenerator does on StageFailed: release the session on every stage and move
+        the request to a new pipeline (here: the scheduler's pick, re-prefilling what it had), at most
+        `max_reroutes` times. A refused prompt ends there. The failure reaches the coordinator at once (it is
+        rare; a message's latency would change nothing that matters)."""
+        for item, reason in failed:
+            r = item.origin
+            if r.done >= 0 or r.rejected or item.session != r.session:
+                continue  # already ended or moved: a straggler of the old session
+            self.inflight -= 1
+            for node, _ in r.stages:
+                self.release(node, r.session, now)
+            r.session = -1
+            decisions = list(self.scheduler.cancel(r.rid, now))
+            if reason != PREEMPTED or r.restarts >= self.max_reroutes:
+                r.rejected = reason if reason != PREEMPTED else f"{reason}; gave up after {r.restarts} moves"
+                # The rest of a split chunk may wait at other stages: it must not take KV there again.
+                for node, _ in r.stages:
+                    node.queue = [x for x in node.queue if x.origin is not r]
+                self.stragglers = True
+            else:
+                self.preemptions += 1
+                r.restarts += 1
+                r.kv_since = -1.0
+                self._decided(r, self.scheduler.submit(r.rid, r.input_len + r.gen, now), now)
+            self._admit_queued(decisions, now)
+            if r.rejected and self.on_finish is not None:
+                self.on_finish(now)

@@ -28,7 +28,7 @@ from hetnode.testnet.sim.events import (
 from hetnode.testnet.sim.links import SimLink
 from hetnode.testnet.sim.node import SimNode
 
-_NTOK = attrgetter("ntok")
+_NTOK = attrgetter("num_tokens")
 _PF = attrgetter("pf")
 
 
@@ -84,10 +84,16 @@ class Simulation:
             kind = NODE_MESSAGE
         heapq.heappush(self.events.heap, (arrive, next(self.events.seq), kind, dst, items))
 
-    def release(self, node: SimNode, blocks: int, now: float) -> None:
-        """The coordinator's Release for a session: it frees `blocks` at `node` one link latency later."""
+    def release(self, node: SimNode, session: int, now: float) -> None:
+        """The coordinator's Release for a session: `node` frees its KV one link latency later."""
         link = self.network.link(self.network.coordinator, node.index)
-        self.events.push(now + link.latency_s, RELEASE, node.index, blocks)
+        self.events.push(now + link.latency_s, RELEASE, node.index, session)
+
+    def _failed(self, node: SimNode, now: float) -> None:
+        """Requests the node's policy refused or preempted: the coordinator moves or ends them."""
+        failed, node.failed = node.failed, []
+        assert self.coordinator is not None
+        self.coordinator.on_failed(failed, now)
 
     def arrive_at(self, time: float, workload_index: int) -> None:
         self.events.push(time, ARRIVAL, workload_index)
@@ -115,12 +121,16 @@ class Simulation:
             processed += 1
             if kind == NODE_MESSAGE:
                 node = nodes[a]
+                if coord.stragglers:
+                    b = [r for r in b if not r.origin.rejected]
                 if node.queue:
                     node.queue.extend(b)
                 else:
                     node.queue = b
                 if node.batch is None:
                     dur = node.form_batch(now)
+                    if node.failed:
+                        self._failed(node, now)
                     if dur >= 0:
                         push(heap, (now + dur, next(seq), STEP_DONE, a, None))
             elif kind == STEP_DONE:
@@ -149,6 +159,8 @@ class Simulation:
                             send(a, d, g, now)
                 if node.queue:
                     dur = node.form_batch(now)
+                    if node.failed:
+                        self._failed(node, now)
                     if dur >= 0:
                         push(heap, (now + dur, next(seq), STEP_DONE, a, None))
             elif kind == COORD_MESSAGE:
@@ -157,9 +169,11 @@ class Simulation:
                 on_arrival(a, now)
             else:  # RELEASE
                 node = nodes[a]
-                node.kv_change(now, -b)
+                node.release(b, now)
                 if node.batch is None and node.queue:
                     dur = node.form_batch(now)
+                    if node.failed:
+                        self._failed(node, now)
                     if dur >= 0:
                         push(heap, (now + dur, next(seq), STEP_DONE, a, None))
             if progress is not None and not processed & 0x3FFF:

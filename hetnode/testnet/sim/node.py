@@ -1,10 +1,11 @@
-"""A simulated compute node: the runtime's dynamic batching, step times from a profile table, KV memory.
+"""A simulated compute node: the runtime's batch policy, step times from a profile table, KV memory.
 
-Batching mirrors `hetnode.node.batcher.BatchLoop._next_batch`: when the node is idle and work is waiting, it
-starts a step at once (no waiting for more) with everything already queued, in arrival order, one item per
-session (a session never has two items in flight here: the coordinator sends the next one only after the
-previous came back), skipping an item whose tokens would take the step over `max_batch_tokens` unless the
-batch is still empty; skipped items keep their place for the next step.
+Batching is not imitated here: the node runs `hetnode.policy.BatchPolicy`, the object the runtime's
+`BatchLoop` runs, on its queue of `SimRequest`s (which carry the fields the policy reads: session, start,
+num_tokens, prefill_end). When the node is idle and work is waiting it starts a step at once (no waiting for
+more) with what the policy picks: arrival order, one item per session, at most `max_batch_tokens`, a prompt
+chunk that does not fit split into a piece that runs now (a clone of the request that travels on) and the rest
+that keeps its place (the request itself, so the coordinator acts only when the chunk's last piece arrives).
 
 Step time follows the profile's per-layer model, summed over the layers the step runs:
 
@@ -20,16 +21,15 @@ the per-layer time of the items that run it. This is exact under the profiles' p
 time depends on the tokens that pass through that layer); what it leaves out is any fixed per-step cost
 outside the layers, which Helix's tables do not measure either.
 
-KV memory is counted the way the runtime's paged pool (`hetnode.kv`, vLLM) and the scheduler's estimate count
-it: in blocks of `block_size` tokens, each block a slot in every layer the node holds (so a request that runs
-only part of the node's layers still takes whole slots), against `profile.kv_tokens(memory, model, layers
-held)`. A session's first prompt chunk at this node reserves its whole prompt (so later chunks cannot run
-out); when that does not fit, the item waits in the queue, and so does every later first chunk (first come,
-first admitted) while decode items keep running. A node that holds no KV admits any prompt, so a prompt
-larger than the memory still makes progress. Decode growth (one block every `block_size` tokens) is never
-refused: vLLM would swap or recompute, the runtime's scheduler keeps nodes under its high-water mark so that
-it rarely matters, and a refused decode could deadlock the pipeline; `kv_peak` over `kv_capacity` shows where
-memory was overcommitted. Released sessions free their blocks when the coordinator's Release arrives.
+KV memory is the policy's `KVLedger`, sized the way the runtime's paged pool (`hetnode.kv`, vLLM) and the
+scheduler's estimate count it: blocks of `block_size` tokens, each a slot in every layer the node holds (so a
+request that runs only part of the node's layers still takes whole slots), against `profile.kv_tokens(memory,
+model, layers held)`. A session's first item here reserves its whole prefill; when that does not fit it waits
+(first come, first admitted) while admitted sessions run; decode growth takes a block at each block boundary,
+and waits when none is free. When nothing can run and a decode waits to grow, the policy preempts the youngest
+such session and the coordinator restarts it (`SimCoordinator.on_failed`); a prompt larger than the whole pool
+is refused, unless `admit_oversized` lets a node holding nothing overcommit for it (the simulator's old rule;
+off by default, as in the runtime). Released sessions free their blocks when the coordinator's Release arrives.
 """
 
 from __future__ import annotations
@@ -39,14 +39,15 @@ from operator import attrgetter
 from typing import Any
 
 from hetnode.planner.profile import DeviceProfile, interpolate
+from hetnode.policy import MIN_CHUNK, PREEMPTED, BatchConfig, BatchPolicy, KVLedger
 
 # How a step that mixes prompt tokens and decode items is priced: "sum" (prefill + decode, as Helix's
 # artifact does with its separately measured curves) or "batched" (one pass over every token of the step).
 MIXED_STEPS = ("sum", "batched")
 
-_POS = attrgetter("pos")
+_POS = attrgetter("start")
 _PF = attrgetter("pf")
-_NTOK = attrgetter("ntok")
+_NTOK = attrgetter("num_tokens")
 
 
 def add_to_bins(bins: list[float], bin_s: float, t0: float, t1: float) -> None:
@@ -76,21 +77,25 @@ class SimNode:
         "decode_curve",
         "decode_memo",
         "device",
+        "failed",
         "first_layer",
         "index",
         "items",
         "kv_area",
         "kv_capacity",
         "kv_peak",
+        "kv_pending",
         "kv_t",
         "kv_used",
         "kv_wait_s",
         "kv_waits",
         "last_layer",
+        "ledger",
         "max_batch_items",
         "mixed_batched",
         "name",
         "only_next",
+        "policy",
         "prefill_memo",
         "prompt_curve",
         "prompt_tokens",
@@ -110,7 +115,8 @@ class SimNode:
 
     def __init__(self, index: int, name: str, device: str, profile: DeviceProfile, first_layer: int,
                  last_layer: int, *, kv_capacity_tokens: int, block_size: int, max_batch_tokens: int,
-                 window: tuple[float, float], bin_s: float, mixed_steps: str = "sum") -> None:
+                 window: tuple[float, float], bin_s: float, mixed_steps: str = "sum",
+                 min_chunk: int = MIN_CHUNK, admit_oversized: bool = False) -> None:
         if not 0 <= first_layer <= last_layer:
             raise ValueError(f"node {name}: bad layer range [{first_layer}, {last_layer})")
         self.index = index
@@ -129,7 +135,12 @@ class SimNode:
         self.budget = max_batch_tokens
         self.block_size = block_size
         self.kv_capacity = kv_capacity_tokens // block_size  # blocks (each a slot in every layer held)
-        self.kv_used = 0
+        self.ledger = KVLedger(self.kv_capacity, block_size)
+        self.policy = BatchPolicy(self.ledger, BatchConfig(max_batch_tokens=max_batch_tokens, min_chunk=min_chunk,
+                                                           admit_oversized=admit_oversized))
+        self.failed: list[tuple[Any, str]] = []  # (request, reason) refused or preempted, for the coordinator
+        self.kv_pending = 0  # queued items waiting for KV (their kv_since is set)
+        self.kv_used = 0  # the ledger's blocks at the last look, for the statistics
         self.kv_peak = 0
         self.kv_area = 0.0  # integral of kv_used over time, for the mean
         self.kv_t = 0.0
@@ -207,59 +218,63 @@ class SimNode:
 
     def form_batch(self, now: float) -> float:
         """Take the next step's batch from the queue into `batch`; the step's duration, or -1.0 when nothing
-        can run (every waiting item is a prompt blocked on KV memory)."""
-        q = self.queue
-        n = len(q)
-        if n > self.budget:
-            return self._form_general(now)
-        if self.single and not any(map(_PF, q)):
-            # The usual step: decode items only, one layer range, within the budget. The whole queue runs.
-            self.queue = []
-            self.batch = q
+        can run (every waiting item waits for KV memory). Refused and preempted requests go to `failed`."""
+        step = self.policy.form(self.queue)
+        self.queue = step.waiting
+        if step.refused or step.dropped:
+            self._failed(step)
+        if step.blocked or self.kv_pending:
+            self._kv_waits(step, now)
+        if self.ledger.used != self.kv_used:
+            self.kv_note(now)
+        batch = step.batch
+        if not batch:
+            return -1.0
+        if step.split is not None:
+            batch = [r.piece(step.split_tokens) if r is step.split else r for r in batch]
+        self.batch = batch
+        n = len(batch)
+        if self.single and not any(map(_PF, batch)):
+            # The usual step: decode items only, one layer range.
             t = self.decode_memo.get(n)
             if t is None:
                 t = self.decode_per_layer(n)
-            dur: float = self.single_len * (t + self.context_s * (sum(map(_POS, q)) + n))
+            dur: float = self.single_len * (t + self.context_s * (sum(map(_POS, batch)) + n))
             self._account(now, dur, n, n, 0)
             return dur
-        tokens = sum(map(_NTOK, q))
-        if tokens > self.budget:
-            return self._form_general(now)
-        # Everything fits the budget: only the prompts' KV admission can hold an item back (the same decisions
-        # as the general loop, with per-item work on the few prompt items only).
-        prompts = [r for r in q if r.pf]
-        blocked = False
-        for r in prompts:
-            if r.pos == 0 and (blocked or not self._admit(r, now)):
-                blocked = True
-                if r.kv_since < 0:
-                    r.kv_since = now
-                    self.kv_waits += 1
-        if blocked:  # the prompts still waiting for KV have kv_since set; everything else runs
-            batch = [r for r in q if r.kv_since < 0]
-            if not batch:
-                return -1.0
-            self.queue = [r for r in q if r.kv_since >= 0]
-            prompts = [r for r in prompts if r.kv_since < 0]
-            tokens = sum(map(_NTOK, batch))
-        else:
-            batch = q
-            self.queue = []
-        self.batch = batch
+        prompts = [r for r in batch if r.pf]
         ptok = sum(map(_NTOK, prompts))
         if self.single:
-            dur = self._cost(self.single_len, ptok, len(batch) - len(prompts), batch, prompts)
+            dur = self._cost(self.single_len, ptok, n - len(prompts), batch, prompts)
         else:
             ni = self.index
             slots = [r.seg[ni] for r in batch]
             k = slots[0]
-            if slots.count(k) == len(slots):  # every item runs the same range here
+            if slots.count(k) == n:  # every item runs the same range here
                 a, b = self.ranges[k]
-                dur = self._cost(b - a, ptok, len(batch) - len(prompts), batch, prompts)
+                dur = self._cost(b - a, ptok, n - len(prompts), batch, prompts)
             else:
                 dur = self._segmented(batch, slots)
-        self._account(now, dur, len(batch), tokens, ptok)
+        self._account(now, dur, n, step.tokens, ptok)
         return dur
+
+    def _failed(self, step: Any) -> None:
+        reasons = {r: self.policy.refusal(r) for r in step.refused}
+        self.failed += [(r, reasons[r]) for r in step.refused] + [(r, PREEMPTED) for r in step.dropped]
+
+    def _kv_waits(self, step: Any, now: float) -> None:
+        """Time items spend waiting for KV memory: from the step that first held one back to the one it runs in."""
+        for r in step.blocked:
+            if r.kv_since < 0:
+                r.kv_since = now
+                self.kv_waits += 1
+        for r in step.batch:
+            if r.kv_since >= 0:
+                waited = now - r.kv_since
+                r.origin.kv_wait += waited
+                self.kv_wait_s += waited
+                r.kv_since = -1.0
+        self.kv_pending = sum(1 for r in step.waiting if r.kv_since >= 0)
 
     def _cost(self, layers: int, ptok: int, decodes: int, batch: list[Any], prompts: list[Any]) -> float:
         """prefill_time(ptok, layers) + decode_time(decodes, layers, context of the batch's decode items)."""
@@ -288,10 +303,10 @@ class SimNode:
         context = [0] * nr
         for r, k in zip(batch, slots, strict=True):
             if r.pf:
-                prompt[k] += r.ntok
+                prompt[k] += r.num_tokens
             else:
                 decode[k] += 1
-                context[k] += r.pos + 1
+                context[k] += r.start + 1
         return self._sum_segments(prompt, decode, context)
 
     def _sum_segments(self, prompt: list[int], decode: list[int], context: list[int]) -> float:
@@ -310,57 +325,6 @@ class SimNode:
                 dur += length * self.prefill_per_layer(p)
             if d:
                 dur += length * (self.decode_per_layer(d) + ctx_s * c)
-        return dur
-
-    def _form_general(self, now: float) -> float:
-        budget = self.budget
-        single = self.single
-        ni = self.index
-        nr = len(self.ranges) or 1
-        prompt = [0] * nr
-        decode = [0] * nr
-        context = [0] * nr
-        batch: list[Any] = []
-        later: list[Any] = []
-        tokens = 0
-        blocked = False
-        for r in self.queue:
-            n = r.ntok
-            if tokens + n > budget and batch:
-                later.append(r)
-                continue
-            k = 0 if single else r.seg[ni]
-            if r.pf:
-                # The session's first chunk here: its whole prompt's KV must fit.
-                if r.pos == 0 and (blocked or not self._admit(r, now)):
-                    blocked = True
-                    if r.kv_since < 0:
-                        r.kv_since = now
-                        self.kv_waits += 1
-                    later.append(r)
-                    continue
-                prompt[k] += n
-            else:
-                decode[k] += 1
-                context[k] += r.pos + 1
-            batch.append(r)
-            tokens += n
-        self.queue = later
-        if not batch:
-            return -1.0
-        self.batch = batch
-        if single:
-            layers = self.single_len
-            if prompt[0] and decode[0] and self.mixed_batched:
-                dur = layers * self._batched(prompt[0], decode[0], context[0])
-            else:
-                dur = layers * self.prefill_per_layer(prompt[0]) if prompt[0] else 0.0
-                if decode[0]:
-                    dur += layers * (self.decode_per_layer(decode[0]) + self.context_s * context[0])
-        else:
-            dur = self._sum_segments(prompt, decode, context)
-        ptok = sum(prompt)
-        self._account(now, dur, len(batch), tokens, ptok)
         return dur
 
     def _account(self, now: float, dur: float, items: int, tokens: int, prompt_tokens: int) -> None:
@@ -387,25 +351,19 @@ class SimNode:
 
     # -- KV memory ------------------------------------------------------------------------------------------
 
-    def _admit(self, r: Any, now: float) -> bool:
-        need = r.kv_blocks
-        if self.kv_used and self.kv_used + need > self.kv_capacity:
-            return False
-        if r.kv_since >= 0:
-            waited = now - r.kv_since
-            r.kv_wait += waited
-            self.kv_wait_s += waited
-            r.kv_since = -1.0
-        self.kv_change(now, need)
-        return True
+    def release(self, session: int, now: float) -> None:
+        """The coordinator's Release: the session's blocks go back to the pool."""
+        if self.ledger.release(session):
+            self.kv_note(now)
 
-    def kv_change(self, now: float, delta: int) -> None:
+    def kv_note(self, now: float) -> None:
+        """Follow the ledger's blocks in use (peak and time integral); also closes the integral at the end."""
         self.kv_area += self.kv_used * (now - self.kv_t)
         self.kv_t = now
-        self.kv_used += delta
+        self.kv_used = self.ledger.used
         if self.kv_used > self.kv_peak:
             self.kv_peak = self.kv_used
 
     def queued_tokens(self) -> int:
         """Tokens waiting for a step (what join-the-shortest-queue compares)."""
-        return sum(r.ntok for r in self.queue)
+        return sum(map(_NTOK, self.queue))

@@ -24,6 +24,7 @@ from hetnode.planner.cluster import ClusterSpec
 from hetnode.planner.model import ModelSpec
 from hetnode.planner.plan import PlacementPlan
 from hetnode.planner.profile import ProfileTable, kv_tokens
+from hetnode.policy import MIN_CHUNK
 from hetnode.testnet.sim.coordinator import Scheduler, SimCoordinator, SimRequest
 from hetnode.testnet.sim.core import Network, Simulation
 from hetnode.testnet.sim.metrics import (
@@ -60,6 +61,11 @@ class SimOptions:
     # How a step that mixes prompt tokens and decode items is priced: "sum" (prefill + decode, Helix's
     # artifact) or "batched" (one pass over all its tokens, as the runtime's engine runs it; node.py).
     mixed_steps: str = "sum"
+    # The batch policy's knobs (hetnode.policy.BatchConfig; the runtime's defaults): the smallest piece split
+    # off a prompt chunk beside other work, and whether a node holding no KV admits a prompt larger than its
+    # whole pool (the simulator's rule before the policy was shared; the runtime refuses such a prompt).
+    min_chunk: int = MIN_CHUNK
+    admit_oversized: bool = False
     # The coordinator's own time, as one server in arrival order (0: it takes none): seconds to start a request
     # (parse, route, send its first item) and to handle one item that came back (stream the token, send the
     # next item). Measured, not guessed: scripts/validate_sim.py measures both on the testnet.
@@ -67,7 +73,8 @@ class SimOptions:
     coordinator_token_s: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.prefill_chunk < 0 or self.max_batch_tokens < 1 or self.block_size < 1 or self.drain_s < 0:
+        if (self.prefill_chunk < 0 or self.max_batch_tokens < 1 or self.block_size < 1 or self.drain_s < 0
+                or self.min_chunk < 1):
             raise ConfigError(f"bad simulation options: {self}")
         if not self.coordinator_request_s >= 0 or not self.coordinator_token_s >= 0:
             raise ConfigError(f"the coordinator's times must be >= 0: {self}")
@@ -137,7 +144,8 @@ def simulate(cluster: ClusterSpec, model: ModelSpec, profiles: ProfileTable, pla
         kv_capacity[spec.name] = cap
         nodes.append(SimNode(len(nodes), spec.name, spec.device, profile, first, last, kv_capacity_tokens=cap,
                              block_size=opts.block_size, max_batch_tokens=opts.max_batch_tokens, window=window,
-                             bin_s=bin_s, mixed_steps=opts.mixed_steps))
+                             bin_s=bin_s, mixed_steps=opts.mixed_steps, min_chunk=opts.min_chunk,
+                             admit_oversized=opts.admit_oversized))
     unknown = set(ranges) - {n.name for n in nodes}
     if unknown:
         raise ConfigError(f"the plan places layers on {', '.join(sorted(unknown))}, not in cluster {cluster.name}")
@@ -279,7 +287,7 @@ def _record(r: SimRequest, window: tuple[float, float]) -> RequestRecord:
 
 def _node_stats(n: SimNode, end: float, window: tuple[float, float]) -> NodeStats:
     length = window[1] - window[0]
-    n.kv_change(end, 0)  # close the KV integral at the end
+    n.kv_note(end)  # close the KV integral at the end
     cap = n.kv_capacity
     return NodeStats(
         name=n.name, device=n.device, first_layer=n.first_layer, last_layer=n.last_layer,
@@ -317,6 +325,7 @@ def _summary(records: list[RequestRecord], nodes: list[NodeStats], links: list[L
             "arrived": len(records), "measured": len(measured), "finished": len(done),
             "unfinished": len(measured) - len(done) - refused, "rejected": refused,
             "rejected_all": sum(1 for r in records if r.rejected), "still_queued": len(coord.waiting),
+            "preemptions": coord.preemptions,
         },
         "decode_throughput": coord.window_generated / length,  # generated tokens/s
         "prompt_throughput": coord.window_prompt / length,  # prompt tokens/s

@@ -1,0 +1,10 @@
+"""Pure policies that the runtime and the simulator both execute: one decision, written once.
+
+No torch, no trio, no I/O, no clock: a policy is an object that takes plain records and returns a decision,
+and each executor (the node's batch loop, the simulated node) turns the decision into work.
+"""
+
+from hetnode.policy.batching import MIN_CHUNK, PREEMPTED, BatchConfig, BatchPolicy, Pending, Step
+from hetnode.policy.kv_ledger import KVLedger
+
+__all__ = ["MIN_CHUNK", "PREEMPTED", "BatchConfig", "BatchPolicy", "KVLedger", "Pending", "Step"]
