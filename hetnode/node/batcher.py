@@ -30,7 +30,7 @@ from hetnode.ids import SessionId
 from hetnode.kv import KVUsage
 from hetnode.kv.blocks import KVCacheFull
 from hetnode.node.engine.base import Engine, EngineError, ItemResult, StepItem
-from hetnode.policy import MIN_CHUNK, PREEMPTED, BatchConfig, BatchPolicy, KVLedger
+from hetnode.policy import MIN_CHUNK, PREEMPTED, BatchConfig, BatchPolicy, KVLedger, StepRate
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +98,7 @@ class BatchLoop:
         self._released: OrderedDict[SessionId, None] = OrderedDict()
         self.queued_tokens = 0
         self.steps = 0
+        self.rate = StepRate()  # tokens/s of this loop's steps (heartbeats report it; SWARM's scheduler reads it)
         self.kv = engine.kv_usage()
         self.ledger = KVLedger(self.kv.total_blocks, self.kv.block_size)
         self.policy = BatchPolicy(self.ledger, BatchConfig(max_batch_tokens=engine.engine_config.max_batch_tokens,
@@ -202,6 +203,7 @@ class BatchLoop:
         if self._pace is not None:
             # Device emulation: the step lasts as long as the emulated device's (dilated) step would.
             await trio.sleep_until(t0 + self._pace(items))
+        self.rate.step(sum(item.num_tokens for item in items), trio.current_time() - t0)
         done: list[tuple[Work, ItemResult]] = []
         for work, outcome in zip(batch, outcomes, strict=True):
             if isinstance(outcome, ItemResult):

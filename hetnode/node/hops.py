@@ -163,7 +163,7 @@ class HopServer:
         # uses instead of its planner's estimate (requests too large for the real pool are refused).
         return Load(queued_tokens=max(0, self.loop.queued_tokens), active_sessions=kv.sessions,
                     kv_blocks_used=kv.used_blocks, kv_blocks_free=kv.free_blocks, kv_block_size=kv.block_size,
-                    leases_expired=self.leases_expired)
+                    leases_expired=self.leases_expired, tokens_per_s=self.loop.rate.value)
 
     # -- assignments -------------------------------------------------------------------------------------
 
@@ -359,7 +359,9 @@ class HopServer:
             dtype = engine.dtype if engine is not None else rows.dtype
             step_item = StepItem(session.id, item.start, hidden=rows.to(dtype), sampling=sampling)
         try:
-            await session.loop.submit(Work(step_item, session))
+            # The Install says how long the context is: a hop's first item reserves KV for all of it, even where
+            # it sees the prompt only in pieces.
+            await session.loop.submit(Work(step_item, session, prefill_end=session.prefill_end))
         except trio.ClosedResourceError:
             self._fail_session(session, "shard replaced while the item waited (plan changed)")
 

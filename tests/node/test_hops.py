@@ -170,6 +170,7 @@ async def test_the_nodes_decode_by_themselves_and_stop_at_max_tokens(tiny_model:
             tokens += msg.tokens
         assert [t.token for t in tokens] == reference
         assert [t.position for t in tokens] == list(range(len(PROMPT), len(PROMPT) + len(reference)))
+        assert net.n0.load().tokens_per_s > 0 and net.n1.load().tokens_per_s > 0  # what swarm's scheduler reads
         await trio.testing.wait_all_tasks_blocked()
         assert net.coord.inbox.statistics().current_buffer_used == 0  # nothing after the last token
         for hops in (net.n0, net.n1):

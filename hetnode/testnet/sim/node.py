@@ -39,7 +39,7 @@ from operator import attrgetter
 from typing import Any
 
 from hetnode.planner.profile import DeviceProfile, interpolate
-from hetnode.policy import MIN_CHUNK, PREEMPTED, BatchConfig, BatchPolicy, KVLedger
+from hetnode.policy import MIN_CHUNK, PREEMPTED, BatchConfig, BatchPolicy, KVLedger, StepRate
 
 # How a step that mixes prompt tokens and decode items is priced: "sum" (prefill + decode, as Helix's
 # artifact does with its separately measured curves) or "batched" (one pass over every token of the step).
@@ -102,11 +102,11 @@ class SimNode:
         "queue",
         "range_slot",
         "ranges",
+        "rate",
         "segments",
         "single",
         "single_len",
         "steps",
-        "throughput",
         "tokens",
         "track_throughput",
         "window",
@@ -165,7 +165,7 @@ class SimNode:
         self.max_batch_items = 0
         self.busy_s = 0.0
         self.window_busy_s = 0.0
-        self.throughput = profile.tokens_per_s(last_layer - first_layer)  # tokens/s: T_j, then an EMA of steps
+        self.rate = StepRate(profile.tokens_per_s(last_layer - first_layer))  # T_j, then an EMA of steps
         self.track_throughput = False  # keep the EMA (only SWARM's scheduler reads it)
         self.only_next = -2  # the one next hop of every route through here; -1 once there are several
 
@@ -347,7 +347,7 @@ class SimNode:
             else:
                 add_to_bins(bins, self.bin_s, now, end)
             if self.track_throughput:
-                self.throughput += 0.2 * (tokens / dur - self.throughput)
+                self.rate.step(tokens, dur)
 
     # -- KV memory ------------------------------------------------------------------------------------------
 

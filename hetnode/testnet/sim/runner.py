@@ -109,7 +109,7 @@ def make_runtime_scheduler(name: str, plan: PlacementPlan, nodes: Mapping[str, S
     if name == "swarm":
         for n in nodes.values():
             n.track_throughput = True
-        kwargs["throughput"] = lambda node: float(nodes[node].throughput)
+        kwargs["throughput"] = lambda node: float(nodes[node].rate.value)
     scheduler: Scheduler = make_scheduler(name, plan, **kwargs)
     return scheduler
 
