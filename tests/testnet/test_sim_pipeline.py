@@ -37,10 +37,11 @@ def prompt_round_trip(tokens: int) -> float:
 
 
 def decode_round_trip(position: int) -> float:
-    """The token at `position` through both nodes (each attends to position + 1 tokens)."""
-    return (hop(1, TOKEN_BYTES, COORD_BPS, COORD_LAT) + PROFILE.decode_time(1, 2, position + 1)
-            + hop(1, ACT, MID_BPS, MID_LAT) + PROFILE.decode_time(1, 2, position + 1)
-            + hop(1, TOKEN_BYTES, COORD_BPS, COORD_LAT))
+    """The token at `position` once more through both nodes (each attends to position + 1 tokens): the last
+    node feeds it straight back to the first (token ids on the b->a link), never through the coordinator; the
+    coordinator hears of each token one b->coordinator hop later, the same for every token."""
+    return (hop(1, TOKEN_BYTES, MID_BPS, MID_LAT) + PROFILE.decode_time(1, 2, position + 1)
+            + hop(1, ACT, MID_BPS, MID_LAT) + PROFILE.decode_time(1, 2, position + 1))
 
 
 def run(workload: Workload, **kwargs: Any) -> Any:
@@ -63,23 +64,32 @@ def test_one_request_on_an_idle_two_node_pipeline_takes_what_profiles_and_links_
     assert result.summary["requests"]["finished"] == 1
 
 
-def test_prompt_chunks_each_make_a_round_trip() -> None:
-    result = run(one_request(700, 2), options=SimOptions(prefill_chunk=512))
-    (r,) = result.requests
-    ttft = prompt_round_trip(512) + prompt_round_trip(188)
-    assert r.ttft == pytest.approx(ttft, rel=1e-12)
-    assert r.e2e == pytest.approx(ttft + decode_round_trip(700), rel=1e-12)
-    unchunked = run(one_request(700, 2), options=SimOptions(prefill_chunk=0)).requests[0]
-    assert unchunked.ttft == pytest.approx(prompt_round_trip(700), rel=1e-12)
+def test_a_prompt_over_the_step_budget_runs_in_chunks_without_round_trips() -> None:
+    """The coordinator sends the whole prompt; the first node's batch policy runs it in budget-sized chunks, each
+    passed on as soon as it is done (the chunks pipeline through the nodes, no trip back to the coordinator)."""
+    (whole,) = run(one_request(700, 2)).requests
+    assert whole.ttft == pytest.approx(prompt_round_trip(700), rel=1e-12)
+    (chunked,) = run(one_request(700, 2), options=SimOptions(max_batch_tokens=512)).requests
+    # a: chunk 1 (512) then chunk 2 (188) back to back; b starts chunk 1 when it arrives and chunk 2 after both
+    # it is free and chunk 2 has arrived.
+    a1 = hop(700, TOKEN_BYTES, COORD_BPS, COORD_LAT) + PROFILE.prefill_time(512, 2)
+    a2 = a1 + PROFILE.prefill_time(188, 2)
+    b1 = a1 + hop(512, ACT, MID_BPS, MID_LAT) + PROFILE.prefill_time(512, 2)
+    b2 = max(b1, a2 + hop(188, ACT, MID_BPS, MID_LAT)) + PROFILE.prefill_time(188, 2)
+    assert chunked.ttft == pytest.approx(b2 + hop(1, TOKEN_BYTES, COORD_BPS, COORD_LAT), rel=1e-9)
 
 
 def test_link_and_node_statistics_of_one_request() -> None:
     result = run(one_request(100, 4))
     links = {link.name: link for link in result.links}
-    assert set(links) == {"coordinator->a", "a->b", "b->coordinator"}
+    assert set(links) == {"coordinator->a", "a->b", "b->a", "b->coordinator"}
     mid = links["a->b"]
     assert mid.messages == 4 and mid.items == 4 and mid.prompt_items == 1
     assert mid.bytes == (100 + 3) * ACT and mid.queued_messages == 0
+    # The decode loop: three tokens fed back as ids; the coordinator sends the prompt once and gets 4 tokens.
+    back = links["b->a"]
+    assert back.messages == 3 and back.bytes == 3 * TOKEN_BYTES
+    assert links["coordinator->a"].messages == 1 and links["b->coordinator"].messages == 4
     a = next(n for n in result.nodes if n.name == "a")
     assert a.steps == 4 and a.tokens == 103 and a.prompt_tokens == 100
     assert a.busy_s == pytest.approx(PROFILE.prefill_time(100, 2) + sum(PROFILE.decode_time(1, 2, p + 1)
@@ -245,9 +255,10 @@ def test_the_coordinators_time_adds_to_each_request_and_each_token() -> None:
     req_s, tok_s = 0.015, 0.003
     result = run(one_request(100, 4), options=SimOptions(coordinator_request_s=req_s, coordinator_token_s=tok_s))
     (r,) = result.requests
-    # Starting the request, then every item that comes back, each before what follows it goes out.
+    # Starting the request, then every token that comes back; the decode loop runs on the nodes, so the
+    # coordinator's time per token is paid once per token as it is counted, not on the loop.
     ttft = req_s + prompt_round_trip(100) + tok_s
-    decodes = [decode_round_trip(p) + tok_s for p in (100, 101, 102)]
+    decodes = [decode_round_trip(p) for p in (100, 101, 102)]
     assert r.ttft == pytest.approx(ttft, rel=1e-12)
     assert r.e2e == pytest.approx(ttft + sum(decodes), rel=1e-12)
     assert r.tpot == pytest.approx(sum(decodes) / 3, rel=1e-12)

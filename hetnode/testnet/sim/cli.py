@@ -76,8 +76,6 @@ def add_arguments(p: argparse.ArgumentParser, *, clusters: Sequence[str] = ()) -
     p.add_argument("--slo-ttft", type=_positive, default=None, metavar="S", help="TTFT bound for SLO attainment")
     p.add_argument("--slo-tpot", type=_positive, default=None, metavar="S", help="TPOT bound for SLO attainment")
     p.add_argument("--slo-e2e", type=_positive, default=None, metavar="S", help="E2E bound for SLO attainment")
-    p.add_argument("--prefill-chunk", type=int, default=512, metavar="N",
-                   help="prompt tokens per chunk, as the runtime's coordinator (0: whole prompts; default 512)")
     p.add_argument("--max-batch-tokens", type=int, default=8192, metavar="N",
                    help="most tokens one node step carries (default: 8192, the runtime's)")
     p.add_argument("--high-water", type=float, default=None, metavar="F",
@@ -142,8 +140,7 @@ def run(args: argparse.Namespace, *, clusters_dir: Path) -> int:
                           key="--warmup")
     slos = {k: v for k, v in (("ttft", args.slo_ttft), ("tpot", args.slo_tpot), ("e2e", args.slo_e2e)) if v}
     try:
-        options = SimOptions(prefill_chunk=args.prefill_chunk, max_batch_tokens=args.max_batch_tokens,
-                             high_water=args.high_water)
+        options = SimOptions(max_batch_tokens=args.max_batch_tokens, high_water=args.high_water)
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
     if args.offline:

@@ -1,20 +1,21 @@
 """The simulated coordinator: the runtime's scheduler object decides, the simulator carries the tokens.
 
 A request arrives; `scheduler.submit(id, input_len, now)` gives it a pipeline (or queues or refuses it). The
-coordinator then does what `hetnode.coordinator.sessions.PipelineGenerator` does over the network: it sends
-the prompt's token ids to the first stage in chunks of `prefill_chunk` tokens (the next chunk only after the
-last stage has answered the previous one, as `SessionCursor` drives it), then one token per decode step,
-each time after the previous token came back from the last stage. When the request has its output, every
-stage gets a Release (it frees the session's KV there, a link latency later) and `scheduler.finish` may admit
-requests the scheduler had queued.
+coordinator then does what `hetnode.coordinator.sessions.PipelineGenerator` does over the network: it sends the
+whole context's token ids to the first stage in one message (the nodes' batch policy chunks it under their
+token budget). From then on the nodes run the request by themselves, as `hetnode.node.hops` does: the last
+stage samples, feeds each token straight back to the first stage (a link message from the last stage to the
+first) and streams it to the coordinator beside that (`at_last_hop`), stopping by itself at the request's
+output length. The coordinator counts each token when it arrives (TTFT and TPOT are measured there), and when
+the last one is in, every stage gets a Release (it frees the session's KV there, a link latency later) and
+`scheduler.finish` may admit requests the scheduler had queued.
 
-Token ids travel as 4 bytes per token (`TOKEN_BYTES`), on the links between the coordinator and the first
-and last stages. By default the coordinator itself takes no time. With `request_s` or `token_s` it is one
-server working in arrival order (the runtime's coordinator is one event loop): starting a request (parsing it,
-routing it, sending its first item) takes `request_s`, handling one item that came back (a token streamed to
-the client, the next item sent) takes `token_s`; an item is counted, and what follows it sent, when its turn
-is done. All per-token work happens in `on_message`, one call per link message, with the items of a message
-handled in a plain loop (one at a time, each its own message onward, when the coordinator takes time).
+Token ids travel as 4 bytes per token (`TOKEN_BYTES`), on the links from the coordinator to the first stage, from
+the last stage to the first, and from the last stage to the coordinator. By default the coordinator itself
+takes no time. With `request_s` or `token_s` it is one server working in arrival order (the runtime's
+coordinator is one event loop): starting a request (parsing it, routing it, sending its context) takes
+`request_s`, handling one streamed token takes `token_s`; a token is counted when its turn is done. Neither is
+on the nodes' per-token path any more.
 """
 
 from __future__ import annotations
@@ -54,7 +55,8 @@ class SimRequest:
 
     __slots__ = ("admitted", "arrival", "depth", "done", "first", "first_token", "gen", "idx", "input_len",
                  "kv_since", "kv_wait", "last_token", "max_tbt", "num_tokens", "nxt", "origin", "output_len",
-                 "path", "pf", "prefill_end", "rejected", "restarts", "rid", "seg", "session", "stages", "start")
+                 "path", "pf", "prefill_end", "received", "rejected", "restarts", "rid", "seg", "session", "stages",
+                 "start")
 
     def __init__(self, idx: int, arrival: float, input_len: int, output_len: int) -> None:
         self.idx = idx
@@ -70,7 +72,8 @@ class SimRequest:
         self.kv_wait = 0.0  # time its prompt waited for KV memory at nodes
         self.kv_since = -1.0
         self.rejected = ""
-        self.gen = 0  # tokens generated
+        self.gen = 0  # tokens sampled by its last stage
+        self.received = 0  # tokens the coordinator has received
         self.restarts = 0  # moves after a node preempted it
         self.origin = self
         self.session = -1  # the nodes' key for its KV; a new one for each pipeline it runs on
@@ -115,13 +118,26 @@ class Route:
         self.path = path
 
 
+class SimToken:
+    """One sampled token on its way from a last stage to the coordinator (a snapshot: the request goes on)."""
+
+    __slots__ = ("last", "r", "session")
+    pf = False  # what a link message's accounting reads of its items
+    num_tokens = 1
+
+    def __init__(self, r: SimRequest, last: bool) -> None:
+        self.r = r
+        self.session = r.session
+        self.last = last
+
+
 Send = Callable[[int, int, list[Any], float], None]
 Push = Callable[[float, int, Any, Any], None]
 
 
 class SimCoordinator:
     def __init__(self, scheduler: Scheduler, nodes: Sequence[SimNode], *, num_layers: int, send: Send,
-                 release: Callable[[SimNode, int, float], None], prefill_chunk: int, block_size: int,
+                 send_ids: Send, release: Callable[[SimNode, int, float], None], block_size: int,
                  window: tuple[float, float], bin_s: float, request_s: float = 0.0, token_s: float = 0.0,
                  max_reroutes: int = 3) -> None:
         if not request_s >= 0 or not token_s >= 0:
@@ -132,8 +148,8 @@ class SimCoordinator:
         self.index = len(nodes)  # the coordinator's endpoint index
         self.num_layers = num_layers
         self.send = send
+        self.send_ids = send_ids  # token ids from a last stage to a first stage
         self.release = release
-        self.chunk = prefill_chunk if prefill_chunk > 0 else 1 << 62
         self.block = block_size
         self.max_reroutes = max_reroutes  # as PipelineGenerator: moves of one request before it gives up
         self.sessions = 0  # session ids handed out
@@ -194,7 +210,7 @@ class SimCoordinator:
         r.pf = True
         r.start = 0
         r.prefill_end = r.input_len + r.gen
-        r.num_tokens = min(self.chunk, r.prefill_end)
+        r.num_tokens = r.prefill_end  # the whole context: the first stage's policy chunks it
         self.inflight += 1
         if self.request_s:
             now = self.free = max(self.free, now) + self.request_s
@@ -227,69 +243,36 @@ class SimCoordinator:
         path = ">".join(f"{name}[{first},{last})" for name, first, last in key)
         return Route(nodes[0].index, nxt, seg, stages, path)
 
-    # -- tokens back from the last stage --------------------------------------------------------------
+    # -- the last stage: the decode loop runs on the nodes ------------------------------------------
 
-    def on_message(self, items: list[SimRequest], now: float) -> None:
-        """Results from a last stage: next prompt chunks, first tokens, decode tokens; send what follows."""
-        token_s = self.token_s
-        if not token_s:
-            self._handle(items, now)
-            return
-        for r in items:  # one at a time, each when the coordinator has handled everything before it
-            self.free = done = max(self.free, now) + token_s
-            self._handle([r], done)
-
-    def _handle(self, items: list[SimRequest], now: float) -> None:
-        chunk = self.chunk
-        produced = 0
-        prompt_done = 0
+    def at_last_hop(self, node: int, items: list[SimRequest], now: float) -> None:
+        """A last stage finished a step: sample, feed every request that goes on back to its first stage, and
+        stream the step's tokens to the coordinator (one message), as `HopServer._deliver` does."""
+        tokens: list[SimToken] = []
         going: list[SimRequest] = []
         for r in items:
             if r.origin is not r or r.done >= 0 or r.rejected:
-                continue  # a piece of a split chunk (its last piece answers), or a request already ended
+                continue  # a piece of a split chunk (its last piece samples), or a request already ended
             if r.pf:
                 p = r.start + r.num_tokens
-                end = r.prefill_end
-                r.start = p
-                if p < end:  # the next prompt chunk
-                    r.num_tokens = chunk if p + chunk <= end else end - p
-                    going.append(r)
-                    continue
+                r.start = p  # the sampled token's position: the next decode item starts there
                 r.pf = False
                 r.num_tokens = 1
-                if not r.gen:  # the prompt is in: the first token
-                    r.first_token = r.last_token = now
-                    r.gen = 1
-                    produced += 1
-                    prompt_done += end
-                    if r.output_len <= 1:
-                        self._finish(r, now)
-                        continue
-                    going.append(r)
-                    continue
-                # A moved request's context is back in: its next token, as a decode step would give it.
-                r.start = p - 1
-            gap = now - r.last_token
-            if gap > r.max_tbt:
-                r.max_tbt = gap
-            r.last_token = now
-            g = r.gen + 1
-            r.gen = g
-            produced += 1
-            if g >= r.output_len:
-                self._finish(r, now)
-                continue
-            r.start += 1
-            going.append(r)
-        if produced:
-            self._count(now, produced, prompt_done)
+            else:
+                r.start += 1
+            r.gen += 1
+            last = r.gen >= r.output_len
+            tokens.append(SimToken(r, last))
+            if not last:
+                going.append(r)
+        if tokens:
+            self.send(node, self.index, tokens, now)
         if not going:
             return
-        me = self.index
         firsts = [r.first for r in going]
         f = firsts[0]
         if firsts.count(f) == len(firsts):
-            self.send(me, f, going, now)
+            self.send_ids(node, f, going, now)
             return
         sends: dict[int, list[SimRequest]] = {}
         for f, r in zip(firsts, going, strict=True):
@@ -299,7 +282,39 @@ class SimCoordinator:
             else:
                 out.append(r)
         for f, out in sends.items():
-            self.send(me, f, out, now)
+            self.send_ids(node, f, out, now)
+
+    def on_message(self, tokens: list[SimToken], now: float) -> None:
+        """Tokens streamed from a last stage: count them, and end the requests whose last token this is."""
+        token_s = self.token_s
+        if not token_s:
+            self._handle(tokens, now)
+            return
+        for t in tokens:  # one at a time, each when the coordinator has handled everything before it
+            self.free = done = max(self.free, now) + token_s
+            self._handle([t], done)
+
+    def _handle(self, tokens: list[SimToken], now: float) -> None:
+        produced = 0
+        prompt_done = 0
+        for t in tokens:
+            r = t.r
+            if r.done >= 0 or r.rejected or t.session != r.session:
+                continue  # ended, or a token of a session the request has moved away from
+            produced += 1
+            r.received += 1
+            if r.first_token < 0:
+                r.first_token = r.last_token = now
+                prompt_done += r.input_len
+            else:
+                gap = now - r.last_token
+                if gap > r.max_tbt:
+                    r.max_tbt = gap
+                r.last_token = now
+            if t.last:
+                self._finish(r, now)
+        if produced:
+            self._count(now, produced, prompt_done)
 
     def _count(self, now: float, produced: int, prompt_done: int) -> None:
         b = int(now / self.bin_s)
@@ -320,7 +335,7 @@ class SimCoordinator:
         self.finished += 1
         for node, _ in r.stages:
             self.release(node, r.session, now)
-        self._admit_queued(self.scheduler.finish(r.rid, r.gen, now), now)
+        self._admit_queued(self.scheduler.finish(r.rid, r.received, now), now)
         if self.on_finish is not None:
             self.on_finish(now)
 
@@ -357,6 +372,9 @@ class SimCoordinator:
                 self.preemptions += 1
                 r.restarts += 1
                 r.kv_since = -1.0
+                # The new pipeline re-prefills what the coordinator has received; tokens still on their way from
+                # the old session are dropped when they arrive, and sampled again.
+                r.gen = r.received
                 self._decided(r, self.scheduler.submit(r.rid, r.input_len + r.gen, now), now)
             self._admit_queued(decisions, now)
             if r.rejected and self.on_finish is not None:

@@ -2,9 +2,9 @@
 
 Events are few and coarse, which is what makes a 42-node, 30-minute run take seconds rather than hours: one
 event per node step (its end) and one per link message (its arrival), never one per token. When a step ends,
-its items are grouped by their next hop and each group travels as one message; the coordinator answers each
-message with at most one message per first stage. Per-item work stays in plain loops over lists of
-`SimRequest`s (slots classes), with sums done by `map` and `attrgetter` in C.
+its items are grouped by their next hop and each group travels as one message; a last stage sends at most one
+message per first stage (the decode loop) and one to the coordinator (the step's tokens). Per-item work stays
+in plain loops over lists of `SimRequest`s (slots classes), with sums done by `map` and `attrgetter` in C.
 """
 
 from __future__ import annotations
@@ -84,6 +84,17 @@ class Simulation:
             kind = NODE_MESSAGE
         heapq.heappush(self.events.heap, (arrive, next(self.events.seq), kind, dst, items))
 
+    def send_ids(self, src: int, dst: int, items: list[Any], now: float) -> None:
+        """Token ids from a last stage back to its first stage (the decode loop): 4 bytes a token, not a hidden
+        state, on a link between two nodes."""
+        net = self.network
+        if src == dst:  # a one-node pipeline feeds its own queue, no link in between
+            arrive = now
+        else:
+            link = net.table[src][dst] or net.link(src, dst)
+            arrive = link.send(now, sum(map(_NTOK, items)), len(items), 0, net.window, TOKEN_BYTES)
+        heapq.heappush(self.events.heap, (arrive, next(self.events.seq), NODE_MESSAGE, dst, items))
+
     def release(self, node: SimNode, session: int, now: float) -> None:
         """The coordinator's Release for a session: `node` frees its KV one link latency later."""
         link = self.network.link(self.network.coordinator, node.index)
@@ -113,6 +124,16 @@ class Simulation:
         push = heapq.heappush
         send = self.send
         on_message = coord.on_message
+        me = self.network.coordinator
+        at_last_hop = coord.at_last_hop
+
+        def forward(a: int, d: int, items: list[Any], now: float) -> None:
+            # A last stage's results do not go to the coordinator: the stage samples, loops back, and streams.
+            if d == me:
+                at_last_hop(a, items, now)
+            else:
+                send(a, d, items, now)
+
         on_arrival = self.on_arrival
         processed = 0
         now = events.now
@@ -141,12 +162,12 @@ class Simulation:
                 # Group the items by their next hop: one message per hop, in order of first appearance.
                 d = node.only_next
                 if d >= 0 or len(batch) == 1:
-                    send(a, batch[0].nxt[a], batch, now)
+                    forward(a, batch[0].nxt[a], batch, now)
                 else:
                     dests = [r.nxt[a] for r in batch]
                     d = dests[0]
                     if dests.count(d) == len(dests):
-                        send(a, d, batch, now)
+                        forward(a, d, batch, now)
                     else:
                         groups: dict[int, list[Any]] = {}
                         for d, r in zip(dests, batch, strict=True):
@@ -156,7 +177,7 @@ class Simulation:
                             else:
                                 g.append(r)
                         for d, g in groups.items():
-                            send(a, d, g, now)
+                            forward(a, d, g, now)
                 if node.queue:
                     dur = node.form_batch(now)
                     if node.failed:

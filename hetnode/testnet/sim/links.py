@@ -64,16 +64,22 @@ class SimLink:
         self.pf_items = 0  # prompt (prefill) items carried
         self.pf_queue_s = 0.0  # sum over prompt items of their queueing delay
 
-    def send(self, now: float, tokens: int, items: int, prompt_items: int, window: tuple[float, float]) -> float:
-        """Queue a message of `tokens` tokens in `items` items; returns its arrival time at the far end."""
+    def send(self, now: float, tokens: int, items: int, prompt_items: int, window: tuple[float, float],
+             token_bytes: float | None = None) -> float:
+        """Queue a message of `tokens` tokens in `items` items (each token `token_bytes` on the wire, by default
+        what this link usually carries); returns its arrival time at the far end."""
         free = self.free
         start = free if free > now else now
-        tx = tokens * self.s_per_token
+        if token_bytes is None:
+            tx = tokens * self.s_per_token
+            self.bytes += tokens * self.token_bytes
+        else:
+            tx = 0.0 if math.isinf(self.bytes_per_s) else tokens * token_bytes / self.bytes_per_s
+            self.bytes += tokens * token_bytes
         end = start + tx
         self.free = end
         self.messages += 1
         self.items += items
-        self.bytes += tokens * self.token_bytes
         self.busy_s += tx
         lo, hi = window
         if end > lo and start < hi:

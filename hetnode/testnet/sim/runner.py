@@ -48,7 +48,6 @@ NAN = math.nan
 class SimOptions:
     """Knobs of the simulated system; the defaults are the runtime's."""
 
-    prefill_chunk: int = 512  # prompt tokens per chunk, as SessionCursor (0: the whole prompt at once)
     max_batch_tokens: int = 8192  # EngineConfig.max_batch_tokens: most tokens one step carries
     block_size: int = 16  # KV block, in tokens (vLLM's and hetnode.kv's)
     drain_s: float = 600.0  # online: after the last arrival, run at most this long for requests to finish
@@ -73,7 +72,7 @@ class SimOptions:
     coordinator_token_s: float = 0.0
 
     def __post_init__(self) -> None:
-        if (self.prefill_chunk < 0 or self.max_batch_tokens < 1 or self.block_size < 1 or self.drain_s < 0
+        if (self.max_batch_tokens < 1 or self.block_size < 1 or self.drain_s < 0
                 or self.min_chunk < 1):
             raise ConfigError(f"bad simulation options: {self}")
         if not self.coordinator_request_s >= 0 or not self.coordinator_token_s >= 0:
@@ -159,8 +158,9 @@ def simulate(cluster: ClusterSpec, model: ModelSpec, profiles: ProfileTable, pla
         scheduler_name = scheduler
     else:
         sched, scheduler_name = scheduler, type(scheduler).__name__
-    coord = SimCoordinator(sched, nodes, num_layers=model.num_layers, send=sim.send, release=sim.release,
-                           prefill_chunk=opts.prefill_chunk, block_size=opts.block_size, window=window, bin_s=bin_s,
+    coord = SimCoordinator(sched, nodes, num_layers=model.num_layers, send=sim.send, send_ids=sim.send_ids,
+                           release=sim.release,
+                           block_size=opts.block_size, window=window, bin_s=bin_s,
                            request_s=opts.coordinator_request_s, token_s=opts.coordinator_token_s)
     sim.coordinator = coord
 
