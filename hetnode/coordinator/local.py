@@ -28,13 +28,11 @@ _Outcome = ItemResult | str
 
 
 class LocalGenerator:
-    def __init__(self, model_name: str, engine: TorchEngine, tokenizer: PreTrainedTokenizerBase,
-                 *, prefill_chunk: int = 512) -> None:
+    def __init__(self, model_name: str, engine: TorchEngine, tokenizer: PreTrainedTokenizerBase) -> None:
         self.model_name = model_name
         self.engine = engine
         self.model_config: ModelConfig = engine.config
         self.tokenizer = tokenizer
-        self.prefill_chunk = prefill_chunk
         self._inboxes: dict[SessionId, trio.MemorySendChannel[_Outcome]] = {}
         self.loop = BatchLoop(engine, deliver=self._deliver, fail=self._fail)
         self._ids = itertools.count()
@@ -42,13 +40,12 @@ class LocalGenerator:
     @classmethod
     @asynccontextmanager
     async def open(cls, model: str | Path, *, name: str | None = None, dtype: str = "float32",
-                   engine_config: EngineConfig | None = None, prefill_chunk: int = 512,
-                   ) -> AsyncIterator[LocalGenerator]:
+                   engine_config: EngineConfig | None = None) -> AsyncIterator[LocalGenerator]:
         engine = await trio.to_thread.run_sync(
             lambda: TorchEngine.load(model, dtype=dtype, engine_config=engine_config))
         try:
             tokenizer = await trio.to_thread.run_sync(load_tokenizer, model)
-            gen = cls(name or str(model), engine, tokenizer, prefill_chunk=prefill_chunk)
+            gen = cls(name or str(model), engine, tokenizer)
             async with trio.open_nursery() as nursery:
                 await nursery.start(gen.loop.run)
                 yield gen
@@ -84,7 +81,8 @@ class LocalGenerator:
 
     async def _events(self, session: SessionId, prompt_ids: list[int], params: GenerationParams,
                       recv: trio.MemoryReceiveChannel[_Outcome]) -> AsyncIterator[TokenEvent]:
-        cursor = SessionCursor(session, prompt_ids, params, self.prefill_chunk)
+        # The whole prompt as one item, as the network's coordinator sends it: the batch loop's policy chunks it.
+        cursor = SessionCursor(session, prompt_ids, params, prefill_chunk=len(prompt_ids) or 1)
         while not cursor.finished:
             item = cursor.next_item()
             await self.loop.submit(Work(item, ctx=item.start + item.num_tokens, prefill_end=cursor.prefill_end))
