@@ -332,7 +332,7 @@ async def serving_benchmark(model: str, threads: list[int], batches: list[int], 
             plan = (await sides[-1].client.get("/v1/plan")).json().get("plan")  # type: ignore[union-attr]
             if plan:
                 result["plan"] = " -> ".join(f"{s['name']}[{s['first_layer']},{s['last_layer']})"
-                                             for s in plan["stages"])
+                                             for s in plan["shards"])
                 log(f"testnet pipeline: {result['plan']}")
 
             rounds: dict[tuple[str, int], list[list[Stream]]] = {(s.key, b): [] for s in sides for b in batches}

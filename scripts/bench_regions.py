@@ -116,7 +116,7 @@ async def run(requests: int, max_tokens: int) -> dict[str, object]:
         tpots = [float(r["tpot"]) for r in rs if r["tpot"] is not None]  # type: ignore[arg-type]
         table[route] = {"requests": len(rs), "tpot_p50_ms": 1000 * statistics.median(tpots) if tpots else None,
                         "ttft_p50_ms": 1000 * statistics.median(float(r["ttft"]) for r in rs)}  # type: ignore[arg-type]
-    return {"routes": table, "plan": plan.get("plan", {}).get("stages") if isinstance(plan, dict) else None}
+    return {"routes": table, "plan": plan.get("plan", {}).get("shards") if isinstance(plan, dict) else None}
 
 
 def main() -> None:

@@ -80,7 +80,7 @@ async def main(cluster: str, state_dir: Path) -> int:
             plan = (await client.get("/v1/plan")).json()["plan"]
             if plan:
                 print("\npipeline: " + " -> ".join(f"{s['name']}[{s['first_layer']},{s['last_layer']})"
-                                                   for s in plan["stages"]))
+                                                   for s in plan["shards"]))
         api = running.state.api
         print(f"\nquery it:  curl -s {api}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
               f"             -d '{{\"model\": \"smollm2-135m\", \"messages\": [{{\"role\": \"user\", "

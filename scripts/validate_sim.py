@@ -480,11 +480,11 @@ def testnet_summary(requests: list[Request], window: tuple[float, float]) -> dic
 def plan_from_api(plan: dict[str, Any], spec: Any) -> Any:
     from hetnode.planner.plan import SINK, SOURCE, NodePlacement, PlacementPlan
 
-    peer = {s["name"]: s["peer_id"] for s in plan["stages"]}
+    peer = {s["name"]: s["peer_id"] for s in plan["shards"]}
     peer.update({SOURCE: SOURCE, SINK: SINK})
     return PlacementPlan(
         cluster="testnet", model=spec.name, num_layers=spec.num_layers, method=plan["method"],
-        placements=tuple(NodePlacement(s["peer_id"], s["first_layer"], s["last_layer"]) for s in plan["stages"]),
+        placements=tuple(NodePlacement(s["peer_id"], s["first_layer"], s["last_layer"]) for s in plan["shards"]),
         flows={(peer.get(f["from"], f["from"]), peer.get(f["to"], f["to"])): float(f["flow"]) for f in plan["flows"]},
         max_flow=float(plan["max_flow"]), upper_bound=math.inf if plan.get("upper_bound") is None
         else float(plan["upper_bound"]), status=plan.get("status", ""), partial_inference=False)
@@ -568,7 +568,7 @@ async def experiment(args: argparse.Namespace, work_dir: Path) -> dict[str, Any]
                 await trio.sleep(0.5)
             if not plan or not plan["ready"]:
                 raise RuntimeError(f"the plan did not become ready: {plan}")
-            stages = [f"{s['name']}[{s['first_layer']},{s['last_layer']})" for s in plan["stages"]]
+            stages = [f"{s['name']}[{s['first_layer']},{s['last_layer']})" for s in plan["shards"]]
             log(f"plan {plan['version']} ({plan['method']}, max flow {plan['max_flow']:.0f} tokens/s): "
                 + ", ".join(stages) + "; flows " + ", ".join(f"{f['from']}->{f['to']} {f['flow']:.0f}"
                                                            for f in plan["flows"]))
@@ -578,7 +578,7 @@ async def experiment(args: argparse.Namespace, work_dir: Path) -> dict[str, Any]
             device_of = {nd["peer_id"]: nd["profile"]["device_type"] for nd in view["nodes"]}
             memory = {nd["profile"]["device_type"]: nd["profile"]["memory_bytes"] for nd in view["nodes"]}
             ranges: dict[tuple[int, int], list[str]] = {}
-            for s in plan["stages"]:
+            for s in plan["shards"]:
                 devs = ranges.setdefault((s["first_layer"], s["last_layer"]), [])
                 if device_of[s["peer_id"]] not in devs:
                     devs.append(device_of[s["peer_id"]])
@@ -592,7 +592,7 @@ async def experiment(args: argparse.Namespace, work_dir: Path) -> dict[str, Any]
             t_prof = time.perf_counter()
             raw = await measure_profiles(profile_cfg)
             holders: dict[tuple[int, int, str], list[str]] = {}
-            for s in plan["stages"]:
+            for s in plan["shards"]:
                 holders.setdefault((s["first_layer"], s["last_layer"], device_of[s["peer_id"]]), []).append(s["name"])
             for e in raw["ranges"]:  # a device type's profile, or its nodes' where the type holds several ranges
                 several = sum(1 for devs in ranges.values() if e["device"] in devs) > 1
@@ -619,7 +619,7 @@ async def experiment(args: argparse.Namespace, work_dir: Path) -> dict[str, Any]
             # 5. Calibration (requests alone on the testnet), then the workload. One timeline from t0: the
             # simulator replays both, so its scheduler sees every request the coordinator's saw.
             t0 = trio.current_time()
-            warm = await warm_up(c, 3 * len(plan["stages"]), t0, args.seed)
+            warm = await warm_up(c, 3 * len(plan["shards"]), t0, args.seed)
             log(f"calibration: {args.calibration} requests one at a time ({CALIBRATION_INPUT} prompt tokens, "
                 f"{CALIBRATION_OUTPUT} new), after {len(warm)} warm-up requests at once ...")
             calibration = await calibrate(c, args.calibration, t0, args.seed)
@@ -847,7 +847,7 @@ def print_report(r: dict[str, Any]) -> None:
     s = r["settings"]
     print(f"\n== simulator vs testnet: cluster {s['cluster']} ({s['model']}), compute dilation {s['dilation']:g}, "
           f"plan {r['plan']['method']} v{r['plan']['version']} ==")
-    print("plan: " + ", ".join(f"{st['name']}[{st['first_layer']},{st['last_layer']})" for st in r["plan"]["stages"])
+    print("plan: " + ", ".join(f"{st['name']}[{st['first_layer']},{st['last_layer']})" for st in r["plan"]["shards"])
           + "; flows " + ", ".join(f"{f['from']}->{f['to']} {f['flow']:.0f}" for f in r["plan"]["flows"]
                                    if f["from"] == "source" or f["to"] != "sink"))
     print(f"profiles (measured on the testnet in {r['profiles']['seconds']:.0f} s"

@@ -1,4 +1,4 @@
-"""Which node serves which layers: the plan in use, its version, its history, and which stages are ready.
+"""Which node serves which layers: the plan in use, its version, its history, and which shards are ready.
 
 On every membership change (debounced, since joins come in bursts), and on an operator's request, the
 coordinator plans a placement over the up members with the configured method (Helix's max-flow MILP by default,
@@ -75,10 +75,19 @@ class PlanningConfig:
             raise ConfigError(f"kv share must be in [0, 1), not {self.kv_share}", key="kv_share")
 
 
+@dataclass(frozen=True)
+class Shard:
+    """The layers [first_layer, last_layer) a node holds under a plan (the planner's placement, as assigned)."""
+
+    peer: str
+    first_layer: int
+    last_layer: int  # exclusive
+
+
 @dataclass
 class Plan:
     version: int
-    stages: list[Hop]
+    shards: list[Shard]
     names: list[str]
     reason: str
     created_at: float
@@ -89,19 +98,19 @@ class Plan:
 
     @property
     def is_ready(self) -> bool:
-        return len(self.ready) == len(self.stages)
+        return len(self.ready) == len(self.shards)
 
     def peers(self) -> set[NodeId]:
-        return {NodeId(s.peer) for s in self.stages}
+        return {NodeId(s.peer) for s in self.shards}
 
     def to_json(self) -> dict[str, object]:
-        names = {s.peer: n for s, n in zip(self.stages, self.names, strict=True)}
+        names = {s.peer: n for s, n in zip(self.shards, self.names, strict=True)}
         return {
             "version": self.version, "reason": self.reason, "created_at": self.created_at, "ready": self.is_ready,
-            "stages": [
+            "shards": [
                 {"peer_id": s.peer, "name": n, "first_layer": s.first_layer, "last_layer": s.last_layer,
                  "ready": NodeId(s.peer) in self.ready, "failed": self.failed.get(NodeId(s.peer))}
-                for s, n in zip(self.stages, self.names, strict=True)
+                for s, n in zip(self.shards, self.names, strict=True)
             ],
             "method": self.placement.method, "max_flow": self.placement.max_flow,
             "upper_bound": self.placement.upper_bound if math.isfinite(self.placement.upper_bound) else None,
@@ -178,30 +187,30 @@ class Deployment:
         # The members may have changed while the planner ran: plan again on the next round if so.
         placed = {p.node for p in placement.placements}
         members = [r for r in self.registry.up_members() if str(r.peer_id) in placed or r in members]
-        stages = sorted((Hop(peer=p.node, first_layer=p.first_layer, last_layer=p.last_layer)
+        shards = sorted((Shard(peer=p.node, first_layer=p.first_layer, last_layer=p.last_layer)
                          for p in placement.placements), key=lambda s: (s.first_layer, s.last_layer, s.peer))
-        if (self.plan is not None and self.plan.stages == stages and self.plan.placement.method == placement.method
+        if (self.plan is not None and self.plan.shards == shards and self.plan.placement.method == placement.method
                 and not self.plan.scheduler.down):
             # The same layout, but a member that joined again (a restarted node) lost its shard: assign it anew.
             await self._assign(self.plan, [r for r in members if r.assignment is None])
             self._notify()
             return self.plan
         self._versions += 1
-        names = [self.registry.nodes[NodeId(s.peer)].name for s in stages]
+        names = [self.registry.nodes[NodeId(s.peer)].name for s in shards]
         scheduler = make_scheduler(
             self.planning.scheduler, placement, seed=self._versions, high_water=self.planning.high_water,
             queue_limit=self.planning.queue_limit,
             kv_capacity={p.node: kv_tokens(profiles.profiles[p.node].memory_bytes, self.spec, p.layers)
                          for p in placement.placements},
             **self._live_inputs(placement, profiles))
-        plan = Plan(self._versions, stages, names, reason, time.time(), placement, scheduler)
+        plan = Plan(self._versions, shards, names, reason, time.time(), placement, scheduler)
         if self.plan is not self.serving:
             self._retire(self.plan)  # replaced before it was ever ready
         self.plan = plan
         self.problem = ""
-        described = [f"{n}[{s.first_layer},{s.last_layer})" for s, n in zip(stages, names, strict=True)]
+        described = [f"{n}[{s.first_layer},{s.last_layer})" for s, n in zip(shards, names, strict=True)]
         self.history.append({"version": plan.version, "reason": reason, "at": plan.created_at,
-                             "method": placement.method, "max_flow": placement.max_flow, "stages": described})
+                             "method": placement.method, "max_flow": placement.max_flow, "shards": described})
         del self.history[:-100]
         log.info("plan %d (%s; %s, %.1f tokens/s): %s", plan.version, reason, placement.method,
                  placement.max_flow, ", ".join(described))
@@ -268,7 +277,7 @@ class Deployment:
                 event.set()
 
     async def _assign(self, plan: Plan, members: list[NodeRecord]) -> None:
-        by_peer = {NodeId(s.peer): s for s in plan.stages}
+        by_peer = {NodeId(s.peer): s for s in plan.shards}
         for r in members:
             s = by_peer.get(r.peer_id)
             a = Assignment(plan_version=plan.version, model=self.model,
@@ -359,8 +368,8 @@ class Deployment:
         if status.state == "ready":
             plan.ready.add(peer)
             if self.serving is not None and self.serving is not plan and peer in self.serving.peers():
-                old = next(h for h in self.serving.stages if NodeId(h.peer) == peer)
-                new = next(h for h in plan.stages if NodeId(h.peer) == peer)
+                old = next(h for h in self.serving.shards if NodeId(h.peer) == peer)
+                new = next(h for h in plan.shards if NodeId(h.peer) == peer)
                 if (old.first_layer, old.last_layer) != (new.first_layer, new.last_layer):
                     self._mask(self.serving, peer)  # its old shard is gone: no new request through it there
             plan.failed.pop(peer, None)
@@ -417,7 +426,7 @@ class Deployment:
     def why_not_ready(self) -> str:
         if self.plan is None:
             return self.problem or "no plan yet"
-        waiting = [n for s, n in zip(self.plan.stages, self.plan.names, strict=True)
+        waiting = [n for s, n in zip(self.plan.shards, self.plan.names, strict=True)
                    if NodeId(s.peer) not in self.plan.ready]
         failed = "; ".join(f"{self.registry.nodes[p].name}: {why}" for p, why in self.plan.failed.items()
                            if p in self.registry.nodes)

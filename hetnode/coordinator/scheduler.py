@@ -41,7 +41,7 @@ EdgeSet = Literal["flows", "topology"]
 
 
 @dataclass(frozen=True, slots=True)
-class PipelineStage:
+class PipelineHop:
     """One node of a request's pipeline and the layers it RUNS for that request: [first_layer, last_layer)."""
 
     node: str
@@ -62,7 +62,7 @@ class Decision:
     """
 
     request_id: str
-    pipeline: tuple[PipelineStage, ...] | None = None
+    pipeline: tuple[PipelineHop, ...] | None = None
     queued: bool = False
     reason: str = ""
     waited_s: float = 0.0
@@ -119,7 +119,7 @@ class SchedulerOptions(TypedDict, total=False):
 class _Running:
     vertices: tuple[int, ...]  # node indices of the pipeline, in order
     input_len: int
-    pipeline: tuple[PipelineStage, ...]
+    pipeline: tuple[PipelineHop, ...]
 
 
 @dataclass(slots=True)
@@ -249,12 +249,12 @@ class PipelineScheduler(ABC):
         # runs when reached from this vertex (an empty one for SINK). Sorted by name: ties always break alike.
         self._cands: list[list[int]] = [[] for _ in range(n + 2)]
         self._weights: list[list[float]] = [[] for _ in range(n + 2)]
-        self._stages: list[list[PipelineStage]] = [[] for _ in range(n + 2)]
+        self._stages: list[list[PipelineHop]] = [[] for _ in range(n + 2)]
         for (a, b), w in sorted(weighted.items(), key=lambda e: (index[e[0][0]], index[e[0][1]])):
             u, v = index[a], index[b]
             self._cands[u].append(v)
             self._weights[u].append(w)
-            self._stages[u].append(PipelineStage(b, self._end[u], self._end[v] if v != self._sink else self._end[u]))
+            self._stages[u].append(PipelineHop(b, self._end[u], self._end[v] if v != self._sink else self._end[u]))
 
         self._order = sorted(range(n), key=lambda u: -self._end[u])  # an edge always leads to an earlier one here
         self._capacity: list[int | None] = [capacity.get(name) for name in self._names] + [None, None]
@@ -381,7 +381,7 @@ class PipelineScheduler(ABC):
         return {name: NodeKV(self._kv_requests[i], self._kv_prompt[i] + self._kv_requests[i] * avg,
                              self._capacity[i], self.high_water) for i, name in enumerate(self._names)}
 
-    def pipeline_of(self, request_id: str) -> tuple[PipelineStage, ...] | None:
+    def pipeline_of(self, request_id: str) -> tuple[PipelineHop, ...] | None:
         running = self._running.get(request_id)
         return None if running is None else running.pipeline
 

@@ -62,7 +62,7 @@ async def network(model: Path, bandwidths: list[float], method: str = "pipeline"
             plan = await coord.deployment.wait_ready(30)  # type: ignore[union-attr]
             assert plan is not None
             if method == "pipeline":
-                assert len(plan.stages) == len(bandwidths)
+                assert len(plan.shards) == len(bandwidths)
             yield gen, nodes
         nursery.cancel_scope.cancel()
 
@@ -101,7 +101,7 @@ async def test_three_stage_pipeline_matches_single_process(tiny_model: Path) -> 
     async with network(tiny_model, [30.0, 20.0, 10.0]) as (gen, nodes):
         plan = gen.deployment.plan
         assert plan is not None
-        layers = [(s.first_layer, s.last_layer) for s in plan.stages]
+        layers = [(s.first_layer, s.last_layer) for s in plan.shards]
         assert layers[0][0] == 0 and layers[-1][1] == gen.model_config.num_layers
         assert all(a[1] == b[0] for a, b in itertools.pairwise(layers))
 
@@ -231,7 +231,7 @@ async def test_a_generation_names_its_route(tiny_model: Path) -> None:
         plan = gen.deployment.plan
         assert plan is not None
         want = "mixed: " + " -> ".join(f"{n} [{s.first_layer},{s.last_layer})"
-                                       for s, n in zip(plan.stages, plan.names, strict=True))
+                                       for s, n in zip(plan.shards, plan.names, strict=True))
         async with gen.generate(PROMPTS[0], GenerationParams(max_tokens=2, sampling=SamplingParams())) as events:
             assert getattr(events, "route", None) == want
             assert len([e async for e in events]) == 2
@@ -244,7 +244,7 @@ async def test_the_baseline_schedulers_read_the_nodes_live_load(tiny_model: Path
         async with network(tiny_model, [30.0, 20.0, 10.0], method="helix", scheduler=scheduler) as (gen, _n):
             deployment = gen.deployment
             plan = deployment.plan
-            assert plan is not None and sorted(plan.names) == ["n0", "n1", "n2"] and len(plan.stages) == 3
+            assert plan is not None and sorted(plan.names) == ["n0", "n1", "n2"] and len(plan.shards) == 3
 
             nodes = deployment.registry.nodes
 

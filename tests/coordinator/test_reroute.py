@@ -241,7 +241,7 @@ async def test_reroutes_are_bounded(tiny_model: Path) -> None:
 
         async def broken_route(exclude: set[NodeId]) -> list[Hop]:
             # Every stage asks for the layers of the one after it: the first stage refuses every item.
-            stages = list(plan.stages)
+            stages = list(plan.shards)
             routes.append([Hop(peer=s.peer, first_layer=t.first_layer, last_layer=t.last_layer)
                            for s, t in zip(stages, stages[1:] + stages[:1], strict=True)])
             return routes[-1]
@@ -266,7 +266,7 @@ async def test_a_node_down_is_masked_not_the_whole_plan(tiny_model: Path, undist
         assert deployment is not None
         plan = deployment.serving
         layers = c.gen.model_config.num_layers
-        assert plan is not None and sorted((s.first_layer, s.last_layer) for s in plan.stages) == [(0, layers)] * 3
+        assert plan is not None and sorted((s.first_layer, s.last_layer) for s in plan.shards) == [(0, layers)] * 3
         deployment.debounce_s = 3600  # no re-plan: only the mask keeps requests off the dead node
         await c.kill("n0")
         with trio.fail_after(30):

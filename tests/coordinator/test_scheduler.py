@@ -17,8 +17,8 @@ from hetnode.coordinator.routing import SCHEDULERS, make_scheduler
 from hetnode.coordinator.scheduler import (
     Decision,
     IwrrScheduler,
+    PipelineHop,
     PipelineScheduler,
-    PipelineStage,
     plan_edges,
 )
 from hetnode.errors import ConfigError
@@ -60,7 +60,7 @@ def chain_plan() -> PlacementPlan:
     })
 
 
-def check_pipeline(plan: PlacementPlan, pipeline: tuple[PipelineStage, ...], *, flows_only: bool) -> None:
+def check_pipeline(plan: PlacementPlan, pipeline: tuple[PipelineHop, ...], *, flows_only: bool) -> None:
     """Every layer exactly once, in order; each stage inside its node's range; each hop an edge of the plan."""
     ranges = plan.ranges()
     assert pipeline, "empty pipeline"
@@ -98,11 +98,11 @@ def test_fig4_pipelines_are_valid_and_use_partial_inference() -> None:
         check_pipeline(plan, d.pipeline, flows_only=True)
         seen.add(d.pipeline)
     # n1 -> n3: n3 holds [3, 8) but runs only [4, 8) after n1; after n2 it runs all of [3, 8).
-    assert (PipelineStage("n1", 0, 4), PipelineStage("n3", 4, 8)) in seen
-    assert (PipelineStage("n2", 0, 3), PipelineStage("n3", 3, 8)) in seen
-    assert (PipelineStage("n1", 0, 4), PipelineStage("n4", 4, 8)) in seen
+    assert (PipelineHop("n1", 0, 4), PipelineHop("n3", 4, 8)) in seen
+    assert (PipelineHop("n2", 0, 3), PipelineHop("n3", 3, 8)) in seen
+    assert (PipelineHop("n1", 0, 4), PipelineHop("n4", 4, 8)) in seen
     assert len(seen) == 3
-    assert PipelineStage("n3", 4, 8).layers == 4
+    assert PipelineHop("n3", 4, 8).layers == 4
 
 
 def test_edge_frequencies_follow_the_flows() -> None:
@@ -392,7 +392,7 @@ def test_cancel_running_and_queued() -> None:
     assert sched.cancel("r0") == [] and sched.cancel("nobody") == []  # idempotent
     with pytest.raises(KeyError, match="not running"):
         sched.finish("r0", 1, now=4.0)
-    assert sched.pipeline_of("q2") == (PipelineStage("a", 0, 4),)
+    assert sched.pipeline_of("q2") == (PipelineHop("a", 0, 4),)
     assert sched.pipeline_of("r0") is None
 
 

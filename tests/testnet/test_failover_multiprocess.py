@@ -60,6 +60,6 @@ def test_node_killed_during_concurrent_streams_every_request_completes(tmp_path:
         assert any(times[0] < killed_at[0] < times[-1] for _, times, _ in results)
         assert time.monotonic() - t0 < 120
         plan = httpx.get(f"{api}/v1/plan", timeout=10).json()["plan"]
-        assert plan["ready"] and victim not in [s["name"] for s in plan["stages"]]
+        assert plan["ready"] and victim not in [s["name"] for s in plan["shards"]]
     finally:
         stop_testnet(tmp_path / "tn")

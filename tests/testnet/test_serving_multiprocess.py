@@ -102,7 +102,7 @@ def test_smollm2_greedy_matches_transformers(smol_testnet: dict[str, Any]) -> No
     ]
     check_against_transformers(smol_testnet["api"], "smollm2-135m", hf, tok, prompts, 24)
     plan = httpx.get(f"{smol_testnet['api']}/v1/plan", timeout=10).json()["plan"]
-    assert len(plan["stages"]) == 3 and plan["ready"]
+    assert len(plan["shards"]) == 3 and plan["ready"]
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])

@@ -143,9 +143,9 @@ def test_runs_are_deterministic() -> None:
 def test_an_invalid_pipeline_from_a_scheduler_is_an_error() -> None:
     class Broken:
         def submit(self, request_id: str, input_len: int, now: float) -> Any:
-            from hetnode.coordinator.scheduler import Decision, PipelineStage
+            from hetnode.coordinator.scheduler import Decision, PipelineHop
 
-            return Decision(request_id, (PipelineStage("a", 0, 2), PipelineStage("b", 3, 4)))
+            return Decision(request_id, (PipelineHop("a", 0, 2), PipelineHop("b", 3, 4)))
 
         def finish(self, request_id: str, output_len: int, now: float) -> list[Any]:
             return []
