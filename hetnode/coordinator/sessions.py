@@ -37,6 +37,7 @@ from hetnode.coordinator.registry import Registry
 from hetnode.errors import HetnodeError
 from hetnode.ids import NodeId, SessionId
 from hetnode.models.config import ModelConfig
+from hetnode.policy import MovePolicy
 from hetnode.protocol.mailbox import Mailbox
 from hetnode.protocol.messages import (
     INFER_PROTOCOL,
@@ -133,7 +134,7 @@ class PipelineGenerator:
         self.tokenizer = tokenizer
         self.step_timeout_s = step_timeout_s
         self.ready_timeout_s = ready_timeout_s
-        self.max_reroutes = max_reroutes
+        self.max_reroutes = max_reroutes  # the move policy's bound (tests set it on a running generator)
         self.lease_s = lease_s
         # Where requests go: by default each request's own pipeline from the plan's scheduler; tests inject
         # a fixed policy.
@@ -322,19 +323,20 @@ class PipelineGenerator:
                 yield TokenEvent(msg.token, msg.logprob, top, msg.stopped)
                 if msg.stopped or len(request.generated) >= params.max_tokens:
                     return
-            moves += 1
-            if moves > self.max_reroutes:
+            if not MovePolicy(self.max_reroutes).may_move(moves):
                 raise GenerationError(f"{lost.reason}; giving up after {self.max_reroutes} re-routes",
                                       status=502, code=lost.code)
+            moves += 1
             await self._move(request, lost, moves)
 
     async def _start(self, request: _Request) -> _Lost | None:
         """Install the session on every hop of its route and send the context to the first hop."""
         session = request.session
         context = request.prompt + request.generated
+        left = MovePolicy(self.max_reroutes).restart(len(request.prompt), len(request.generated),
+                                                     request.params.max_tokens)
         install = Install(session=session.id, route=session.route, sampling=wire_sampling(request.params.sampling),
-                          prefill_end=len(context), max_tokens=request.params.max_tokens - len(request.generated),
-                          lease_s=self.lease_s)
+                          prefill_end=left.prefill_end, max_tokens=left.max_tokens, lease_s=self.lease_s)
         try:
             # Exactly the checks the hops make on arrival: a value they would refuse (a NaN that slipped past
             # the API) fails this request here, instead of resetting a stream other requests share.

@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from hetnode.errors import HetnodeError
-from hetnode.policy import PREEMPTED
+from hetnode.policy import PREEMPTED, MovePolicy
 from hetnode.testnet.sim.node import SimNode
 
 
@@ -151,7 +151,7 @@ class SimCoordinator:
         self.send_ids = send_ids  # token ids from a last stage to a first stage
         self.release = release
         self.block = block_size
-        self.max_reroutes = max_reroutes  # as PipelineGenerator: moves of one request before it gives up
+        self.moves = MovePolicy(max_reroutes)  # the runtime's: moves of one request before it gives up
         self.sessions = 0  # session ids handed out
         self.preemptions = 0
         # Set at the first refusal: items of a refused request may still be on links; nodes drop them on arrival
@@ -209,7 +209,7 @@ class SimCoordinator:
         self.sessions += 1
         r.pf = True
         r.start = 0
-        r.prefill_end = r.input_len + r.gen
+        r.prefill_end = self.moves.restart(r.input_len, r.gen, r.output_len).prefill_end
         r.num_tokens = r.prefill_end  # the whole context: the first stage's policy chunks it
         self.inflight += 1
         if self.request_s:
@@ -362,7 +362,7 @@ class SimCoordinator:
                 self.release(node, r.session, now)
             r.session = -1
             decisions = list(self.scheduler.cancel(r.rid, now))
-            if reason != PREEMPTED or r.restarts >= self.max_reroutes:
+            if reason != PREEMPTED or not self.moves.may_move(r.restarts):
                 r.rejected = reason if reason != PREEMPTED else f"{reason}; gave up after {r.restarts} moves"
                 # The rest of a split chunk may wait at other stages: it must not take KV there again.
                 for node, _ in r.stages:
@@ -375,7 +375,8 @@ class SimCoordinator:
                 # The new pipeline re-prefills what the coordinator has received; tokens still on their way from
                 # the old session are dropped when they arrive, and sampled again.
                 r.gen = r.received
-                self._decided(r, self.scheduler.submit(r.rid, r.input_len + r.gen, now), now)
+                self._decided(r, self.scheduler.submit(r.rid, self.moves.restart(r.input_len, r.gen,
+                                                                                 r.output_len).prefill_end, now), now)
             self._admit_queued(decisions, now)
             if r.rejected and self.on_finish is not None:
                 self.on_finish(now)

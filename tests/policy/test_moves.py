@@ -1,0 +1,34 @@
+"""The move policy, and both coordinators asking it: the runtime's over the network and the simulated one."""
+
+from __future__ import annotations
+
+import pytest
+
+from hetnode.coordinator.sessions import PipelineGenerator
+from hetnode.policy import MovePolicy, Restart
+from hetnode.testnet.sim.coordinator import SimCoordinator
+
+
+def test_a_move_re_prefills_what_the_coordinator_received_and_generates_the_rest() -> None:
+    policy = MovePolicy(3)
+    assert policy.restart(100, 0, 16) == Restart(100, 16)
+    assert policy.restart(100, 5, 16) == Restart(105, 11)
+    with pytest.raises(ValueError):
+        policy.restart(100, 16, 16)  # nothing left: the request has ended, it does not move
+
+
+def test_moves_are_bounded() -> None:
+    assert [MovePolicy(2).may_move(n) for n in range(4)] == [True, True, False, False]
+    assert not MovePolicy(0).may_move(0)
+    with pytest.raises(ValueError):
+        MovePolicy(-1)
+
+
+def test_both_coordinators_ask_the_policy() -> None:
+    # The executors carry no bound or context arithmetic of their own (a regression would bring one back).
+    import inspect
+
+    for executor in (PipelineGenerator, SimCoordinator):
+        source = inspect.getsource(executor)
+        assert "MovePolicy(" in source or "self.moves" in source
+        assert "r.input_len + r.gen" not in source and "len(context), max_tokens=" not in source
