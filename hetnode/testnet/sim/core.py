@@ -88,11 +88,14 @@ class Simulation:
         """Token ids from a last stage back to its first stage (the decode loop): 4 bytes a token, not a hidden
         state, on a link between two nodes."""
         net = self.network
-        if src == dst:  # a one-node pipeline feeds its own queue, no link in between
-            arrive = now
-        else:
-            link = net.table[src][dst] or net.link(src, dst)
-            arrive = link.send(now, sum(map(_NTOK, items)), len(items), 0, net.window, TOKEN_BYTES)
+        if src == dst:
+            # A one-node pipeline feeds its own queue, as the runtime's hop submits the token to its batch loop
+            # before that loop forms its next step: the tokens join the very next step (this runs inside the
+            # node's STEP_DONE, before it forms one).
+            self.nodes[dst].queue.extend(items)
+            return
+        link = net.table[src][dst] or net.link(src, dst)
+        arrive = link.send(now, sum(map(_NTOK, items)), len(items), 0, net.window, TOKEN_BYTES)
         heapq.heappush(self.events.heap, (arrive, next(self.events.seq), NODE_MESSAGE, dst, items))
 
     def release(self, node: SimNode, session: int, now: float) -> None:
