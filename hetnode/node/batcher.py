@@ -131,6 +131,16 @@ class BatchLoop:
             self.queued_tokens -= work.item.num_tokens
             raise
 
+    def submit_nowait(self, work: Work) -> bool:
+        """Queue one item without waiting (for the loop's own deliveries, which must never wait on the loop);
+        False when the queue is full. trio.ClosedResourceError once the loop is stopping."""
+        try:
+            self._send.send_nowait(work)
+        except trio.WouldBlock:
+            return False
+        self.queued_tokens += work.item.num_tokens
+        return True
+
     def release(self, session: SessionId) -> None:
         """Free the session's KV before the next step, and drop its work still queued."""
         self._releases.append(session)

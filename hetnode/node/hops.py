@@ -358,10 +358,15 @@ class HopServer:
         else:
             dtype = engine.dtype if engine is not None else rows.dtype
             step_item = StepItem(session.id, item.start, hidden=rows.to(dtype), sampling=sampling)
+        # The Install says how long the context is: a hop's first item reserves KV for all of it, even where it
+        # sees the prompt only in pieces.
+        work = Work(step_item, session, prefill_end=session.prefill_end)
         try:
-            # The Install says how long the context is: a hop's first item reserves KV for all of it, even where
-            # it sees the prompt only in pieces.
-            await session.loop.submit(Work(step_item, session, prefill_end=session.prefill_end))
+            if peer != self.transport.peer_id:
+                await session.loop.submit(work)  # a full queue pushes back on the sender's stream
+            elif not session.loop.submit_nowait(work):
+                # Our own decode token, from inside the loop's delivery: waiting on the loop would deadlock it.
+                self._fail_session(session, "this node's batch queue is full")
         except trio.ClosedResourceError:
             self._fail_session(session, "shard replaced while the item waited (plan changed)")
 

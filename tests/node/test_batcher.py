@@ -86,3 +86,13 @@ async def test_stop_of_an_idle_loop_returns_at_once() -> None:
         with trio.fail_after(5):
             await loop.stop("idle")
             await loop.stop("again")  # idempotent
+
+
+async def test_submit_nowait_says_when_the_queue_is_full() -> None:
+    async def nothing(*_: object) -> None:
+        pass
+
+    loop = BatchLoop(_GatedEngine(), deliver=nothing, fail=nothing, queue_size=2)  # type: ignore[arg-type]
+    assert loop.submit_nowait(work("a")) and loop.submit_nowait(work("b"))
+    assert not loop.submit_nowait(work("c"))  # never waits: a full queue is the caller's to handle
+    assert loop.queued_tokens == 2 * work("a").item.num_tokens
