@@ -131,6 +131,17 @@ class BatchLoop:
             self.queued_tokens -= work.item.num_tokens
             raise
 
+    async def submit_all(self, works: Sequence[Work]) -> None:
+        """Queue a message's items together, without a checkpoint between them: an idle loop that wakes on the
+        first must find them all, or it would run a step of one item and leave the rest a whole step behind.
+        Waits only while the queue is full; trio.ClosedResourceError once the loop is stopping."""
+        for i, work in enumerate(works):
+            if not self.submit_nowait(work):
+                for rest in works[i:]:
+                    await self.submit(rest)
+                return
+        await trio.lowlevel.checkpoint()
+
     def submit_nowait(self, work: Work) -> bool:
         """Queue one item without waiting (for the loop's own deliveries, which must never wait on the loop);
         False when the queue is full. trio.ClosedResourceError once the loop is stopping."""

@@ -302,8 +302,13 @@ class HopServer:
             id=sid, coordinator=peer, phase=phase, hop=places[0].hop, sampling=sampling_params(msg.sampling),
             prefill_end=msg.prefill_end, max_tokens=msg.max_tokens, lease_s=msg.lease_s, loop=loop,
             deadline=trio.current_time() + msg.lease_s)
+        by_sender: dict[NodeId, list[Work]] = {}
         for sender, item, rows in parked.items if parked else []:
-            await self._accept(sender, session, item, rows)
+            work = self._admit(sender, session, item, rows)
+            if work is not None:
+                by_sender.setdefault(sender, []).append(work)
+        for sender, works in by_sender.items():
+            await self._submit(sender, works)
 
     async def _on_items(self, peer: NodeId, msg: Items, payload: bytes | None) -> None:
         if payload is None:
@@ -320,15 +325,19 @@ class HopServer:
             if not ok:
                 raise ProtocolError(f"this hop takes {want}, not {msg.tensor.dtype}{list(tensor.shape)}")
         offset = 0
+        works: list[Work] = []
         for item in msg.items:
             part = tensor[offset:offset + item.count]
             offset += item.count
             sid = SessionId(item.session)
             session = self.sessions.get(sid)
             if session is not None:
-                await self._accept(peer, session, item, part)
+                work = self._admit(peer, session, item, part)
+                if work is not None:
+                    works.append(work)
             elif sid not in self._released:
                 self._park(peer, sid, item, part)
+        await self._submit(peer, works)
 
     def _park(self, peer: NodeId, sid: SessionId, item: Item, rows: torch.Tensor) -> None:
         parked = self._parked.get(sid)
@@ -342,13 +351,15 @@ class HopServer:
             return
         parked.items.append((peer, item, rows.clone()))
 
-    async def _accept(self, peer: NodeId, session: HopSession, item: Item, rows: torch.Tensor) -> None:
+    def _admit(self, peer: NodeId, session: HopSession, item: Item, rows: torch.Tensor) -> Work | None:
+        """The batch-loop work for `item`, or None (with an error reply to the sender) when `peer` may not send
+        it or it does not continue the session where it stands."""
         problem = session.sender_problem(peer, item)
         if not problem and item.start != session.next_start:
             problem = f"session {session.id} stands at position {session.next_start}, not {item.start}"
         if problem:
             self._refuse(peer, "refused", problem)  # the session itself is untouched
-            return
+            return None
         session.next_start = item.start + item.count
         end = item.start + item.count
         sampling = session.sampling if session.is_last and end >= session.prefill_end else None
@@ -360,15 +371,28 @@ class HopServer:
             step_item = StepItem(session.id, item.start, hidden=rows.to(dtype), sampling=sampling)
         # The Install says how long the context is: a hop's first item reserves KV for all of it, even where it
         # sees the prompt only in pieces.
-        work = Work(step_item, session, prefill_end=session.prefill_end)
-        try:
-            if peer != self.transport.peer_id:
-                await session.loop.submit(work)  # a full queue pushes back on the sender's stream
-            elif not session.loop.submit_nowait(work):
-                # Our own decode token, from inside the loop's delivery: waiting on the loop would deadlock it.
-                self._fail_session(session, "this node's batch queue is full")
-        except trio.ClosedResourceError:
-            self._fail_session(session, "shard replaced while the item waited (plan changed)")
+        return Work(step_item, session, prefill_end=session.prefill_end)
+
+    async def _submit(self, peer: NodeId, works: list[Work]) -> None:
+        """Hand a message's items to their batch loops, all at once (one step takes them together)."""
+        by_loop: dict[int, list[Work]] = {}
+        for work in works:
+            by_loop.setdefault(id(work.ctx.loop), []).append(work)
+        for group in by_loop.values():
+            loop = group[0].ctx.loop
+            try:
+                if peer != self.transport.peer_id:
+                    await loop.submit_all(group)  # a full queue pushes back on the sender's stream
+                    continue
+                for work in group:
+                    if not loop.submit_nowait(work):
+                        # Our own decode token, from inside the loop's delivery: waiting on the loop would
+                        # deadlock it.
+                        self._fail_session(work.ctx, "this node's batch queue is full")
+            except trio.ClosedResourceError:
+                for work in group:
+                    if self.sessions.get(work.ctx.id) is work.ctx:
+                        self._fail_session(work.ctx, "shard replaced while the item waited (plan changed)")
 
     # -- results -----------------------------------------------------------------------------------------
 
@@ -404,9 +428,10 @@ class HopServer:
                     self._fail_local(SessionId(t.session), "could not queue the tokens for the coordinator")
         for peer, (items, parts, sessions) in onward.items():
             if peer == self.transport.peer_id:
-                for it, part, session in zip(items, parts, sessions, strict=True):
-                    # A one-hop phase feeds its own loop: straight back into the queue, never over the network.
-                    await self._accept(peer, session, it, part)
+                # A one-hop phase feeds its own loop: straight back into the queue, never over the network.
+                admitted = [self._admit(peer, session, it, part)
+                            for it, part, session in zip(items, parts, sessions, strict=True)]
+                await self._submit(peer, [w for w in admitted if w is not None])
                 continue
             meta, raw = to_wire(torch.cat(parts))
             if not self.outbox.post(peer, Items(items=items, tensor=meta), raw):

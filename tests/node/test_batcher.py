@@ -96,3 +96,21 @@ async def test_submit_nowait_says_when_the_queue_is_full() -> None:
     assert loop.submit_nowait(work("a")) and loop.submit_nowait(work("b"))
     assert not loop.submit_nowait(work("c"))  # never waits: a full queue is the caller's to handle
     assert loop.queued_tokens == 2 * work("a").item.num_tokens
+
+
+async def test_a_message_of_items_lands_in_one_step() -> None:
+    """submit_all puts every item of a message in the queue before the loop can wake: an idle loop's next step
+    takes them all (submitted one by one, it woke on the first and ran it alone, a whole step ahead of the rest)."""
+    engine = _GatedEngine()
+    engine.gate.set()
+
+    async def nothing(*_: object) -> None:
+        pass
+
+    loop = BatchLoop(engine, deliver=nothing, fail=nothing)  # type: ignore[arg-type]
+    async with trio.open_nursery() as nursery:
+        await nursery.start(loop.run)
+        await loop.submit_all([work(f"s{i}") for i in range(6)])
+        await loop.wait_idle()
+        nursery.cancel_scope.cancel()
+    assert [len(step) for step in engine.steps] == [6]
