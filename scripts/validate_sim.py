@@ -43,13 +43,14 @@ a check against a 10% target (Helix reports under 5% for its simulator):
 
 6. The coordinator's own time: each calibration request ran alone, so its TTFT and TPOT beyond the simulator's
    prediction for it (steps and links only) is software time: per request (HTTP, routing, first message) and per
-   token (streaming it, sending the next item). The simulator models it as the coordinator's service times
+   token (streaming it to the client; the decode loop itself runs on the nodes). The simulator models it as the
+   coordinator's service times
    (`SimOptions.coordinator_request_s`, `coordinator_token_s`: one server in arrival order).
 
 7. Simulator: `simulate()` with the measured profiles, the plan, the links, the same arrivals and lengths, the
-   runtime's prefill chunk (512), batch limit (8192 tokens) and KV block (16), each node's KV pool as the node
-   reports it (blocks x 16 tokens), and the coordinator's measured time. The table compares the medians (and
-   P90s) over all requests; variants without the coordinator's time, with additive mixed steps and with the
+   runtime's batch limit (8192 tokens, under which the nodes chunk prompts) and KV block (16), each node's KV
+   pool as the node reports it (blocks x 16 tokens), and the coordinator's measured time. The table compares the
+   medians (and P90s) over all requests; variants without the coordinator's time, with additive mixed steps and with the
    emulated links show what each part of the model contributes, and a split into fast and slow requests (one
    TPOT threshold applied to each side) compares like with like.
 
