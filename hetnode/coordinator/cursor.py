@@ -1,10 +1,10 @@
-"""Where one generation stands: which item to run next (prefill chunks, then one decode token at a time), and
-when it is finished. Both generators (local and pipeline) drive sessions with it, so they cannot disagree on
-positions, chunking or stopping.
+"""Where one local generation stands: which item to run next (the whole context, then one decode token at a
+time), and when it is finished. `LocalGenerator` drives its sessions with it.
 
-A generation that loses its pipeline moves to another one under a new session id (`restart`): the new pipeline
-holds no KV, so the cursor prefills the prompt plus every token generated so far, in chunks, and samples only
-after the last chunk; that sample is the next token of the same stream.
+The context goes to the batch loop as one item, as the network's coordinator sends it to a first hop: chunking a
+long prefill under the step's token budget is the batch policy's (`hetnode.policy`), nobody else's. A generation
+that starts over under a new session id (`restart`) prefills the prompt plus every token generated so far, and
+samples the next token of the same stream.
 """
 
 from __future__ import annotations
@@ -15,8 +15,7 @@ from hetnode.node.engine.base import StepItem
 
 
 class SessionCursor:
-    def __init__(self, session: SessionId, prompt_ids: list[int], params: GenerationParams,
-                 prefill_chunk: int = 512) -> None:
+    def __init__(self, session: SessionId, prompt_ids: list[int], params: GenerationParams) -> None:
         if not prompt_ids:
             raise GenerationError("the prompt is empty", status=400, code="invalid_prompt")
         if params.max_tokens < 1:
@@ -24,7 +23,6 @@ class SessionCursor:
         self.session = session
         self.prompt = list(prompt_ids)
         self.params = params
-        self.prefill_chunk = prefill_chunk
         self.position = 0  # tokens the pipeline holds KV for
         self.generated: list[int] = []
         self.finished = False
@@ -50,10 +48,8 @@ class SessionCursor:
         if self.finished:
             raise RuntimeError("the session is finished")
         if self.position < self._prefill_end:
-            end = min(self.position + self.prefill_chunk, self._prefill_end)
-            last = end == self._prefill_end
-            return StepItem(self.session, self.position, token_ids=self._tokens(self.position, end),
-                            sampling=self.params.sampling if last else None)
+            return StepItem(self.session, self.position, token_ids=self._tokens(self.position, self._prefill_end),
+                            sampling=self.params.sampling)
         return StepItem(self.session, self.position, token_ids=[self.generated[-1]],
                         sampling=self.params.sampling)
 

@@ -41,7 +41,8 @@ from hetnode.planner.model import ModelSpec, from_model_config
 from hetnode.planner.placement import PlannerOptions, evaluate, plan_placement
 from hetnode.planner.plan import NodePlacement, PlacementPlan
 from hetnode.planner.profile import ProfileTable, kv_tokens
-from hetnode.protocol.messages import Assignment, AssignmentStatus, Hop, Load
+from hetnode.protocol.messages import Assignment, AssignmentStatus, Load, Route
+from hetnode.protocol.routes import route_peers
 
 log = logging.getLogger(__name__)
 
@@ -152,7 +153,7 @@ class Deployment:
         self._routed: dict[str, PipelineScheduler] = {}
         # Queued requests: the event that wakes them, and what they got (a pipeline, or why not).
         self._waiting: dict[str, tuple[PipelineScheduler, trio.Event]] = {}
-        self._outcome: dict[str, list[Hop] | str] = {}
+        self._outcome: dict[str, Route | str] = {}
 
     def membership_changed(self, reason: str) -> None:
         self._pending_reason = reason
@@ -290,7 +291,7 @@ class Deployment:
 
     # -- routing -----------------------------------------------------------------------------------------
 
-    async def route(self, key: str, input_len: int, avoid: Collection[NodeId] = ()) -> list[Hop]:
+    async def route(self, key: str, input_len: int, avoid: Collection[NodeId] = ()) -> Route:
         """A pipeline for one request (session `key`) from the ready plan's scheduler; waits for a ready plan
         and, while every candidate is over its KV high-water mark, in the scheduler's queue. Raises
         GenerationError when the scheduler refuses the request (its queue is full, or it can never fit)."""
@@ -298,10 +299,9 @@ class Deployment:
             plan = await self.wait_ready(math.inf, avoid)
             assert plan is not None  # an unbounded wait returns only with a plan
             decision = plan.scheduler.submit(key, input_len, trio.current_time())
-            if decision.pipeline is not None:
+            if decision.route is not None:
                 self._routed[key] = plan.scheduler
-                return [Hop(peer=s.node, first_layer=s.first_layer, last_layer=s.last_layer)
-                        for s in decision.pipeline]
+                return decision.route
             if decision.too_large:  # no retry can help: the client must send less
                 raise GenerationError(decision.reason, status=400, code="kv_capacity_exceeded")
             if not decision.queued:
@@ -316,9 +316,8 @@ class Deployment:
                 if self._waiting.pop(key, None) is not None:  # cancelled while queued
                     plan.scheduler.cancel(key)
             outcome = self._outcome.pop(key, None)
-            if isinstance(outcome, list):
-                if not any(NodeId(s.peer) in avoid or not self.registry.is_member(NodeId(s.peer))
-                           for s in outcome):
+            if isinstance(outcome, Route):
+                if not any(NodeId(p) in avoid or not self.registry.is_member(NodeId(p)) for p in route_peers(outcome)):
                     return outcome
                 self.route_done(key, None)
             elif isinstance(outcome, str):
@@ -353,10 +352,9 @@ class Deployment:
             if waiting is None:
                 scheduler.cancel(d.request_id, now)  # its waiter is gone
                 continue
-            if d.pipeline is not None:
+            if d.route is not None:
                 self._routed[d.request_id] = scheduler
-                self._outcome[d.request_id] = [Hop(peer=s.node, first_layer=s.first_layer,
-                                                     last_layer=s.last_layer) for s in d.pipeline]
+                self._outcome[d.request_id] = d.route
             else:
                 self._outcome[d.request_id] = d.reason
             waiting[1].set()

@@ -81,8 +81,7 @@ class LocalGenerator:
 
     async def _events(self, session: SessionId, prompt_ids: list[int], params: GenerationParams,
                       recv: trio.MemoryReceiveChannel[_Outcome]) -> AsyncIterator[TokenEvent]:
-        # The whole prompt as one item, as the network's coordinator sends it: the batch loop's policy chunks it.
-        cursor = SessionCursor(session, prompt_ids, params, prefill_chunk=len(prompt_ids) or 1)
+        cursor = SessionCursor(session, prompt_ids, params)
         while not cursor.finished:
             item = cursor.next_item()
             await self.loop.submit(Work(item, ctx=item.start + item.num_tokens, prefill_end=cursor.prefill_end))

@@ -36,6 +36,8 @@ from typing import ClassVar, Literal, TypedDict
 
 from hetnode.errors import ConfigError
 from hetnode.planner.plan import SINK, SOURCE, PlacementPlan
+from hetnode.protocol.messages import Hop, Route
+from hetnode.protocol.routes import pipeline_route
 
 EdgeSet = Literal["flows", "topology"]
 
@@ -75,6 +77,14 @@ class Decision:
     @property
     def assigned(self) -> bool:
         return self.pipeline is not None
+
+    @property
+    def route(self) -> Route | None:
+        """The request's route: one mixed phase over the pipeline (Helix's shape), or None when not assigned."""
+        if self.pipeline is None:
+            return None
+        return pipeline_route([Hop(peer=h.node, first_layer=h.first_layer, last_layer=h.last_layer)
+                               for h in self.pipeline])
 
     @property
     def rejected(self) -> bool:

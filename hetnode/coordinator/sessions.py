@@ -165,7 +165,7 @@ class PipelineGenerator:
         """A route of up nodes avoiding `exclude`, waiting for one (the caller bounds the wait)."""
         if self.route_for is not None:
             return pipeline_route(await self.route_for(exclude))
-        return pipeline_route(await self.deployment.route(session, input_len, exclude))
+        return await self.deployment.route(session, input_len, exclude)
 
     def _new_id(self) -> SessionId:
         return SessionId(f"s{next(self._ids)}-{secrets.token_hex(6)}")

@@ -22,15 +22,15 @@ def run_items(cursor: SessionCursor, tokens: list[int]) -> list[tuple[int, list[
     return seen
 
 
-def test_prompt_in_chunks_then_one_token_at_a_time() -> None:
-    cursor = SessionCursor(SessionId("a"), [1, 2, 3, 4, 5], GenerationParams(3, GREEDY), prefill_chunk=2)
-    assert run_items(cursor, [10, 11, 12]) == [
-        (0, [1, 2], False), (2, [3, 4], False), (4, [5], True), (5, [10], True), (6, [11], True)]
+def test_the_whole_prompt_then_one_token_at_a_time() -> None:
+    # One item for the context: the batch loop's policy, not the cursor, chunks it under the token budget.
+    cursor = SessionCursor(SessionId("a"), [1, 2, 3, 4, 5], GenerationParams(3, GREEDY))
+    assert run_items(cursor, [10, 11, 12]) == [(0, [1, 2, 3, 4, 5], True), (5, [10], True), (6, [11], True)]
     assert cursor.generated == [10, 11, 12] and cursor.finish_reason == "length"
 
 
 def test_restart_re_prefills_prompt_and_generated_tokens_then_decodes_on() -> None:
-    cursor = SessionCursor(SessionId("a"), [1, 2, 3], GenerationParams(6, GREEDY), prefill_chunk=2)
+    cursor = SessionCursor(SessionId("a"), [1, 2, 3], GenerationParams(6, GREEDY))
     for token in (10, 11, 12):
         item = cursor.next_item()
         while item.sampling is None:
@@ -40,14 +40,12 @@ def test_restart_re_prefills_prompt_and_generated_tokens_then_decodes_on() -> No
     assert cursor.position == 5  # the last token, 12, is not in the KV yet
     cursor.restart(SessionId("b"))
     assert cursor.session == "b"
-    # The new pipeline holds nothing: prompt + every generated token, sampling only after the last chunk.
-    assert run_items(cursor, [13, 14, 15]) == [
-        (0, [1, 2], False), (2, [3, 10], False), (4, [11, 12], True), (6, [13], True), (7, [14], True)]
+    # The new pipeline holds nothing: prompt + every generated token in one item, then decode on.
+    assert run_items(cursor, [13, 14, 15]) == [(0, [1, 2, 3, 10, 11, 12], True), (6, [13], True), (7, [14], True)]
     assert cursor.generated == [10, 11, 12, 13, 14, 15]
 
 
 def test_restart_during_the_prompt_starts_the_prompt_over() -> None:
-    cursor = SessionCursor(SessionId("a"), list(range(1, 6)), GenerationParams(1, GREEDY), prefill_chunk=2)
-    cursor.advance(cursor.next_item(), None, False)
+    cursor = SessionCursor(SessionId("a"), list(range(1, 6)), GenerationParams(1, GREEDY))
     cursor.restart(SessionId("b"))
-    assert run_items(cursor, [9]) == [(0, [1, 2], False), (2, [3, 4], False), (4, [5], True)]
+    assert run_items(cursor, [9]) == [(0, [1, 2, 3, 4, 5], True)]

@@ -260,6 +260,6 @@ async def test_the_baseline_schedulers_read_the_nodes_live_load(tiny_model: Path
                 else:  # swarm: a draw in proportion to throughput, one node a million times faster
                     report(**{n: Load(tokens_per_s=1e6 if n == busy else 1.0) for n in ("n0", "n1", "n2")})
                 route = await deployment.route(f"r{k}", 5)
-                picked.append(route[0].peer)
+                picked.append(route.phases[0].hops[0].peer)
                 deployment.route_done(f"r{k}", 1)
             assert picked == ["n0", "n1", "n2"] * 2

@@ -560,3 +560,16 @@ def test_conformance_deterministic_with_a_seed(policy: str) -> None:
     assert run(1) == run(1)
     if policy != "iwrr":  # the random draws (and shortest-queue's tie breaks) follow the seed
         assert run(1) != run(2)
+
+
+def test_a_decision_is_a_route_of_one_mixed_phase() -> None:
+    """Policies return routes: Helix's is one mixed phase over the request's pipeline."""
+    from hetnode.coordinator.scheduler import Decision, PipelineHop
+    from hetnode.protocol.messages import Hop
+
+    decision = Decision("r", pipeline=(PipelineHop("a", 0, 10), PipelineHop("b", 10, 30)))
+    route = decision.route
+    assert route is not None and [p.kind for p in route.phases] == ["mixed"]
+    assert route.phases[0].hops == [Hop(peer="a", first_layer=0, last_layer=10),
+                                    Hop(peer="b", first_layer=10, last_layer=30)]
+    assert Decision("q", queued=True).route is None
