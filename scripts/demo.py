@@ -79,8 +79,10 @@ async def main(cluster: str, state_dir: Path) -> int:
                 await ask(client, question)
             plan = (await client.get("/v1/plan")).json()["plan"]
             if plan:
-                print("\npipeline: " + " -> ".join(f"{s['name']}[{s['first_layer']},{s['last_layer']})"
-                                                   for s in plan["shards"]))
+                # Each node's layers under the plan; a request's route is one chain of them covering every layer
+                # (a full replica here is a route by itself).
+                print(f"\nplan ({plan['method']}): " + ", ".join(f"{s['name']}[{s['first_layer']},{s['last_layer']})"
+                                                            for s in plan["shards"]))
         api = running.state.api
         print(f"\nquery it:  curl -s {api}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
               f"             -d '{{\"model\": \"smollm2-135m\", \"messages\": [{{\"role\": \"user\", "
