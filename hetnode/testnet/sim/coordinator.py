@@ -349,7 +349,7 @@ class SimCoordinator:
 
     def on_failed(self, failed: list[tuple[SimRequest, str]], now: float) -> None:
         """Requests a node refused (a prompt larger than its whole KV pool) or preempted (out of KV with nothing
-        able to run). As PipelineGenerator does on StageFailed: release the session on every stage and move
+        able to run). As PipelineGenerator does on Failed: release the session on every stage and move
         the request to a new pipeline (here: the scheduler's pick, re-prefilling what it had), at most
         `max_reroutes` times. A refused prompt ends there. The failure reaches the coordinator at once (it is
         rare; a message's latency would change nothing that matters)."""
