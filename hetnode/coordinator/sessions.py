@@ -157,6 +157,11 @@ class PipelineGenerator:
             await trio.sleep_forever()
 
     @property
+    def moves(self) -> MovePolicy:
+        """The shared move policy, at this generator's bound (tests change `max_reroutes` on a running one)."""
+        return MovePolicy(self.max_reroutes)
+
+    @property
     def active_sessions(self) -> int:
         """Requests in flight (a request that is moving between routes counts once)."""
         return self._active
@@ -323,7 +328,7 @@ class PipelineGenerator:
                 yield TokenEvent(msg.token, msg.logprob, top, msg.stopped)
                 if msg.stopped or len(request.generated) >= params.max_tokens:
                     return
-            if not MovePolicy(self.max_reroutes).may_move(moves):
+            if not self.moves.may_move(moves):
                 raise GenerationError(f"{lost.reason}; giving up after {self.max_reroutes} re-routes",
                                       status=502, code=lost.code)
             moves += 1
@@ -333,8 +338,7 @@ class PipelineGenerator:
         """Install the session on every hop of its route and send the context to the first hop."""
         session = request.session
         context = request.prompt + request.generated
-        left = MovePolicy(self.max_reroutes).restart(len(request.prompt), len(request.generated),
-                                                     request.params.max_tokens)
+        left = self.moves.restart(len(request.prompt), len(request.generated), request.params.max_tokens)
         install = Install(session=session.id, route=session.route, sampling=wire_sampling(request.params.sampling),
                           prefill_end=left.prefill_end, max_tokens=left.max_tokens, lease_s=self.lease_s)
         try:

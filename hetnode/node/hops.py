@@ -89,7 +89,6 @@ class HopSession:
     deadline: float
     next_start: int = 0  # the next position this hop expects (items are submitted in order)
     generated: int = 0  # last hop: tokens sampled so far
-    done: bool = False  # last hop: the session's last token went out
 
     @property
     def is_first(self) -> bool:
@@ -414,7 +413,6 @@ class HopServer:
                 continue  # a prefill chunk that does not sample
             session.generated += 1
             last = result.stopped or session.generated >= session.max_tokens
-            session.done = last
             tokens.setdefault(session.coordinator, []).append(Token(
                 session=session.id, position=end, token=result.token, logprob=result.logprob,
                 top_logprobs=list(result.top_logprobs) if result.top_logprobs else None, stopped=result.stopped,

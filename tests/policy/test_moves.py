@@ -1,12 +1,10 @@
-"""The move policy, and both coordinators asking it: the runtime's over the network and the simulated one."""
+"""The move policy that the runtime's coordinator and the simulated one both ask."""
 
 from __future__ import annotations
 
 import pytest
 
-from hetnode.coordinator.sessions import PipelineGenerator
 from hetnode.policy import MovePolicy, Restart
-from hetnode.testnet.sim.coordinator import SimCoordinator
 
 
 def test_a_move_re_prefills_what_the_coordinator_received_and_generates_the_rest() -> None:
@@ -22,13 +20,3 @@ def test_moves_are_bounded() -> None:
     assert not MovePolicy(0).may_move(0)
     with pytest.raises(ValueError):
         MovePolicy(-1)
-
-
-def test_both_coordinators_ask_the_policy() -> None:
-    # The executors carry no bound or context arithmetic of their own (a regression would bring one back).
-    import inspect
-
-    for executor in (PipelineGenerator, SimCoordinator):
-        source = inspect.getsource(executor)
-        assert "MovePolicy(" in source or "self.moves" in source
-        assert "r.input_len + r.gen" not in source and "len(context), max_tokens=" not in source
