@@ -33,9 +33,13 @@ DEFAULT_HOME = Path(os.environ.get("HETNODE_HOME", Path.home() / ".hetnode"))
 
 
 def _planning_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--placement", default="helix", choices=["helix", "petals", "swarm", "sp", "sp+", "pipeline"],
+    p.add_argument("--placement", default="helix",
+                   choices=["helix", "petals", "swarm", "sp", "sp+", "pipeline", "split"],
                    help="how the coordinator places layers (default: helix, the max-flow MILP; pipeline: one "
-                        "pipeline through every node)")
+                        "pipeline through every node; split: prefill and decode replicas, KV handed between)")
+    p.add_argument("--split-workload", type=_workload, default=(750, 240), metavar="IN,OUT",
+                   help="prompt and output tokens of a typical request, which size a split plan's prefill and "
+                        "decode pools (default: 750,240)")
     p.add_argument("--scheduler", default="iwrr", choices=["iwrr", "random", "shortest-queue", "swarm"],
                    help="how each request's pipeline is chosen (default: iwrr, Helix's)")
     p.add_argument("--plan-time-limit", type=_positive, default=10.0, metavar="S",
@@ -165,7 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="where T_j comes from: Helix's measured profiles, the roofline of the papers' GPU "
                          "tables, or a profile-table file (default: auto, helix where it measured the model "
                          "and every device type, roofline otherwise)")
-    pl.add_argument("--method", default="helix", choices=["helix", "petals", "swarm", "sp", "sp+"],
+    pl.add_argument("--method", default="helix", choices=["helix", "petals", "swarm", "sp", "sp+", "split"],
                     help="helix: MILP over the max-flow graph; petals, swarm, sp (separate pipelines), sp+ "
                          "(plus a mixed pipeline of the leftovers): the papers' baselines (default: helix)")
     pl.add_argument("--time-limit", type=_positive, default=None, metavar="S",
@@ -200,6 +204,17 @@ def build_parser() -> argparse.ArgumentParser:
                                      "throughput, node and link utilization. No GPU and no network.")
     add_sim_arguments(sim, clusters=_shipped_clusters())
     return parser
+
+
+def _workload(value: str) -> tuple[int, int]:
+    parts = value.split(",")
+    try:
+        prompt, output = (int(p) for p in parts)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected IN,OUT (two integers), not {value!r}") from None
+    if prompt < 1 or output < 0:
+        raise argparse.ArgumentTypeError(f"needs at least 1 prompt and 0 output tokens: {value!r}")
+    return prompt, output
 
 
 def _positive_int(value: str) -> int:
@@ -394,7 +409,8 @@ async def _run_coordinator(args: argparse.Namespace) -> None:
     from hetnode.coordinator.deployment import PlanningConfig
     from hetnode.policy.kv_codec import KVCodecPolicy
 
-    planning = PlanningConfig(method=args.placement, scheduler=args.scheduler, time_limit_s=args.plan_time_limit)
+    planning = PlanningConfig(method=args.placement, scheduler=args.scheduler, time_limit_s=args.plan_time_limit,
+                              split_workload=args.split_workload)
     key = load_or_create_identity(args.identity)
     listen = args.listen or ["/ip4/0.0.0.0/tcp/4001"]
     serving = None

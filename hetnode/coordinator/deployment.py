@@ -30,8 +30,8 @@ import trio
 from hetnode.coordinator.generation import GenerationError
 from hetnode.coordinator.planning import live_cluster, live_profiles
 from hetnode.coordinator.registry import NodeRecord, Registry
-from hetnode.coordinator.routing import make_scheduler, scheduler_names
-from hetnode.coordinator.scheduler import Decision, PipelineScheduler
+from hetnode.coordinator.routing import Scheduler, make_scheduler, scheduler_for, scheduler_names
+from hetnode.coordinator.scheduler import Decision
 from hetnode.errors import ConfigError
 from hetnode.ids import NodeId
 from hetnode.models.config import ModelConfig
@@ -40,7 +40,8 @@ from hetnode.planner.layout import Candidate, proportional_layout
 from hetnode.planner.model import ModelSpec, from_model_config
 from hetnode.planner.placement import PlannerOptions, evaluate, plan_placement
 from hetnode.planner.plan import NodePlacement, PlacementPlan
-from hetnode.planner.profile import ProfileTable, kv_tokens
+from hetnode.planner.profile import ProfileTable, Workload, kv_tokens
+from hetnode.planner.split import split_placement
 from hetnode.protocol.messages import Assignment, AssignmentStatus, Load, Route
 from hetnode.protocol.routes import route_peers
 
@@ -51,7 +52,8 @@ SendAssignment = Callable[[NodeId, Assignment], Awaitable[bool]]
 PLAN_BYTES_PER_PARAM = 2
 # "pipeline" is the simple layout of the inference-path issue: one pipeline through every node, layers in
 # proportion to memory bandwidth. Tests that need a multi-stage pipeline on a small cluster ask for it.
-METHODS = ("helix", "petals", "swarm", "sp", "sp+", "pipeline")
+# "split" is the first phase-split plan (planner/split.py): prefill and decode replicas, routed by CLS.
+METHODS = ("helix", "petals", "swarm", "sp", "sp+", "pipeline", "split")
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,8 @@ class PlanningConfig:
     kv_share: float = 0.5  # share of each node's memory kept for KV (Helix Table 1's rule)
     high_water: float = 0.9  # KV high-water mark of the scheduler's mask
     queue_limit: int = 256  # requests that may wait for KV before new ones are refused
+    # The workload a phase-split plan sizes its pools for: prompt and output tokens of a typical request.
+    split_workload: tuple[int, int] = (Workload.input_len, Workload.output_len)
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -74,6 +78,9 @@ class PlanningConfig:
             raise ConfigError(f"time limit must be > 0, not {self.time_limit_s}", key="time_limit_s")
         if not 0 <= self.kv_share < 1:
             raise ConfigError(f"kv share must be in [0, 1), not {self.kv_share}", key="kv_share")
+        if self.split_workload[0] < 1 or self.split_workload[1] < 0:
+            raise ConfigError(f"split workload must be >= 1 prompt and >= 0 output tokens, not "
+                              f"{self.split_workload}", key="split_workload")
 
 
 @dataclass(frozen=True)
@@ -93,7 +100,7 @@ class Plan:
     reason: str
     created_at: float
     placement: PlacementPlan
-    scheduler: PipelineScheduler
+    scheduler: Scheduler
     ready: set[NodeId] = field(default_factory=set)
     failed: dict[NodeId, str] = field(default_factory=dict)
 
@@ -150,9 +157,9 @@ class Deployment:
         self._pending_method: str | None = None
         self._planning = trio.Lock()
         # Requests routed by a scheduler, by session: the scheduler to tell when the session ends.
-        self._routed: dict[str, PipelineScheduler] = {}
+        self._routed: dict[str, Scheduler] = {}
         # Queued requests: the event that wakes them, and what they got (a pipeline, or why not).
-        self._waiting: dict[str, tuple[PipelineScheduler, trio.Event]] = {}
+        self._waiting: dict[str, tuple[Scheduler, trio.Event]] = {}
         self._outcome: dict[str, Route | str] = {}
 
     def membership_changed(self, reason: str) -> None:
@@ -199,8 +206,8 @@ class Deployment:
         self._versions += 1
         names = [self.registry.nodes[NodeId(s.peer)].name for s in shards]
         scheduler = make_scheduler(
-            self.planning.scheduler, placement, seed=self._versions, high_water=self.planning.high_water,
-            queue_limit=self.planning.queue_limit,
+            scheduler_for(placement, self.planning.scheduler), placement, seed=self._versions,
+            high_water=self.planning.high_water, queue_limit=self.planning.queue_limit,
             kv_capacity={p.node: kv_tokens(profiles.profiles[p.node].memory_bytes, self.spec, p.layers)
                          for p in placement.placements},
             **self._live_inputs(placement, profiles))
@@ -227,6 +234,9 @@ class Deployment:
         """What the baseline policies read from the nodes, as the simulator feeds them from its nodes: the
         tokens waiting in each node's queue (shortest-queue) and each node's measured step throughput, its T_j
         until it has measured one (swarm); both from the nodes' latest heartbeats."""
+        if placement.replicas:
+            return {"regions": {str(r.peer_id): r.region for r in self.registry.nodes.values()}}
+
         def load(node: str) -> Load:
             record = self.registry.nodes.get(NodeId(node))
             return record.load if record is not None else Load()
@@ -248,6 +258,10 @@ class Deployment:
         cluster = live_cluster(self.registry, self.coordinator, self.home_region, usable)
         if self.planning.method == "pipeline":
             return self._pipeline_placement(usable, cluster, profiles), profiles
+        if self.planning.method == "split":
+            prompt, output = self.planning.split_workload
+            return split_placement(cluster, self.spec, profiles,
+                                   workload=Workload(input_len=prompt, output_len=output)), profiles
         options = PlannerOptions(time_limit_s=self.planning.time_limit_s, partial_inference=False, seed=0)
         # The helix search takes up to its time limit: off the event loop, so serving goes on meanwhile.
         placement = await trio.to_thread.run_sync(functools.partial(
@@ -279,11 +293,12 @@ class Deployment:
 
     async def _assign(self, plan: Plan, members: list[NodeRecord]) -> None:
         by_peer = {NodeId(s.peer): s for s in plan.shards}
+        roles = {NodeId(n): r.role for r in plan.placement.replicas for n in r.nodes}
         for r in members:
             s = by_peer.get(r.peer_id)
             a = Assignment(plan_version=plan.version, model=self.model,
                            first_layer=s.first_layer if s else 0, last_layer=s.last_layer if s else 0,
-                           role="mixed" if s else "idle")
+                           role=roles.get(r.peer_id, "mixed") if s else "idle")  # type: ignore[arg-type]
             r.assignment, r.assignment_state = a, "sent"
             plan.ready.discard(r.peer_id)
             if not await self.send(r.peer_id, a) and s is not None:
@@ -325,6 +340,13 @@ class Deployment:
                                       code="no_capacity")
             # None: the plan changed while it waited; try the new one.
 
+    def route_prefilled(self, key: str) -> None:
+        """The session `key` has its first token: a phase-split scheduler frees its prefill replica."""
+        scheduler = self._routed.get(key)
+        if scheduler is not None:
+            now = trio.current_time()
+            self._wake(scheduler, scheduler.prefilled(key, now), now)
+
     def route_done(self, key: str, output_len: int | None) -> None:
         """The session `key` ended: after `output_len` generated tokens, or moved away (None)."""
         scheduler = self._routed.pop(key, None)
@@ -345,7 +367,7 @@ class Deployment:
         now = trio.current_time()
         self._wake(plan.scheduler, plan.scheduler.set_capacity(str(peer), total * load.kv_block_size, now), now)
 
-    def _wake(self, scheduler: PipelineScheduler, admitted: list[Decision], now: float) -> None:
+    def _wake(self, scheduler: Scheduler, admitted: list[Decision], now: float) -> None:
         """Hand queued requests that the scheduler let go (started or refused) to their waiters."""
         for d in admitted:
             waiting = self._waiting.pop(d.request_id, None)

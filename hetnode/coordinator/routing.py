@@ -21,6 +21,7 @@ from collections.abc import Callable
 from typing import Any, Unpack
 
 from hetnode.coordinator.scheduler import EdgeSet, IwrrScheduler, PipelineScheduler, SchedulerOptions
+from hetnode.coordinator.split_scheduler import SplitScheduler
 from hetnode.errors import ConfigError
 from hetnode.planner.plan import PlacementPlan
 
@@ -111,13 +112,29 @@ def scheduler_names() -> list[str]:
     return list(SCHEDULERS)
 
 
-def make_scheduler(name: str, plan: PlacementPlan, **kwargs: Any) -> PipelineScheduler:
-    """A policy by name ("iwrr", "random", "shortest-queue", "swarm") with its keyword options.
+Scheduler = PipelineScheduler | SplitScheduler
+
+
+def scheduler_for(plan: PlacementPlan, name: str) -> str:
+    """The policy a plan is routed by: a phase-split plan's replicas always by CLS, any other plan by `name`."""
+    return SplitScheduler.name if plan.replicas else name
+
+
+def make_scheduler(name: str, plan: PlacementPlan, **kwargs: Any) -> Scheduler:
+    """A policy by name ("iwrr", "random", "shortest-queue", "swarm"; "cls" for a phase-split plan) with its
+    keyword options.
 
     Common options: kv_capacity, high_water, avg_output_len, queue_limit, seed; the baselines also take
-    edges, shortest-queue queue_len, swarm throughput. Raises ConfigError for an unknown name.
+    edges, shortest-queue queue_len, swarm throughput; cls takes regions. Raises ConfigError for an unknown
+    name, or a policy that does not fit the plan's shape.
     """
-    cls = SCHEDULERS.get(name.strip().lower())
+    key = name.strip().lower()
+    if key == SplitScheduler.name or plan.replicas:
+        if key != SplitScheduler.name or not plan.replicas:
+            raise ConfigError(f"scheduler {name!r} cannot route plan {plan.method!r}: a phase-split plan is routed "
+                              f"by {SplitScheduler.name!r}, and only such a plan")
+        return SplitScheduler(plan, **kwargs)
+    cls = SCHEDULERS.get(key)
     if cls is None:
         raise ConfigError(f"unknown scheduler {name!r}; choose one of: {', '.join(SCHEDULERS)}")
     return cls(plan, **kwargs)

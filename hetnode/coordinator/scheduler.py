@@ -36,7 +36,7 @@ from typing import ClassVar, Literal, TypedDict
 
 from hetnode.errors import ConfigError
 from hetnode.planner.plan import SINK, SOURCE, PlacementPlan
-from hetnode.protocol.messages import Hop, Route
+from hetnode.protocol.messages import Hop, Phase, Route
 from hetnode.protocol.routes import pipeline_route
 
 EdgeSet = Literal["flows", "topology"]
@@ -69,10 +69,14 @@ class Decision:
     reason: str = ""
     waited_s: float = 0.0
     too_large: bool = False  # refused because no pipeline's KV could ever hold its prompt: the request's fault
+    # Phase-split: the decode phase's pipeline; `pipeline` then only prefills and hands its KV over.
+    decode: tuple[PipelineHop, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.queued and self.pipeline is not None:
             raise ValueError("a decision is either a pipeline or a place in the queue, not both")
+        if self.decode is not None and self.pipeline is None:
+            raise ValueError("a decode pipeline needs a prefill pipeline before it")
 
     @property
     def assigned(self) -> bool:
@@ -80,15 +84,22 @@ class Decision:
 
     @property
     def route(self) -> Route | None:
-        """The request's route: one mixed phase over the pipeline (Helix's shape), or None when not assigned."""
+        """The request's route: one mixed phase over the pipeline (Helix's shape), or prefill on `pipeline` then
+        decode on `decode` (phase-split); None when not assigned."""
         if self.pipeline is None:
             return None
-        return pipeline_route([Hop(peer=h.node, first_layer=h.first_layer, last_layer=h.last_layer)
-                               for h in self.pipeline])
+        hops = _hops(self.pipeline)
+        if self.decode is None:
+            return pipeline_route(hops)
+        return Route(phases=[Phase(kind="prefill", hops=hops), Phase(kind="decode", hops=_hops(self.decode))])
 
     @property
     def rejected(self) -> bool:
         return self.pipeline is None and not self.queued
+
+
+def _hops(pipeline: tuple[PipelineHop, ...]) -> list[Hop]:
+    return [Hop(peer=h.node, first_layer=h.first_layer, last_layer=h.last_layer) for h in pipeline]
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,7 +153,7 @@ class _Waiting:
 Step = tuple[int, list[int], int]
 
 
-class _OutputLength:
+class OutputLength:
     """Mean of the last `window` reported output lengths; the initial estimate counts as `prior` of them.
 
     A window follows a workload that drifts; the prior keeps the first few (possibly very short) outputs
@@ -275,7 +286,7 @@ class PipelineScheduler(ABC):
         self._kv_requests = [0] * (n + 2)  # running requests through each vertex
         self._running: dict[str, _Running] = {}
         self._queue: dict[str, _Waiting] = {}  # insertion order is FIFO order
-        self._output = _OutputLength(avg_output_len)
+        self._output = OutputLength(avg_output_len)
         self._has_path = self._bottleneck(capacity_limits=False, down=False) > -math.inf
         self._refresh_bottlenecks()
 
@@ -307,6 +318,11 @@ class PipelineScheduler(ABC):
         why = (f"waiting behind {ahead} queued request{'s' if ahead != 1 else ''}" if ahead else
                "waiting: every pipeline has a node whose KV estimate would pass its high-water mark")
         return Decision(request_id, queued=True, reason=why)
+
+    def prefilled(self, request_id: str, now: float) -> list[Decision]:
+        """The request's prompt is prefilled. A pipeline keeps its KV where it is, so nothing changes here (the
+        phase-split scheduler frees the prefill replica); both executors call it at every first token."""
+        return []
 
     def finish(self, request_id: str, output_len: int, now: float) -> list[Decision]:
         """A running request ended after `output_len` generated tokens: free its KV estimate, learn from its

@@ -99,6 +99,7 @@ class _Session:
         # Hops that start from handed-over KV: the prefill starts when each has reserved it (Ready).
         self.receivers = {NodeId(h.peer) for phase in route.phases[1:] for h in phase.hops}
         self.ready: set[NodeId] = set()
+        self.prefilled = False  # its first token came: the prefill phase is done
         # Room for every token the session may produce and a few failure notices: a node never waits for a
         # slow HTTP client, and a token is never dropped.
         self.send, self.recv = trio.open_memory_channel[_Inbound](capacity + 16)
@@ -380,6 +381,9 @@ class PipelineGenerator:
                     raise GenerationError(f"out-of-order token (position {msg.position}, expected {expected})",
                                           status=502, code="protocol_error")
                 request.generated.append(msg.token)
+                if not request.session.prefilled:
+                    request.session.prefilled = True
+                    self.deployment.route_prefilled(request.session.id)
                 top = tuple((int(t), float(lp)) for t, lp in msg.top_logprobs) if msg.top_logprobs else None
                 yield TokenEvent(msg.token, msg.logprob, top, msg.stopped)
                 if self.lifecycle.ends(len(request.generated), params.max_tokens, msg.stopped):

@@ -99,9 +99,10 @@ from hetnode.planner.plan import NodePlacement, PlacementPlan
 from hetnode.planner.profile import ProfileTable
 from hetnode.planner.prune import all_edges, auto_degree, prune_edges
 from hetnode.planner.served import served_estimate
+from hetnode.planner.split import split_placement
 from hetnode.planner.stages import best_stage_placement
 
-METHODS = ("helix", "petals", "swarm", "sp", "sp+")
+METHODS = ("helix", "petals", "swarm", "sp", "sp+", "split")
 PICKS = ("served", "max_flow")
 SMALL_CLUSTER = 8  # at most this many nodes: the §4.4 MILP is solved whole, no LNS
 
@@ -166,6 +167,8 @@ def plan_placement(cluster: ClusterSpec, model: ModelSpec, profiles: ProfileTabl
         return _plan(cluster, model, method, ranges, flow, bound, "heuristic",
                      time.perf_counter() - began, options,
                      (f"{len(pipelines)} separate pipelines; flow kept inside each",), profiles, inside)
+    if method == "split":
+        return split_placement(cluster, model, profiles)
     if method != "helix":
         ranges = HEURISTICS[method](cluster, model, profiles)
         flow = evaluate(cluster, model, profiles, ranges, partial=options.partial_inference)

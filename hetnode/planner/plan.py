@@ -29,6 +29,14 @@ class NodePlacement:
 
 
 @dataclass(frozen=True)
+class Replica:
+    """A pipeline of a phase-split plan and the phase it serves: its nodes in layer order."""
+
+    role: str  # "prefill" or "decode"
+    nodes: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class PlacementPlan:
     cluster: str
     model: str
@@ -45,6 +53,8 @@ class PlacementPlan:
     # The node-to-node connections the plan's flow may use; None: every one its placement makes valid.
     # Separate pipelines (sp, sp+) keep each request inside one pipeline, so their max flow is over these.
     connections: tuple[tuple[str, str], ...] | None = None
+    # A phase-split plan's replicas (method "split"); empty: every request prefills and decodes on one pipeline.
+    replicas: tuple[Replica, ...] = ()
 
     @property
     def gap(self) -> float:
@@ -68,6 +78,8 @@ class PlacementPlan:
             "notes": list(self.notes),
             **({} if self.connections is None else
                {"connections": [{"from": a, "to": b} for a, b in self.connections]}),
+            **({"replicas": [{"role": r.role, "nodes": list(r.nodes)} for r in self.replicas]}
+               if self.replicas else {}),
         }
 
     @classmethod
@@ -84,4 +96,6 @@ class PlacementPlan:
             partial_inference=bool(data.get("partial_inference", True)), notes=tuple(data.get("notes", ())),
             connections=None if data.get("connections") is None else
             tuple((c["from"], c["to"]) for c in data["connections"]),
+            replicas=tuple(Replica(str(r["role"]), tuple(str(n) for n in r["nodes"]))
+                           for r in data.get("replicas", ())),
         )

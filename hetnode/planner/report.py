@@ -55,6 +55,8 @@ def format_plan(plan: PlacementPlan, cluster: ClusterSpec, *, profiles: ProfileT
                      f"{flow / t_j:.1%}" if t_j else "-"])
     lines += _table(["node", "device", "region", "layers", "j", "T_j tok/s", "flow tok/s", "util"], rows,
                     right={4, 5, 6, 7})
+    for r in plan.replicas:
+        lines.append(f"{r.role} replica: {' -> '.join(r.nodes)}")
     placed = set(through)
     unused = [n.name for n in cluster.nodes if n.name not in placed]
     if unused:

@@ -1,0 +1,333 @@
+"""Routing for a phase-split plan (Splitwise §IV-B, its cluster-level scheduler "CLS"): each request gets a
+prefill replica and a decode replica at arrival.
+
+Both picks are join-the-shortest-queue on pending tokens. A prefill replica's pending tokens are the prompts
+routed to it and not yet prefilled; a decode replica's are the KV tokens its requests hold (prompt plus the
+current average output), the same estimate as the Helix scheduler's mask. The decode replica is picked in the
+prefill replica's region when one there has room (the KV then crosses no wide-area link), else anywhere.
+
+Both are picked at arrival, so the decode side's KV is accounted for before the prefill starts (Splitwise
+assigns both machines at once for this reason; the nodes reserve the blocks for real when the route is
+installed). A replica is masked while adding the request would take one of its nodes over the high-water mark
+of its KV: prefill nodes are charged the prompt until it is prefilled (`prefilled`), decode nodes the prompt
+plus the average output until the request ends. A request that finds no pair waits in a bounded FIFO queue.
+
+The public API is `PipelineScheduler`'s (submit, prefilled, finish, cancel, node_down, set_capacity, largest_kv,
+queue_len, running, down, kv_estimate, pipeline_of), so the coordinator and the simulator drive it unchanged.
+Pure: no I/O, no clock (every call passes `now`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import ClassVar
+
+from hetnode.coordinator.scheduler import Decision, NodeDown, NodeKV, OutputLength, PipelineHop
+from hetnode.errors import ConfigError
+from hetnode.planner.plan import PlacementPlan
+
+
+@dataclass(slots=True)
+class _Replica:
+    role: str
+    hops: tuple[PipelineHop, ...]
+    nodes: tuple[int, ...]
+    region: str
+    pending: float = 0.0  # tokens (see the module docstring)
+    down: bool = False
+
+
+@dataclass(slots=True)
+class _Running:
+    prefill: int  # replica indices
+    decode: int
+    input_len: int
+    prefilling: bool = True
+
+
+@dataclass(slots=True)
+class _Waiting:
+    input_len: int
+    since: float
+
+
+class SplitScheduler:
+    """Join-the-shortest-queue over a phase-split plan's replicas; see the module docstring.
+
+    regions: each node's region (a node missing from it is in region ""). The other options are those of every
+    `PipelineScheduler`: kv_capacity (tokens per node; missing: not limited), high_water, avg_output_len,
+    queue_limit, seed (unused: the policy draws nothing at random).
+    """
+
+    name: ClassVar[str] = "cls"
+
+    def __init__(self, plan: PlacementPlan, *, kv_capacity: Mapping[str, int] | None = None,
+                 high_water: float = 0.9, avg_output_len: float = 240.0, queue_limit: int = 1024, seed: int = 0,
+                 regions: Mapping[str, str] | None = None) -> None:
+        if not 0 < high_water <= 1:
+            raise ValueError(f"high_water must be in (0, 1], not {high_water}")
+        if queue_limit < 0:
+            raise ValueError(f"queue_limit must be >= 0, not {queue_limit}")
+        roles = {r.role for r in plan.replicas}
+        if not {"prefill", "decode"} <= roles or not roles <= {"prefill", "decode"}:
+            raise ConfigError(f"plan {plan.cluster}/{plan.model} is not a phase-split plan: its replicas' roles "
+                              f"are {sorted(roles) or 'none'}, it needs prefill and decode ones")
+        ranges = plan.ranges()
+        self.plan = plan
+        self.high_water = high_water
+        self.queue_limit = queue_limit
+        self._names = sorted(ranges)
+        index = {n: i for i, n in enumerate(self._names)}
+        self._index = index
+        capacity = dict(kv_capacity or {})
+        self._capacity: list[int | None] = [capacity.get(n) for n in self._names]
+        self._load = [0.0] * len(self._names)  # charged tokens per node
+        self._requests = [0] * len(self._names)  # decode requests per node (charged the average output)
+        self._down: set[int] = set()
+        self._replicas: list[_Replica] = []
+        for r in plan.replicas:
+            layer = 0
+            hops = []
+            for node in r.nodes:
+                if node not in ranges or ranges[node][0] != layer:
+                    raise ConfigError(f"plan {plan.cluster}/{plan.model}: {r.role} replica {' -> '.join(r.nodes)} "
+                                      f"does not run every layer once, in order")
+                hops.append(PipelineHop(node, *ranges[node]))
+                layer = ranges[node][1]
+            if layer != plan.num_layers:
+                raise ConfigError(f"plan {plan.cluster}/{plan.model}: {r.role} replica {' -> '.join(r.nodes)} "
+                                  f"ends at layer {layer} of {plan.num_layers}")
+            self._replicas.append(_Replica(r.role, tuple(hops), tuple(index[n] for n in r.nodes),
+                                           (regions or {}).get(r.nodes[0], "")))
+        self._running: dict[str, _Running] = {}
+        self._queue: dict[str, _Waiting] = {}
+        self._output = OutputLength(avg_output_len)
+        self._now = 0.0
+
+    # -- public API (PipelineScheduler's) -------------------------------------------------------------------------
+
+    def submit(self, request_id: str, input_len: int, now: float) -> Decision:
+        if request_id in self._running or request_id in self._queue:
+            state = "running" if request_id in self._running else "queued"
+            raise ValueError(f"request {request_id!r} is already {state}")
+        if input_len < 0:
+            raise ValueError(f"input_len must be >= 0, not {input_len}")
+        self._now = max(self._now, now)
+        largest = self.largest_kv
+        if largest > -math.inf and input_len > largest:
+            return Decision(request_id, too_large=True, reason=f"prompt of {input_len} tokens needs more KV than "
+                            f"any replica pair holds (largest: {largest:.0f} tokens)")
+        unservable = self._unservable(input_len)
+        if unservable:
+            return Decision(request_id, reason=unservable)
+        if not self._queue:
+            decision = self._assign(request_id, input_len, 0.0)
+            if decision is not None:
+                return decision
+        if len(self._queue) >= self.queue_limit:
+            return Decision(request_id, reason=f"queue full ({len(self._queue)} waiting)")
+        ahead = len(self._queue)
+        self._queue[request_id] = _Waiting(input_len, now)
+        why = (f"waiting behind {ahead} queued request{'s' if ahead != 1 else ''}" if ahead else
+               "waiting: no prefill and decode replica pair has KV room under its high-water mark")
+        return Decision(request_id, queued=True, reason=why)
+
+    def prefilled(self, request_id: str, now: float) -> list[Decision]:
+        """The request's prompt is prefilled (its first token is out): its prefill replica is free of it."""
+        running = self._running.get(request_id)
+        if running is None or not running.prefilling:
+            return []
+        self._now = max(self._now, now)
+        self._release_prefill(running)
+        return self._drain(self._now)
+
+    def finish(self, request_id: str, output_len: int, now: float) -> list[Decision]:
+        running = self._running.pop(request_id, None)
+        if running is None:
+            raise KeyError(f"request {request_id!r} is not running"
+                           + (" (it is queued: cancel it instead)" if request_id in self._queue else ""))
+        self._now = max(self._now, now)
+        self._release(running)
+        self._output.add(max(0, output_len))
+        return self._drain(self._now)
+
+    def cancel(self, request_id: str, now: float | None = None) -> list[Decision]:
+        now = self._now if now is None else max(self._now, now)
+        self._now = now
+        if self._queue.pop(request_id, None) is not None:
+            return self._drain(now)
+        running = self._running.pop(request_id, None)
+        if running is None:
+            return []
+        self._release(running)
+        return self._drain(now)
+
+    def node_down(self, node: str, now: float | None = None) -> NodeDown:
+        """Mask every replica the node is part of; requests whose remaining phases pass through it are affected."""
+        if now is not None:
+            self._now = max(self._now, now)
+        v = self._index.get(node)
+        if v is None or v in self._down:
+            return NodeDown(node, (), ())
+        self._down.add(v)
+        for replica in self._replicas:
+            if v in replica.nodes:
+                replica.down = True
+        affected = tuple(rid for rid, r in self._running.items()
+                         if v in self._replicas[r.decode].nodes
+                         or (r.prefilling and v in self._replicas[r.prefill].nodes))
+        rejected = []
+        for rid, waiting in list(self._queue.items()):
+            reason = self._unservable(waiting.input_len)
+            if reason:
+                del self._queue[rid]
+                rejected.append(Decision(rid, reason=reason, waited_s=max(0.0, self._now - waiting.since)))
+        return NodeDown(node, affected, tuple(rejected))
+
+    def set_capacity(self, node: str, tokens: int, now: float | None = None) -> list[Decision]:
+        v = self._index.get(node)
+        if tokens < 0:
+            raise ValueError(f"kv capacity of {node} must be >= 0, not {tokens}")
+        if v is None or self._capacity[v] == tokens:
+            return []
+        self._now = self._now if now is None else max(self._now, now)
+        self._capacity[v] = tokens
+        return self._drain(self._now)
+
+    @property
+    def largest_kv(self) -> float:
+        """The largest prompt (tokens) a pair of up replicas could ever take: inf when nothing is limited,
+        -inf when a role has no replica left."""
+        return min(self._largest("prefill"), self._largest("decode"))
+
+    def kv_estimate(self) -> dict[str, NodeKV]:
+        return {name: NodeKV(self._requests[i], self._load[i] + self._requests[i] * self._output.mean,
+                             self._capacity[i], self.high_water) for i, name in enumerate(self._names)}
+
+    def pipeline_of(self, request_id: str) -> tuple[PipelineHop, ...] | None:
+        """The pipeline the request runs on now: its prefill replica's until prefilled, then its decode one's."""
+        running = self._running.get(request_id)
+        if running is None:
+            return None
+        return self._replicas[running.prefill if running.prefilling else running.decode].hops
+
+    @property
+    def queue_len(self) -> int:
+        return len(self._queue)
+
+    @property
+    def running(self) -> int:
+        return len(self._running)
+
+    @property
+    def avg_output_len(self) -> float:
+        return self._output.mean
+
+    @property
+    def down(self) -> frozenset[str]:
+        return frozenset(self._names[v] for v in self._down)
+
+    def pending(self) -> list[tuple[str, tuple[str, ...], float]]:
+        """Each replica's role, nodes and pending tokens (for status pages and tests)."""
+        return [(r.role, tuple(h.node for h in r.hops), r.pending + (self._output.mean * self._decoding(r)
+                                                                     if r.role == "decode" else 0.0))
+                for r in self._replicas]
+
+    # -- the policy -------------------------------------------------------------------------------------------
+
+    def _limit(self, v: int) -> float:
+        cap = self._capacity[v]
+        return math.inf if cap is None else self.high_water * cap
+
+    def _fits(self, replica: _Replica, need: float, avg: float) -> bool:
+        return all(self._load[v] + self._requests[v] * avg + need <= self._limit(v) for v in replica.nodes)
+
+    def _decoding(self, replica: _Replica) -> int:
+        return self._requests[replica.nodes[0]] if replica.nodes else 0
+
+    def _assign(self, request_id: str, input_len: int, waited: float) -> Decision | None:
+        avg = self._output.mean
+        prefill = self._shortest("prefill", input_len, avg, "")
+        if prefill is None:
+            return None
+        decode = self._shortest("decode", input_len + avg, avg, self._replicas[prefill].region)
+        if decode is None:
+            return None
+        p, d = self._replicas[prefill], self._replicas[decode]
+        p.pending += input_len
+        d.pending += input_len
+        for v in p.nodes:
+            self._load[v] += input_len
+        for v in d.nodes:
+            self._load[v] += input_len
+            self._requests[v] += 1
+        self._running[request_id] = _Running(prefill, decode, input_len)
+        return Decision(request_id, p.hops, decode=d.hops, waited_s=waited)
+
+    def _shortest(self, role: str, need: float, avg: float, region: str) -> int | None:
+        """The replica of `role` with room for `need` tokens and the fewest pending tokens; one in `region`
+        first when a region is given. Ties go to the first replica of the plan."""
+        best: tuple[bool, float, int] | None = None
+        for i, r in enumerate(self._replicas):
+            if r.role != role or r.down or not self._fits(r, need, avg):
+                continue
+            pending = r.pending + (avg * self._decoding(r) if role == "decode" else 0.0)
+            key = (bool(region) and r.region != region, pending, i)
+            if best is None or key < best:
+                best = key
+        return None if best is None else best[2]
+
+    def _release_prefill(self, running: _Running) -> None:
+        running.prefilling = False
+        p = self._replicas[running.prefill]
+        p.pending -= running.input_len
+        for v in p.nodes:
+            self._load[v] -= running.input_len
+
+    def _release(self, running: _Running) -> None:
+        if running.prefilling:
+            self._release_prefill(running)
+        d = self._replicas[running.decode]
+        d.pending -= running.input_len
+        for v in d.nodes:
+            self._load[v] -= running.input_len
+            self._requests[v] -= 1
+
+    def _drain(self, now: float) -> list[Decision]:
+        out: list[Decision] = []
+        while self._queue:
+            rid, waiting = next(iter(self._queue.items()))
+            waited = max(0.0, now - waiting.since)
+            decision = self._assign(rid, waiting.input_len, waited)
+            if decision is None:
+                reason = self._unservable(waiting.input_len)
+                if not reason:
+                    break
+                decision = Decision(rid, reason=reason, waited_s=waited)
+            del self._queue[rid]
+            out.append(decision)
+        return out
+
+    def _largest(self, role: str) -> float:
+        """The most KV tokens one up replica of `role` holds (its smallest node's pool)."""
+        best = -math.inf
+        for r in self._replicas:
+            if r.role == role and not r.down:
+                best = max(best, min((self._limit(v) for v in r.nodes), default=math.inf))
+        return best / self.high_water
+
+    def _unservable(self, input_len: int) -> str:
+        for role in ("prefill", "decode"):
+            if self._largest(role) == -math.inf:
+                return f"no {role} replica avoids the nodes that are down ({', '.join(sorted(self.down))})"
+        need = input_len + self._output.mean
+        if input_len > self.high_water * self._largest("prefill"):
+            return (f"the prompt of {input_len} tokens does not fit any prefill replica's KV under the high-water "
+                    f"mark ({self.high_water * self._largest('prefill'):.0f} tokens)")
+        if need > self.high_water * self._largest("decode"):
+            return (f"the request needs about {need:.0f} tokens of KV ({input_len} prompt + {self._output.mean:.0f} "
+                    f"expected output) and no decode replica has room for more than "
+                    f"{self.high_water * self._largest('decode'):.0f} under the high-water mark")
+        return ""
