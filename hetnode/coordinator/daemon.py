@@ -46,6 +46,8 @@ from hetnode.protocol.probe import ProbeSettings, serve_probe
 from hetnode.protocol.transport import Stream, Transport
 
 log = logging.getLogger(__name__)
+# How long a node that leaves stays a member while the KV it sent is on its way (then it is gone anyway).
+_KV_DELIVERY_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -245,6 +247,8 @@ class Coordinator:
                         self.deployment.membership_changed(f"{self._name(peer)} leaving")
                     self._poke()
             elif isinstance(msg, Leave):
+                if self.generator is not None and not await self.generator.kv_delivered(peer, _KV_DELIVERY_S):
+                    log.warning("node %s leaves before the KV it sent reached every session", self._name(peer))
                 self.registry.mark(peer, "left", msg.reason or "left")
                 self._member_gone(peer, "left")
                 log.info("node %s left: %s", self._name(peer), msg.reason or "no reason given")

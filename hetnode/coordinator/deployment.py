@@ -432,8 +432,8 @@ class Deployment:
         plan = self.plan if self.plan is not None and self.plan.is_ready else self.serving
         if plan is None or plan.scheduler.largest_kv == -math.inf:
             return None
-        if any(p in avoid for p in plan.peers()):
-            return None
+        if any(p in avoid and str(p) not in plan.scheduler.down for p in plan.peers()):
+            return None  # (a node its scheduler has masked is never on a route it gives)
         return plan
 
     def node_down(self, peer: NodeId) -> None:

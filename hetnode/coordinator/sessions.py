@@ -180,6 +180,7 @@ class PipelineGenerator:
         self.reroutes = 0  # moves of requests to another route that re-prefilled the context, since start
         self.migrations = 0  # moves that took the request's KV along (its nodes left gracefully)
         self.recomputed_tokens = 0  # positions such moves computed again (those past the KV the hops had)
+        self._progress = trio.Event()  # set when a session gets its first token or ends
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
@@ -317,6 +318,23 @@ class PipelineGenerator:
                 with suppress(trio.WouldBlock):
                     session.send.send_nowait(_Leaving(peer))
 
+    def _progressed(self) -> None:
+        self._progress.set()
+        self._progress = trio.Event()
+
+    async def kv_delivered(self, peer: NodeId, timeout_s: float) -> bool:
+        """Until no session waits for KV from `peer` (it is on an earlier phase of a session whose first token
+        has not come), at most `timeout_s`: a node that leaves gracefully stays a member until then, so that
+        the KV it sent is not refused as a non-member's. True if none waits."""
+        def waiting() -> bool:
+            return any(not s.prefilled and any(NodeId(h.peer) == peer for ph in s.route.phases[:-1] for h in ph.hops)
+                       for s in self._sessions.values())
+
+        with trio.move_on_after(timeout_s):
+            while waiting():
+                await self._progress.wait()
+        return not waiting()
+
     def node_down(self, peer: NodeId, reason: str) -> None:
         """Tell every session whose route runs through `peer`: its request moves to another route. A node that
         left gracefully finished sending the KV it computed before it went: only sessions whose last phase
@@ -347,6 +365,7 @@ class PipelineGenerator:
         """Forget the session, tell the scheduler (after `output_len` tokens, or None: moved away), and free
         its KV on every hop of its route."""
         self.deployment.route_done(session.id, output_len)
+        self._progressed()
         if self._sessions.pop(session.id, None) is None or self._nursery is None:
             return
         # Counted now, not when the task starts, so that wait_released right after a generation sees it.
@@ -469,6 +488,7 @@ class PipelineGenerator:
         if not request.session.prefilled:
             request.session.prefilled = True
             self.deployment.route_prefilled(request.session.id)
+            self._progressed()
         top = tuple((int(t), float(lp)) for t, lp in msg.top_logprobs) if msg.top_logprobs else None
         return TokenEvent(msg.token, msg.logprob, top, msg.stopped)
 

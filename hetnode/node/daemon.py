@@ -102,6 +102,7 @@ class NodeDaemon:
         self._heartbeat_seq = 0
         self._framed: FramedStream | None = None
         self._leaving = False
+        self._ctl_ended = trio.Event()  # set when the current control session ends
         self._session_nursery: trio.Nursery | None = None
 
     # -- membership checks for our own handlers ----------------------------------------------------------
@@ -226,6 +227,7 @@ class NodeDaemon:
     async def _session(self, framed: FramedStream, welcome: Welcome) -> None:
         """Serve one membership until the control stream ends or fails."""
         self._framed = framed
+        self._ctl_ended = trio.Event()
         try:
             async with trio.open_nursery() as nursery:
 
@@ -243,6 +245,7 @@ class NodeDaemon:
                 nursery.start_soon(until_failure, self._read_ctl, 0.0)
         finally:
             self._framed = None
+            self._ctl_ended.set()
             self._session_nursery = None
 
     async def leave(self, reason: str = "shutting down", drain_s: float = 0.0) -> None:
@@ -266,9 +269,13 @@ class NodeDaemon:
                          "" if moved and sent else f" (gave up: {len(self.hops.sessions)} sessions left)")
             except (HetnodeError, OSError) as exc:
                 log.info("could not drain through the coordinator: %s", exc)
-        with trio.move_on_after(2):
+        with trio.move_on_after(2 if drain_s <= 0 else 12):
             try:
                 await framed.send_msg(Leave(reason=reason))
+                if drain_s > 0:
+                    # The coordinator closes the stream once the KV this node sent has reached its sessions (it
+                    # keeps this node a member until then, so the receivers accept it).
+                    await self._ctl_ended.wait()
                 await framed.aclose()
                 log.info("left the cluster: %s", reason)
             except (HetnodeError, OSError) as exc:

@@ -81,6 +81,7 @@ _PARK_S = 10.0  # how long they wait before they are refused
 _PARK_BYTES = 256 << 20  # the tensors they hold, all sessions together (a hostile member cannot fill memory)
 _RELEASED_MEMORY = 65536  # sessions released recently: late items for them are dropped quietly
 _HANDED_MEMORY = 4096  # sessions handed to the next phase recently: a send that fails still reaches their coordinator
+_KV_WAIT_S = 10.0  # how long a frozen hop waits for handed-over KV still on its way before it answers
 _EXPORT_CHUNK = 512  # positions per KV message of a move (the prefill path sends one per chunk of that size too)
 
 
@@ -657,6 +658,7 @@ class HopServer:
         for layer in layers:
             session.kv_next[layer] = end
         if not session.kv_waiting:
+            session.computed = max(session.computed, session.kv_end)  # what it holds, should it move on
             session.kv_done.set()
         if session.held and not session.kv_waiting:
             held, session.held = session.held, []
@@ -733,8 +735,18 @@ class HopServer:
             self._refuse(peer, "refused", f"session {sid}: only the phase that decodes holds its whole KV")
             return
         session.frozen = True
+        if session.kv_waiting and self._nursery is not None:
+            # Its handed-over KV is still arriving: what it holds is known once it is all here.
+            self._nursery.start_soon(self._frozen_when_whole, peer, session)
+            return
         # After the tokens this hop already queued for the coordinator: the answer says what they covered.
         self.outbox.post(peer, Frozen(session=sid, end=session.computed))
+
+    async def _frozen_when_whole(self, peer: NodeId, session: HopSession) -> None:
+        with trio.move_on_after(_KV_WAIT_S):
+            await session.kv_done.wait()
+        if self.sessions.get(session.id) is session:
+            self.outbox.post(peer, Frozen(session=session.id, end=session.computed))
 
     async def _on_export(self, peer: NodeId, msg: Export) -> None:
         """Send the frozen session's KV to the hops of its new session that hold the same layers, in chunks of
