@@ -468,3 +468,61 @@ async def test_a_leaving_node_hands_its_sessions_kv_over_and_the_stream_goes_on(
         assert all(net.nodes[r].kv_bytes_received > 0 for r in receivers)
         await net.gen.wait_released()
         assert not net.nodes[leaver].sessions  # it can go: nothing of the session is left there
+
+
+async def test_freeze_and_export_only_from_the_sessions_coordinator_and_only_in_order(tiny_model: Path) -> None:
+    """Against a raw coordinator and a raw stranger: a stranger's Freeze or Export is refused and changes
+    nothing; an Export of a session that is not frozen, or whose route does not put this hop first, fails the
+    new session (its coordinator then re-prefills it) and leaves the old one running; a Freeze answers with
+    how far the hop computed."""
+    import torch
+    from raw_peer import RawPeer
+
+    from hetnode.protocol.messages import (
+        ErrorReply,
+        Export,
+        Failed,
+        Freeze,
+        Frozen,
+        Install,
+        Item,
+        Items,
+        Sampling,
+        Token,
+    )
+    from hetnode.protocol.tensors import to_wire
+
+    layers = load_config(tiny_model).num_layers
+    net = MemoryNetwork()
+    async with trio.open_nursery() as nursery, net.transport("coord") as ct, net.transport("evil") as et:
+        servers: dict[str, HopServer] = {}
+        async with _nodes(net, nursery, tiny_model, [("a", (0, layers))], servers, {}):
+            a = servers["a"]
+            coord, evil = RawPeer(ct), RawPeer(et)
+            route = pipeline_route(hops_of(("a", 0, layers)))
+            meta, raw = to_wire(torch.tensor(PROMPTS[1]))
+            with trio.fail_after(30):
+                await coord.send("a", Install(session="s", route=route, sampling=Sampling(),
+                                              prefill_end=len(PROMPTS[1]), max_tokens=200, lease_s=30))
+                await coord.send("a", Items(items=[Item("s", 0, len(PROMPTS[1]))], tensor=meta), raw)
+                await coord.next_of(Token)
+                moved = Route(phases=[Phase(kind="prefill", hops=hops_of(("a", 0, layers)), last_token=3),
+                                      Phase(kind="mixed", hops=hops_of(("b", 0, layers)), first_token=3)])
+                await evil.send("a", Freeze(session="s"))
+                assert (await evil.next_of(ErrorReply))[1].code == "not_yours"
+                await evil.send("a", Export(session="s", to="t", route=moved))
+                assert (await evil.next_of(ErrorReply))[1].code == "not_yours"
+                assert not a.sessions["s"].frozen
+                await coord.send("a", Export(session="s", to="t", route=moved))
+                _, failed = await coord.next_of(Failed)
+                assert failed.session == "t" and "not frozen" in failed.reason and "s" in a.sessions
+                await coord.send("a", Freeze(session="s"))
+                _, frozen = await coord.next_of(Frozen)
+                assert frozen.session == "s" and frozen.end >= len(PROMPTS[1])
+                backwards = Route(phases=[Phase(kind="prefill", hops=hops_of(("b", 0, layers)), last_token=3),
+                                          Phase(kind="mixed", hops=hops_of(("a", 0, layers)), first_token=3)])
+                await coord.send("a", Export(session="s", to="t", route=backwards))
+                _, failed = await coord.next_of(Failed)
+                assert failed.session == "t" and "first of its two phases" in failed.reason
+                assert a.sessions["s"].frozen and a.kv_bytes_sent == 0
+        nursery.cancel_scope.cancel()
