@@ -488,7 +488,7 @@ async def test_freeze_and_export_only_from_the_sessions_coordinator_and_only_in_
         Item,
         Items,
         Sampling,
-        Token,
+        Tokens,
     )
     from hetnode.protocol.tensors import to_wire
 
@@ -505,7 +505,7 @@ async def test_freeze_and_export_only_from_the_sessions_coordinator_and_only_in_
                 await coord.send("a", Install(session="s", route=route, sampling=Sampling(),
                                               prefill_end=len(PROMPTS[1]), max_tokens=200, lease_s=30))
                 await coord.send("a", Items(items=[Item("s", 0, len(PROMPTS[1]))], tensor=meta), raw)
-                await coord.next_of(Token)
+                await coord.next_of(Tokens)
                 moved = Route(phases=[Phase(kind="prefill", hops=hops_of(("a", 0, layers)), last_token=3),
                                       Phase(kind="mixed", hops=hops_of(("b", 0, layers)), first_token=3)])
                 await evil.send("a", Freeze(session="s"))
