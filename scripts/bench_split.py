@@ -1,0 +1,186 @@
+"""Phase-split serving against mixed serving on the same two nodes of a testnet, over a slow cross-region link.
+
+    python scripts/bench_split.py                # all modes, prompts of 128 to 2048 tokens
+    python scripts/bench_split.py --quick        # a smoke run: two modes, short prompts
+
+Two emulated nodes in two regions (an L4 in "us", where the coordinator is, and an A100 in "eu"), joined by
+the issue's cross-region link (100 Mbit/s, 50 ms one way). Under `--placement split` the L4 prefills (the most
+compute per byte of memory bandwidth) and the A100 decodes, so every request's KV crosses the link; under
+`--placement helix` each node serves requests whole. For each mode (mixed; split with the fp16, int8 and int4
+codecs; split with `--kv-codec auto`, which may re-prefill on the decode side instead) and each prompt length,
+greedy streaming requests one at a time measure:
+
+- TTFT, and the gap from the first token (the end of the prefill) to the second (the first decode step after
+  it): under split it holds the KV transfer (pack, send, unpack), under mixed one decode step;
+- TPOT over the tokens after the second;
+- the KV bytes each hand-off moved (from the coordinator's per-session log line).
+
+Ratios are side by side in one run (this machine is shared: absolute times drift). Compute is real (SmolLM2 on
+this CPU, `--compute-dilation 1`): both nodes share its cores, so a node's step also waits for the other's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+HETNODE = [sys.executable, "-m", "hetnode"]
+MODEL = "smollm2-135m"
+CLUSTER = """
+name = "split-bench"
+description = "an L4 in us and an A100 in eu, 100 Mbit/s and 50 ms between them"
+
+[coordinator]
+region = "us"
+
+[[nodes]]
+name = "l4-us"
+device = "l4"
+region = "us"
+
+[[nodes]]
+name = "a100-eu"
+device = "a100"
+region = "eu"
+
+[links.intra_region]
+bandwidth_mbps = 1000
+latency_ms = 1
+
+[[links.regions]]
+a = "us"
+b = "eu"
+bandwidth_mbps = 100
+latency_ms = 50
+"""
+MODES = {  # name: testnet up arguments
+    "mixed": ["--placement", "helix"],
+    "split fp16": ["--placement", "split", "--kv-codec", "fp16"],
+    "split int8": ["--placement", "split", "--kv-codec", "int8"],
+    "split int4": ["--placement", "split", "--kv-codec", "int4"],
+    "split auto": ["--placement", "split", "--kv-codec", "auto"],
+}
+HANDOFF = re.compile(r"hands over the KV of (\d+) tokens: .* (\w+) (\d+) bytes")
+
+
+def english(tokens: int) -> str:
+    """About `tokens` tokens of English (a paper's text, repeated as needed)."""
+    papers = Path(__file__).resolve().parents[2] / "shared" / "papers"
+    text = " ".join(p.read_text() for p in sorted(papers.glob("*.md"))) if papers.exists() else "The cat sat. "
+    words = text.split()
+    return " ".join(words[i % len(words)] for i in range(int(tokens * 0.7)))
+
+
+def stream(api: str, prompt: str, max_tokens: int) -> tuple[float, list[float], int]:
+    """Seconds to each streamed token, and the prompt's token count."""
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    times: list[float] = []
+    prompt_tokens = 0
+    t0 = time.perf_counter()
+    with httpx.stream("POST", f"{api}/v1/completions", json=body, timeout=600) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            event = json.loads(line[6:])
+            if event.get("usage"):
+                prompt_tokens = event["usage"]["prompt_tokens"]
+            if event.get("choices") and event["choices"][0].get("text") is not None:
+                times.append(time.perf_counter() - t0)
+    return t0, times, prompt_tokens
+
+
+def run_mode(name: str, args: list[str], lengths: list[int], repeats: int, max_tokens: int,
+             workdir: Path) -> dict[str, Any]:
+    state_dir = workdir / name.replace(" ", "-")
+    cluster = workdir / "cluster.toml"
+    up = subprocess.run([*HETNODE, "testnet", "up", "--cluster", str(cluster), "--detach", "--state-dir",
+                         str(state_dir), "--model", MODEL, "--compute-dilation", "1", *args],
+                        capture_output=True, text=True, timeout=300)
+    if up.returncode != 0:
+        raise SystemExit(f"testnet up failed for {name}:\n{up.stdout}\n{up.stderr}")
+    api = json.loads((state_dir / "state.json").read_text())["api"]
+    log = state_dir / "logs" / "coordinator.log"
+    rows = []
+    try:
+        stream(api, english(64), 4)  # waits for the plan; warms both nodes
+        for length in lengths:
+            prompt = english(length)
+            samples = []
+            for _ in range(repeats):
+                mark = len(log.read_text())
+                _, times, tokens = stream(api, prompt, max_tokens)
+                if len(times) < 3:
+                    raise SystemExit(f"{name}: the model stopped after {len(times)} tokens; use other text")
+                moved = [(int(c), codec, int(b)) for c, codec, b in HANDOFF.findall(log.read_text()[mark:])]
+                samples.append({"tokens": tokens, "ttft": times[0], "gap": times[1] - times[0],
+                                "tpot": (times[-1] - times[1]) / max(1, len(times) - 2),
+                                "kv_bytes": sum(b for _, _, b in moved), "codec": moved[0][1] if moved else "-"})
+            rows.append({"length": length, "tokens": samples[0]["tokens"],
+                         **{k: statistics.median(s[k] for s in samples) for k in ("ttft", "gap", "tpot", "kv_bytes")},
+                         "codec": samples[-1]["codec"]})
+            print(f"  {name:11s} {rows[-1]['tokens']:5d} tokens: TTFT {rows[-1]['ttft'] * 1e3:7.0f} ms, "
+                  f"first gap {rows[-1]['gap'] * 1e3:6.0f} ms, TPOT {rows[-1]['tpot'] * 1e3:5.0f} ms, "
+                  f"KV {rows[-1]['kv_bytes'] / 1e6:6.2f} MB ({rows[-1]['codec']})", flush=True)
+    finally:
+        subprocess.run([*HETNODE, "testnet", "down", "--state-dir", str(state_dir)], capture_output=True,
+                       timeout=120)
+    return {"mode": name, "rows": rows}
+
+
+def report(results: list[dict[str, Any]]) -> None:
+    base = {r["length"]: r for r in results[0]["rows"]}
+    print("\nagainst mixed serving on the same nodes (ratio of medians; > 1: slower than mixed)")
+    print(f"{'mode':12s} {'prompt':>6s} {'TTFT':>6s} {'1st gap':>8s} {'TPOT':>6s} {'KV MB':>7s}")
+    for res in results[1:]:
+        for row in res["rows"]:
+            b = base[row["length"]]
+            print(f"{res['mode']:12s} {row['tokens']:6d} {row['ttft'] / b['ttft']:6.2f} {row['gap'] / b['gap']:8.2f} "
+                  f"{row['tpot'] / b['tpot']:6.2f} {row['kv_bytes'] / 1e6:7.2f}")
+    by = {r["mode"]: {row["length"]: row for row in r["rows"]} for r in results}
+    if "split fp16" in by and "split int4" in by:
+        fp16, int4 = by["split fp16"], by["split int4"]
+        print("\nKV bytes, fp16 / int4 per prompt length:", ", ".join(
+            f"{fp16[n]['tokens']}: {fp16[n]['kv_bytes'] / max(1, int4[n]['kv_bytes']):.2f}x" for n in fp16))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--lengths", default="128,512,1024,2048", help="prompt lengths in tokens (about)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--modes", default=",".join(MODES), help=f"of: {', '.join(MODES)} (mixed first)")
+    parser.add_argument("--quick", action="store_true", help="mixed and split fp16, prompts of 64 and 256, once")
+    parser.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
+    args = parser.parse_args()
+    modes = ["mixed", "split fp16"] if args.quick else [m.strip() for m in args.modes.split(",")]
+    lengths = [64, 256] if args.quick else [int(x) for x in args.lengths.split(",")]
+    repeats = 1 if args.quick else args.repeats
+    unknown = [m for m in modes if m not in MODES]
+    if unknown or modes[0] != "mixed":
+        raise SystemExit(f"--modes: known modes are {', '.join(MODES)}, mixed first (unknown: {unknown})")
+    print(f"machine load: {os.getloadavg()[0]:.2f}", flush=True)
+    with tempfile.TemporaryDirectory(prefix="bench-split-") as tmp:
+        workdir = Path(tmp)
+        (workdir / "cluster.toml").write_text(CLUSTER)
+        results = [run_mode(m, MODES[m], lengths, repeats, args.max_tokens, workdir) for m in modes]
+    report(results)
+    print(f"machine load: {os.getloadavg()[0]:.2f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
