@@ -103,3 +103,23 @@ def test_a_prefill_node_killed_mid_prompt_the_request_moves_and_completes(testne
         os.kill(pid_of(state, victim), signal.SIGKILL)
         assert done.result(timeout=300) == want
     assert "moved to" in log.read_text()[mark:]
+
+
+def test_a_decode_node_killed_mid_transfer_the_request_moves_and_completes(testnet: Any) -> None:
+    """The prompt is prefilled in 512-token chunks, each chunk's KV sent as it is done: the decode node is killed
+    once the route is installed, while the prefill node is computing and sending to it."""
+    state, log = testnet
+    api = state["api"]
+    prompt = "Once upon a time, in a land far away, " * 150
+    want = completion(api, prompt, 12)
+    plan = httpx.get(f"{api}/v1/plan", timeout=10).json()["plan"]
+    victim = next(r["nodes"][0] for r in plan["replicas"] if r["role"] == "decode")
+    mark = len(log.read_text())
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(1) as pool:
+        done = pool.submit(completion, api, prompt, 12)
+        wait_for_line(log, "hands over the KV", mark)
+        os.kill(pid_of(state, victim), signal.SIGKILL)
+        assert done.result(timeout=300) == want
+    assert "moved to" in log.read_text()[mark:]
