@@ -162,10 +162,10 @@ class Simulation:
         batch = node.batch
         node.batch = None
         assert batch is not None
-        whole = None
+        kv = None
         if node.kv_out:  # a prefill hop: the KV its step computed goes to the next phase
             assert self.handoff is not None
-            whole = self.handoff.step_done(node, batch, dur, now)
+            kv = self.handoff.step_done(node, batch, dur, now)
         d = node.only_next
         if d >= 0 or len(batch) == 1:
             self._forward(index, batch[0].nxt[index], batch, now)
@@ -177,9 +177,9 @@ class Simulation:
             else:
                 for d, g in grouped(dests, batch).items():
                     self._forward(index, d, g, now)
-        if whole is not None:  # after the tokens and activations, as the runtime's hop sends them
+        if kv is not None:  # after the tokens and activations, as the runtime's hop sends them
             assert self.handoff is not None
-            if self.handoff.send_whole(node, whole, now):
+            if self.handoff.send(node, kv, now):
                 return  # the node packs: its next step starts when that is done
         if node.queue:
             self._step(node, now)

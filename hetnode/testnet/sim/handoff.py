@@ -108,9 +108,22 @@ class RouteHandoff:
 # A prefill hop's plan for one session: its layer count, and per target (decode hop, first and last offset in
 # its layers, codec, transfer mode).
 Plan = tuple[int, tuple[tuple[int, int, int, str, str], ...]]
-# A step's whole transfers, (session, target, layers, tokens, codec, fp16 bytes) each, and the sessions whose
-# last KV at the hop the step computed.
-Whole = tuple[list[tuple[int, int, int, int, str, int]], list[int]]
+
+
+class StepKV:
+    """What one prefill step hands over, between `step_done` and `send`: layer-wise messages that leave after
+    the step's end ((departure, target, bytes, sessions, unpack seconds) each), the arrivals and sessions per
+    target so far, the whole transfers ((session, target, layers, tokens, codec, fp16 bytes) each), and the
+    sessions whose last KV at the hop this step computed."""
+
+    __slots__ = ("chunks", "entries", "finals", "late", "whole")
+
+    def __init__(self) -> None:
+        self.late: list[tuple[float, int, int, int, float]] = []
+        self.chunks: dict[int, list[tuple[float, float]]] = {}
+        self.entries: dict[int, list[tuple[int, int]]] = {}
+        self.whole: list[tuple[int, int, int, int, str, int]] = []
+        self.finals: list[int] = []
 
 
 class SimHandoff:
@@ -240,16 +253,15 @@ class SimHandoff:
 
     # -- the prefill side: after each step ------------------------------------------------------------------------
 
-    def step_done(self, node: SimNode, batch: list[Any], dur: float, now: float) -> Whole | None:
-        """A step of a node that hands KV on ended (its results have not gone on yet): the layer-wise transfers
-        of its sessions leave (their layers were done during the step); the whole ones are returned, for
-        `send_whole` once the results have gone on, with the sessions whose last KV here that step was."""
+    def step_done(self, node: SimNode, batch: list[Any], dur: float, now: float) -> StepKV | None:
+        """A step of a node that hands KV on ended, before its results go on: what the step hands over. The
+        layer-wise messages that left during the step go on their links now (a link is FIFO: they are ahead
+        of the step's results); `send` does the rest once the results have gone."""
         index = node.index
-        layerwise: dict[int, list[Any]] = {}  # target -> [lo, hi, wire, pack, unpack (per layer), entries, final]
-        whole: list[tuple[int, int, int, int, str, int]] = []
-        finals: list[int] = []
+        groups: dict[int, list[Any]] = {}  # target -> [lo, hi, wire, pack, unpack (each per layer), entries]
+        kv = StepKV()
         rates = self.rates
-        layers_here = 0
+        layers = 0
         for it in batch:
             r = it.origin
             out = r.kv_out
@@ -262,70 +274,81 @@ class SimHandoff:
             count = (end if end < it.prefill_end else it.prefill_end) - it.start
             if count <= 0:
                 continue
-            layers_here, targets = mine
+            layers, targets = mine
             if end >= it.prefill_end:
-                finals.append(it.session)
+                kv.finals.append(it.session)  # its last KV here: freed once it has left
+            fp16 = self.size("fp16", 1, count)
             for dst, lo, hi, codec, mode in targets:
-                fp16 = self.size("fp16", 1, count)
                 pack, unpack = rates.get(codec, (math.inf, math.inf))
                 if mode == WHOLE:
-                    whole.append((it.session, dst, hi - lo, count, codec, fp16 * (hi - lo)))
+                    kv.whole.append((it.session, dst, hi - lo, count, codec, fp16 * (hi - lo)))
                     continue
-                group = layerwise.get(dst)
+                group = groups.get(dst)
                 if group is None:
-                    group = layerwise[dst] = [lo, hi, 0, 0.0, 0.0, [], 0]
-                group[2] += self.size(codec, 1, count)
+                    group = groups[dst] = [lo, hi, 0, 0.0, 0.0, []]
+                wire = self.size(codec, 1, count)
+                group[2] += wire
                 group[3] += fp16 / pack
                 group[4] += fp16 / unpack
                 group[5].append((it.session, (hi - lo) * count))
-                self._count(codec, self.size(codec, 1, count) * (hi - lo), fp16 * (hi - lo))
-        if layerwise:
-            self._send_layers(node, layerwise, layers_here, now - dur, dur, now)
-        if whole:
-            return whole, finals
-        if finals:
-            # Everything this hop computed for these sessions has left: their KV is not needed here.
-            self._release_at(node, finals, max(now, node.pack_free))
-        return None
+                self._count(codec, wire * (hi - lo), fp16 * (hi - lo))
+        if groups:
+            self._layers(node, kv, groups, layers, now - dur, dur, now)
+        if not (kv.finals or kv.whole or kv.late or kv.entries):
+            return None
+        return kv
 
-    def _send_layers(self, node: SimNode, groups: dict[int, list[Any]], layers: int, t0: float, dur: float,
-                     now: float) -> None:
-        net = self.sim.network
-        window = net.window
-        chunks: dict[int, list[tuple[float, float]]] = {dst: [] for dst in groups}
+    def _layers(self, node: SimNode, kv: StepKV, groups: dict[int, list[Any]], layers: int, t0: float, dur: float,
+                now: float) -> None:
+        """Layer i of L is done at t0 + (i + 1) / L x dur; the packer takes the layers in order, each as it is
+        done, and each packed layer leaves for every target that holds it."""
         free = node.pack_free
         for j in range(layers):
             done = t0 + (j + 1) * dur / layers
-            for dst, (lo, hi, wire, pack, unpack, entries, _) in groups.items():
-                if not lo <= j < hi:
-                    continue
-                free = (free if free > done else done) + pack
-                link = net.table[node.index][dst] or net.link(node.index, dst)
-                chunks[dst].append((link.send(free, 1, len(entries), 0, window, wire), unpack))
-                self.messages += 1
+            for dst, (lo, hi, wire, pack, unpack, entries) in groups.items():
+                if lo <= j < hi:
+                    free = (free if free > done else done) + pack
+                    chunk = (free, dst, wire, len(entries), unpack)
+                    if free <= now:
+                        self._chunk(node, kv, chunk)
+                    else:
+                        kv.late.append(chunk)
         node.pack_free = free
         for dst, group in groups.items():
-            self._arrive(dst, group[5], chunks[dst], now)
+            kv.entries[dst] = group[5]
+            kv.chunks.setdefault(dst, [])
 
-    def send_whole(self, node: SimNode, whole: Whole, now: float) -> bool:
-        """The whole transfers of a step, after its results went on: the node packs them all (its next step
-        waits), then sends each. True when the node is held for the packing."""
-        jobs, finals = whole
+    def _chunk(self, node: SimNode, kv: StepKV, chunk: tuple[float, int, int, int, float]) -> None:
+        depart, dst, wire, n, unpack = chunk
+        net = self.sim.network
+        link = net.table[node.index][dst] or net.link(node.index, dst)
+        kv.chunks.setdefault(dst, []).append((link.send(depart, 1, n, 0, net.window, wire), unpack))
+        self.messages += 1
+
+    def send(self, node: SimNode, kv: StepKV, now: float) -> bool:
+        """After the step's results went on: the layer-wise messages still to leave, then the whole transfers
+        (the node packs them all, its next step waiting, then sends each, as the runtime's hop does). True when
+        the node is held for the packing."""
+        for chunk in kv.late:
+            self._chunk(node, kv, chunk)
+        for dst, entries in kv.entries.items():
+            self._arrive(dst, entries, kv.chunks[dst], now)
         rates = self.rates
         hold = 0.0
-        for _, _, _, _, codec, fp16 in jobs:
+        for _, _, _, _, codec, fp16 in kv.whole:
             hold += fp16 / rates.get(codec, (math.inf, math.inf))[0]
         depart = now + hold
         net = self.sim.network
-        for session, dst, layers, count, codec, fp16 in jobs:
+        for session, dst, layers, count, codec, fp16 in kv.whole:
             wire = self.size(codec, layers, count)
             link = net.table[node.index][dst] or net.link(node.index, dst)
             arrival = link.send(depart, 1, 1, 0, net.window, wire)
             self.messages += 1
             self._count(codec, wire, fp16)
             self._arrive(dst, [(session, layers * count)], [(arrival, fp16 / rates.get(codec, (0, math.inf))[1])], now)
-        if finals:
-            self._release_at(node, finals, max(depart, node.pack_free))
+        if kv.finals:
+            # Everything this hop computed for these sessions has left: their KV is not needed here.
+            self._release_at(node, kv.finals, max(depart, node.pack_free))
         if hold <= 0:
             return False
         node.occupy(now, hold)
