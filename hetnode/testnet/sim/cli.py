@@ -231,7 +231,7 @@ def format_summary(result: Any) -> str:
                  f"mean pipeline depth {_num(s['mean_depth'])}")
     kv = s.get("kv_handoff")
     if kv:
-        moved = ", ".join(f"{codec} {_bytes(b)} ({kv['links_by_codec'][codec]} links)"
+        moved = ", ".join(f"{codec} {_bytes(b)} ({kv['transfers_by_codec'][codec]} transfers)"
                           for codec, b in kv["bytes_by_codec"].items()) or "none"
         gap = kv["prefill_end_to_decode_s"]
         lines.append(f"KV hand-off  {moved}; {c.get('option_kv_transfer', '')}, {kv['refused_full']} of "

@@ -143,7 +143,7 @@ class SimHandoff:
         # Totals for the report.
         self.wire_bytes: dict[str, float] = {}  # codec -> bytes on the wire
         self.fp16_bytes: dict[str, float] = {}  # codec -> the same KV at fp16
-        self.links: dict[str, int] = {}  # codec -> session-links handed over with it
+        self.transfers: dict[str, int] = {}  # codec -> transfers (a session, a link, a prefill step)
         self.messages = 0
         self.installs = 0
         self.full = 0  # installs refused for want of KV memory
@@ -365,7 +365,7 @@ class SimHandoff:
     def _count(self, codec: str, wire: float, fp16: float) -> None:
         self.wire_bytes[codec] = self.wire_bytes.get(codec, 0.0) + wire
         self.fp16_bytes[codec] = self.fp16_bytes.get(codec, 0.0) + fp16
-        self.links[codec] = self.links.get(codec, 0) + 1
+        self.transfers[codec] = self.transfers.get(codec, 0) + 1
 
     def _release_at(self, node: SimNode, sessions: list[int], at: float) -> None:
         for session in sessions:
@@ -435,4 +435,6 @@ class SimHandoff:
         return {"installs": self.installs, "refused_full": self.full, "messages": self.messages,
                 "bytes_by_codec": dict(sorted(self.wire_bytes.items())),
                 "fp16_bytes_by_codec": dict(sorted(self.fp16_bytes.items())),
-                "links_by_codec": dict(sorted(self.links.items()))}
+                "transfers_by_codec": dict(sorted(self.transfers.items())),
+                # The rates the codecs were priced and timed with (measured ones differ from run to run).
+                "codec_rates": {c: list(r) for c, r in sorted((self._rates or {}).items())}}
