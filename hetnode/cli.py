@@ -16,6 +16,7 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import msgspec
 import trio
 
 from hetnode.argtypes import non_negative as _non_negative
@@ -107,6 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
     j.add_argument("--emulate", default=None, metavar="DEVICE",
                    help="report an emulated GPU from the papers' tables: t4, l4, a100, h100, v100, a6000, "
                         "a5000, a40, 3090ti, or a multi-GPU form such as 2xl4, 4xt4")
+    j.add_argument("--memory-gb", type=_positive, default=None, metavar="GIB",
+                   help="report this much device memory to the planner instead of the device's (a node that "
+                        "shares its GPU, or a testnet node emulating a smaller one)")
     j.add_argument("--device", default="cpu", help="compute device to profile: cpu or cuda[:N] (default: cpu)")
     j.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="serving dtype (default: float32)")
@@ -452,6 +456,8 @@ async def _run_node(args: argparse.Namespace) -> None:
 
     profile = (emulated_profile(args.emulate, args.dtype) if args.emulate
                else await trio.to_thread.run_sync(measure_profile, args.device, args.dtype))
+    if args.memory_gb is not None:
+        profile = msgspec.structs.replace(profile, memory_bytes=int(args.memory_gb * (1 << 30)))
     key = load_or_create_identity(args.identity)
     listen = args.listen or ["/ip4/0.0.0.0/tcp/0"]
     async with open_libp2p_transport(key, listen) as raw, maybe_shaped(raw, args.emulate_links) as transport:

@@ -113,11 +113,13 @@ class Plan:
 
     def to_json(self) -> dict[str, object]:
         names = {s.peer: n for s, n in zip(self.shards, self.names, strict=True)}
+        roles = {n: r.role for r in self.placement.replicas for n in r.nodes}
         return {
             "version": self.version, "reason": self.reason, "created_at": self.created_at, "ready": self.is_ready,
             "shards": [
                 {"peer_id": s.peer, "name": n, "first_layer": s.first_layer, "last_layer": s.last_layer,
-                 "ready": NodeId(s.peer) in self.ready, "failed": self.failed.get(NodeId(s.peer))}
+                 "role": roles.get(s.peer, "mixed"), "ready": NodeId(s.peer) in self.ready,
+                 "failed": self.failed.get(NodeId(s.peer))}
                 for s, n in zip(self.shards, self.names, strict=True)
             ],
             "method": self.placement.method, "max_flow": self.placement.max_flow,
@@ -126,6 +128,8 @@ class Plan:
             "flows": [{"from": _short(a, names), "to": _short(b, names), "flow": f}
                       for (a, b), f in sorted(self.placement.flows.items()) if f > 0],
             "scheduler": {"queued": self.scheduler.queue_len, "running": self.scheduler.running},
+            "replicas": [{"role": r.role, "nodes": [_short(n, names) for n in r.nodes]}
+                         for r in self.placement.replicas],
         }
 
 

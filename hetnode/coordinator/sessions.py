@@ -39,7 +39,7 @@ from hetnode.errors import HetnodeError
 from hetnode.ids import NodeId, SessionId
 from hetnode.models.config import ModelConfig
 from hetnode.policy import Cause, Lifecycle
-from hetnode.policy.kv_codec import AUTO, AUTO_CODECS, CodecOption, KVCodecPolicy, LinkEstimate
+from hetnode.policy.kv_codec import AUTO, AUTO_CODECS, REPREFILL, CodecOption, KVCodecPolicy, LinkEstimate
 from hetnode.protocol.kv_wire import packed_size
 from hetnode.protocol.mailbox import Mailbox
 from hetnode.protocol.messages import (
@@ -52,6 +52,7 @@ from hetnode.protocol.messages import (
     Item,
     Items,
     KVLink,
+    Phase,
     Ready,
     Release,
     Renew,
@@ -91,6 +92,15 @@ class _Session:
 
     def __init__(self, session_id: SessionId, route: Route, capacity: int) -> None:
         self.id = session_id
+        self.set_route(route)
+        self.ready: set[NodeId] = set()
+        self.prefilled = False  # its first token came: the prefill phase is done
+        # Room for every token the session may produce and a few failure notices: a node never waits for a
+        # slow HTTP client, and a token is never dropped.
+        self.send, self.recv = trio.open_memory_channel[_Inbound](capacity + 16)
+
+    def set_route(self, route: Route) -> None:
+        """The route the session runs (before it is installed: its codecs, or a re-prefill, are chosen late)."""
         self.route = route
         self.peers = {NodeId(p) for p in route_peers(route)}
         self.first = NodeId(route.phases[0].hops[0].peer)
@@ -98,11 +108,6 @@ class _Session:
         self.samplers = {NodeId(phase.hops[-1].peer) for phase in route.phases}
         # Hops that start from handed-over KV: the prefill starts when each has reserved it (Ready).
         self.receivers = {NodeId(h.peer) for phase in route.phases[1:] for h in phase.hops}
-        self.ready: set[NodeId] = set()
-        self.prefilled = False  # its first token came: the prefill phase is done
-        # Room for every token the session may produce and a few failure notices: a node never waits for a
-        # slow HTTP client, and a token is never dropped.
-        self.send, self.recv = trio.open_memory_channel[_Inbound](capacity + 16)
 
 
 @dataclass(frozen=True)
@@ -195,6 +200,10 @@ class PipelineGenerator:
             return route
         cfg = self.model_config
         phases = list(route.phases)
+        # Prefill then decode of the whole context: under --kv-codec auto the decode side may re-prefill it.
+        whole = len(phases) == 2 and phases[0].last_token is None and not phases[0].kv_links
+        reprefill_s = self._reprefill_s(phases[1], prefill_end) if whole and self.kv_codecs.allowed == AUTO else None
+        reprefill = reprefill_s is not None
         for p, phase in enumerate(route.phases[:-1]):
             if phase.kv_links:
                 continue  # a route that names its codecs keeps them
@@ -204,12 +213,33 @@ class PipelineGenerator:
             for hop in phase.hops:
                 for target in kv_targets(route, p, hop):
                     layers = target.last_layer - target.first_layer
-                    codec = self._codec_for(NodeId(hop.peer), NodeId(target.peer), layers, end, cfg)
+                    codec = self._codec_for(NodeId(hop.peer), NodeId(target.peer), layers, end, cfg, reprefill_s)
+                    reprefill = reprefill and codec == REPREFILL
+                    if codec == REPREFILL:  # this link alone would rather not move its KV: the next best codec
+                        codec = self._codec_for(NodeId(hop.peer), NodeId(target.peer), layers, end, cfg, None)
                     links.append(KVLink(src=hop.peer, dst=target.peer, codec=codec))  # type: ignore[arg-type]
             phases[p] = msgspec.structs.replace(phase, kv_links=links)
+        if reprefill:
+            # Every link would take longer than the decode side recomputing the context: it runs it all.
+            log.info("re-prefilling %d tokens on the decode side (about %.3f s) is cheaper than handing over the KV",
+                     prefill_end, reprefill_s)
+            return pipeline_route(route.phases[1].hops)
         return Route(phases=phases)
 
-    def _codec_for(self, src: NodeId, dst: NodeId, layers: int, tokens: int, cfg: ModelConfig) -> str:
+    def _reprefill_s(self, decode: Phase, tokens: int) -> float | None:
+        """How long the decode pipeline would take to prefill `tokens`: each hop's measured prefill rate, hop
+        after hop; None while a hop has measured none."""
+        seconds = 0.0
+        for hop in decode.hops:
+            record = self.registry.nodes.get(NodeId(hop.peer))
+            rate = record.load.prefill_tokens_per_s if record is not None else 0.0
+            if rate <= 0:
+                return None
+            seconds += tokens / rate
+        return seconds
+
+    def _codec_for(self, src: NodeId, dst: NodeId, layers: int, tokens: int, cfg: ModelConfig,
+                   reprefill_s: float | None = None) -> str:
         allowed = self.kv_codecs.allowed
         names = AUTO_CODECS if allowed == AUTO else (allowed,)
         link = self.registry.links.get((src, dst))
@@ -223,7 +253,7 @@ class PipelineGenerator:
                                rates[src][name].pack, rates[dst][name].unpack) for name in names]
         fp16 = packed_size("fp16", layers, tokens, cfg.num_kv_heads, cfg.head_dim)
         estimate = LinkEstimate(bandwidth=max(link.bandwidth_mbps, 1e-3) * 1e6 / 8, latency=link.rtt_ms / 2000)
-        return self.kv_codecs.choose(fp16, options, estimate).codec
+        return self.kv_codecs.choose(fp16, options, estimate, reprefill_s).codec
 
     def _new_id(self) -> SessionId:
         return SessionId(f"s{next(self._ids)}-{secrets.token_hex(6)}")
@@ -401,7 +431,7 @@ class PipelineGenerator:
         session = request.session
         context = request.prompt + request.generated
         left = self.lifecycle.restart(len(request.prompt), len(request.generated), request.params.max_tokens)
-        session.route = self.with_codecs(session.route, left.prefill_end)
+        session.set_route(self.with_codecs(session.route, left.prefill_end))
         for p, phase in enumerate(session.route.phases[:-1] if log.isEnabledFor(logging.INFO) else []):
             _, end = phase_span(session.route, p, left.prefill_end)
             assert end is not None

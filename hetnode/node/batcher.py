@@ -101,6 +101,8 @@ class BatchLoop:
         self.queued_tokens = 0
         self.steps = 0
         self.rate = StepRate()  # tokens/s of this loop's steps (heartbeats report it; SWARM's scheduler reads it)
+        # tokens/s of the steps that prefill: what the coordinator weighs a re-prefill here against a KV hand-off by
+        self.prefill_rate = StepRate()
         self.kv = engine.kv_usage()
         self.ledger = KVLedger(self.kv.total_blocks, self.kv.block_size)
         # The batch policy (the simulator's nodes take the same factory): the shared one unless a design brings
@@ -251,7 +253,10 @@ class BatchLoop:
         if self._pace is not None:
             # Device emulation: the step lasts as long as the emulated device's (dilated) step would.
             await trio.sleep_until(t0 + self._pace(items))
-        self.rate.step(sum(item.num_tokens for item in items), trio.current_time() - t0)
+        tokens = sum(item.num_tokens for item in items)
+        self.rate.step(tokens, trio.current_time() - t0)
+        if any(item.num_tokens > 1 for item in items):
+            self.prefill_rate.step(tokens, trio.current_time() - t0)
         done: list[tuple[Work, ItemResult]] = []
         for work, outcome in zip(batch, outcomes, strict=True):
             if isinstance(outcome, ItemResult):

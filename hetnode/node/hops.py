@@ -214,6 +214,7 @@ class HopServer:
         return Load(queued_tokens=max(0, self.loop.queued_tokens), active_sessions=kv.sessions,
                     kv_blocks_used=kv.used_blocks, kv_blocks_free=kv.free_blocks, kv_block_size=kv.block_size,
                     leases_expired=self.leases_expired, tokens_per_s=self.loop.rate.value,
+                    prefill_tokens_per_s=self.loop.prefill_rate.value,
                     kv_codec_rates=self.codec_rates)
 
     # -- assignments -------------------------------------------------------------------------------------

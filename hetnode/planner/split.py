@@ -18,6 +18,7 @@ prefill and one decode replica (`coordinator/split_scheduler.py`). Pure: no I/O,
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 from collections.abc import Mapping, Sequence
 
@@ -101,7 +102,7 @@ def split_placement(cluster: ClusterSpec, model: ModelSpec, profiles: ProfileTab
             order = sorted(group, key=lambda n: group[n][0])
             replicas.append(Replica(role=role, nodes=tuple(order)))
             ranges.update(group)
-    connections = tuple((a, b) for r in replicas for a, b in zip(r.nodes, r.nodes[1:], strict=False))
+    connections = tuple((a, b) for r in replicas for a, b in itertools.pairwise(r.nodes))
     prefill_rate = sum(rates[i.name].prefill for i in ranked[:k])
     notes = (f"{k} of {len(ranked)} nodes prefill (affinity = prefill / decode rate, highest first); "
              f"the pools sustain {served:.2f} requests/s of {workload.input_len} in, {workload.output_len} out "

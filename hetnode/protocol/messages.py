@@ -89,6 +89,8 @@ class Load(msgspec.Struct, frozen=True, kw_only=True):
     kv_blocks_free: Count = 0
     leases_expired: Count = 0  # sessions freed because their coordinator went silent, since start
     tokens_per_s: NonNeg = 0.0  # a moving average of the tokens its steps ran per second (0: not measured yet)
+    # The same over steps that prefill (a prompt chunk in the batch): what re-prefilling a context would take.
+    prefill_tokens_per_s: NonNeg = 0.0
     # Tokens per KV block: with the block counts, the real size of the node's KV pool. 0: not reported (no
     # shard loaded, or a node from before the field), and the coordinator keeps its planner's estimate.
     kv_block_size: Annotated[int, msgspec.Meta(ge=0, le=1 << 20)] = 0

@@ -26,6 +26,7 @@ import trio
 
 from hetnode.errors import ConfigError, HetnodeError
 from hetnode.planner.cluster import ClusterSpec, NodeSpec, load_cluster, uniform_cluster
+from hetnode.planner.devices import parse_device
 from hetnode.protocol.identity import load_or_create_identity, peer_id_of
 from hetnode.testnet.emulation import write_link_emulation
 
@@ -181,6 +182,8 @@ def join_args(args: argparse.Namespace, spec: NodeSpec, bootstrap: str, state_di
            "--region", spec.region, "--log-level", args.log_level, *emulate]
     if spec.device != "cpu":
         cmd += ["--emulate", spec.device]
+        if abs(spec.memory_gb * (1 << 30) - parse_device(spec.device).memory_bytes) >= 1 << 20:
+            cmd += ["--memory-gb", str(spec.memory_gb)]  # the cluster file's override
         dilation = getattr(args, "compute_dilation", None)
         if dilation is not None:
             cmd += ["--compute-dilation", str(dilation)]

@@ -292,15 +292,22 @@ async def test_each_hand_off_link_gets_the_cheapest_codec_for_its_measured_bandw
         tiny_model: Path, mbps: float | None, operator: str, want: str) -> None:
     """From the link's measured bandwidth and the nodes' measured codec rates (heartbeats): a slow link sends
     int4, a fast one fp16, the operator's codec is obeyed, and an unmeasured link sends fp16."""
+    import msgspec
+
     from hetnode.coordinator.registry import LinkEntry
     from hetnode.policy.kv_codec import KVCodecPolicy
     from hetnode.protocol.kv_wire import packed_size
+    from hetnode.protocol.messages import CodecRate
 
+    # The nodes measure their rates when a shard loads; a loaded machine moves them by more than the margins
+    # between codecs on a tiny model's KV, so the choice is made here from fixed rates of the same magnitudes.
+    rates = [CodecRate("fp16", 8e9, 8e9), CodecRate("int8", 2e9, 3e9), CodecRate("int4", 1.3e9, 2e9)]
     layers = load_config(tiny_model).num_layers
     async with network(tiny_model, {"p": (0, layers), "d": (0, layers)}) as net:
         for name, hops in net.nodes.items():
             assert {r.codec for r in hops.load().kv_codec_rates} >= {"fp16", "int8", "int4"}
-            assert net.gen.registry.heartbeat(NodeId(name), hops.load(), now=trio.current_time(), wall=time.time())
+            load = msgspec.structs.replace(hops.load(), kv_codec_rates=rates)
+            assert net.gen.registry.heartbeat(NodeId(name), load, now=trio.current_time(), wall=time.time())
         if mbps is not None:
             net.gen.registry.links[(NodeId("p"), NodeId("d"))] = LinkEntry(mbps, 1.0, time.time())
         net.gen.kv_codecs = KVCodecPolicy(operator)
@@ -315,6 +322,40 @@ async def test_each_hand_off_link_gets_the_cheapest_codec_for_its_measured_bandw
         cfg = load_config(tiny_model)
         sent = packed_size(want, layers, len(PROMPTS[2]), cfg.num_kv_heads, cfg.head_dim)  # one prefill step
         assert net.nodes["d"].kv_bytes_received == net.nodes["p"].kv_bytes_sent == sent
+
+
+@pytest.mark.parametrize("measured", [True, False])
+async def test_auto_re_prefills_on_the_decode_side_when_that_beats_every_codec(
+        tiny_model: Path, reference: list[list[int]], measured: bool) -> None:
+    """A slow link and a decode node whose measured prefill rate recomputes the context sooner than any codec
+    moves its KV: the request runs as one mixed phase on the decode node, no KV moves, the output is the same.
+    Until the decode node has measured a prefill rate, the KV is handed over."""
+    import msgspec
+
+    from hetnode.coordinator.registry import LinkEntry
+    from hetnode.protocol.routes import pipeline_route
+
+    layers = load_config(tiny_model).num_layers
+    async with network(tiny_model, {"p": (0, layers), "d": (0, layers)}) as net:
+        for name, hops in net.nodes.items():
+            load = hops.load()
+            if name == "d":
+                load = msgspec.structs.replace(load, prefill_tokens_per_s=1e6 if measured else 0.0)
+            assert net.gen.registry.heartbeat(NodeId(name), load, now=trio.current_time(), wall=time.time())
+        net.gen.registry.links[(NodeId("p"), NodeId("d"))] = LinkEntry(0.01, 1.0, time.time())  # 10 kbit/s
+        split = split_route([("p", 0, layers)], [("d", 0, layers)])
+        route = net.gen.with_codecs(split, len(PROMPTS[1]))
+        if not measured:
+            assert len(route.phases) == 2 and route.phases[0].kv_links[0].codec == "int4"
+            return
+        assert route == pipeline_route([Hop(peer="d", first_layer=0, last_layer=layers)])
+
+        async def fixed(exclude: set[NodeId]) -> Route:
+            return split
+
+        net.gen.route_for = fixed
+        assert await collect(net.gen, PROMPTS[1]) == reference[1]
+        assert net.nodes["d"].kv_bytes_received == net.nodes["p"].kv_bytes_sent == 0
 
 
 async def test_a_decode_hop_that_dies_during_the_hand_off_moves_the_request(

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from test_serving_multiprocess import complete_text_str, start_testnet, stop_testnet, stream
+from test_serving_multiprocess import complete_text_str, stream
+from testnet_helpers import start_testnet, stop_testnet
 
 pytestmark = pytest.mark.slow
 

@@ -1,0 +1,106 @@
+"""Phase-split serving on a multi-process testnet: prefill on one replica, decode on another, the KV handed over
+the network between pipelines that cut the model differently.
+
+With the fp16 codec the greedy output equals transformers' on the same weights, token for token, for SmolLM2
+and the tiny Llama and Qwen2 models, with the prefill replica two stages and the decode replica one, and the
+reverse. The shapes come from the plan itself (`--placement split`): node memory, set per node in the cluster
+file, decides how many nodes a replica needs, and the nodes' prefill/decode affinity which role they get.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+from testnet_helpers import check_against_transformers, start_testnet, stop_testnet
+
+pytestmark = pytest.mark.slow
+
+# Per node: (name, device, layers its memory holds beside the KV share, or None for the device's own memory).
+Nodes = list[tuple[str, str, int | None]]
+# Prefill on two small nodes (their smaller KV makes their decode rate lower: they prefill), decode on one big.
+P2_D1: Nodes = [("small-a", "l4", 0), ("small-b", "l4", 0), ("big", "l4", None)]
+# Prefill on one L4 (the most compute per byte of bandwidth), decode on two small T4s.
+P1_D2: Nodes = [("l4", "l4", None), ("t4-a", "t4", 0), ("t4-b", "t4", 0)]
+
+
+def cluster_file(path: Path, model: str, nodes: Nodes) -> Path:
+    """A one-region cluster whose small nodes (layers 0 above) each hold just over half the model."""
+    from hetnode.coordinator.deployment import PLAN_BYTES_PER_PARAM
+    from hetnode.models.resolve import load_config
+    from hetnode.planner.model import from_model_config
+
+    spec = from_model_config(model, load_config(model), bytes_per_param=PLAN_BYTES_PER_PARAM)
+    half = math.ceil(spec.num_layers * 0.6)
+    lines = ['name = "split-test"', "", "[coordinator]", 'region = "r"', ""]
+    for name, device, layers in nodes:
+        lines += ["[[nodes]]", f'name = "{name}"', f'device = "{device}"', 'region = "r"']
+        if layers is not None:
+            # The planner keeps half of a node's memory for KV (kv_share 0.5): room for `half` layers and a bit.
+            lines.append(f"memory_gb = {(half + 0.5) * spec.layer_bytes * 2 / 2**30:.9f}")
+        lines.append("")
+    lines += ["[links.intra_region]", "bandwidth_mbps = 1000", "latency_ms = 1", ""]
+    path.write_text("\n".join(lines))
+    return path
+
+
+def split_shape(api: str) -> tuple[list[int], list[int]]:
+    """Stages per prefill replica and per decode replica of the plan in use."""
+    plan = httpx.get(f"{api}/v1/plan", timeout=10).json()["plan"]
+    assert plan["method"] == "split" and plan["ready"], plan
+    replicas = plan["replicas"]
+    return ([len(r["nodes"]) for r in replicas if r["role"] == "prefill"],
+            [len(r["nodes"]) for r in replicas if r["role"] == "decode"])
+
+
+def serve_and_check(tmp_path: Path, model: str, nodes: Nodes, shape: tuple[list[int], list[int]], hf: Any,
+                    tok: Any, prompts: list[list[int]], max_tokens: int) -> None:
+    state_dir = tmp_path / "tn"
+    cluster = cluster_file(tmp_path / "cluster.toml", model, nodes)
+    state = start_testnet(state_dir, model, cluster=cluster,
+                          extra=("--placement", "split", "--kv-codec", "fp16", "--compute-dilation", "1"))
+    try:
+        check_against_transformers(state["api"], model, hf, tok, prompts, max_tokens)  # waits for a ready plan
+        assert split_shape(state["api"]) == shape
+        log = (state_dir / "logs" / "coordinator.log").read_text()
+        assert "hands over the KV" in log and " fp16 " in log
+        assert "moved to" not in log  # no request was re-routed (and so none re-prefilled)
+    finally:
+        stop_testnet(state_dir)
+
+
+@pytest.mark.parametrize(("nodes", "shape"), [(P2_D1, ([2], [1])), (P1_D2, ([1], [2]))], ids=["p2-d1", "p1-d2"])
+def test_smollm2_split_greedy_matches_transformers(nodes: Nodes, shape: tuple[list[int], list[int]],
+                                                   tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from hetnode.models.resolve import resolve_model
+    from hetnode.models.tokenizer import chat_prompt_ids, load_tokenizer
+
+    path = resolve_model("smollm2-135m")
+    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    tok = load_tokenizer("smollm2-135m")
+    prompts = [
+        chat_prompt_ids(tok, [{"role": "user", "content": "What is the capital of France?"}]),
+        tok.encode("The three primary colors are"),
+        tok.encode("Once upon a time, " * 120),  # past one 512-token prefill chunk: KV handed over in parts
+    ]
+    serve_and_check(tmp_path, "smollm2-135m", nodes, shape, hf, tok, prompts, 20)
+
+
+@pytest.mark.parametrize(("arch", "nodes", "shape"), [("llama", P2_D1, ([2], [1])), ("qwen2", P1_D2, ([1], [2]))])
+def test_tiny_models_split_greedy_match_transformers(arch: str, nodes: Nodes, shape: tuple[list[int], list[int]],
+                                                     tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hetnode.models.tiny import write_tiny_model
+
+    model_dir = write_tiny_model(tmp_path / arch, arch)
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    prompts = [[5, 6, 7], list(range(20, 45)), list(range(100, 170))]
+    serve_and_check(tmp_path, str(model_dir), nodes, shape, hf, tok, prompts, 16)
