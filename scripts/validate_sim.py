@@ -813,7 +813,8 @@ def simulate_all(result: dict[str, Any], args: argparse.Namespace) -> None:
                 sims[(links, mode, overhead)] = run_sim(links, mode, req, tok, replayed, window[1], window[0])
     key = (link_modes[0], mixed, "measured")
     primary = sims[key]
-    result["primary"] = {"links": key[0], "mixed_steps": key[1], "coordinator_time": key[2]}
+    result["primary"] = {"links": key[0], "mixed_steps": key[1], "coordinator_time": key[2],
+                         "kv_transfer": getattr(args, "kv_transfer", "whole")}
     result["sim"] = {"summary": primary.summary, "nodes": [asdict(n) for n in primary.nodes]}
     if "kv_handoff" in primary.summary:
         result["sim"]["kv_handoff"] = primary.summary["kv_handoff"]
@@ -906,7 +907,7 @@ def _kv_report(r: dict[str, Any]) -> None:
     print(f"KV handed over (all requests; transfers in brackets): testnet {_per_codec(kv_net, 'links_by_codec')} "
           f"in {kv_net['sessions'] if kv_net else 0} sessions, {kv_net['reprefilled'] if kv_net else 0} "
           f"re-prefilled; simulator {_per_codec(kv_sim, 'transfers_by_codec')} "
-          f"({r['settings'].get('kv_transfer', 'whole')})")
+          f"({r['primary'].get('kv_transfer', 'whole')})")
     gap = kv_sim["prefill_end_to_decode_s"] if kv_sim else {"count": 0}
     if gap["count"]:
         rates = ", ".join(f"{c} {pk / 1e9:.2f}/{up / 1e9:.2f}" for c, (pk, up) in kv_sim["codec_rates"].items())
