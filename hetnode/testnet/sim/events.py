@@ -21,6 +21,8 @@ STEP_DONE = 1  # a node finished its step: a = node index
 COORD_MESSAGE = 2  # a link message reached the coordinator: b = list of items
 ARRIVAL = 3  # a request arrives at the coordinator: a = workload index
 RELEASE = 4  # a session's Release reached a node: a = node index, b = block-layers to free
+# handoff.py registers the KV hand-off's own kinds (Install, Ready, Failed "full", KV in, KV unpacked, packing
+# done) with `Simulation.register`.
 
 Event = tuple[float, int, int, Any, Any]
 
