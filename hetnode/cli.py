@@ -120,6 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --emulate: a step lasts X times the emulated device's modelled step time "
                         "(or the real time, if longer), so emulated devices keep their relative speeds "
                         "(default: 100)")
+    j.add_argument("--drain", type=_non_negative, default=30.0, metavar="S",
+                   help="on SIGTERM or Ctrl-C, give the sessions here up to S seconds to move to other nodes with "
+                        "their KV before leaving (0: leave at once; they re-prefill elsewhere) (default: 30)")
     j.add_argument("--retry-budget", type=_non_negative, default=3600.0, metavar="S",
                    help="give up (exit 1) when no bootstrap peer answers for this long; 0: never give up "
                         "(default: 3600, so that a coordinator back after minutes finds its nodes)")
@@ -473,8 +476,10 @@ async def _run_node(args: argparse.Namespace) -> None:
                          pace_factory=pace_factory(args.emulate, args.compute_dilation) if args.emulate else None)
         daemon = NodeDaemon(config, transport, hops)
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(partial(shutdown_on_signal, nursery.cancel_scope, daemon.leave,
-                                       lifeline_fd=args.lifeline_fd))
+            # SIGTERM or Ctrl-C: the sessions here move to other nodes with their KV before the node goes.
+            nursery.start_soon(partial(shutdown_on_signal, nursery.cancel_scope,
+                                       partial(daemon.leave, drain_s=args.drain), lifeline_fd=args.lifeline_fd,
+                                       grace_s=args.drain + 3))
             await nursery.start(hops.run)
             await nursery.start(daemon.run)
             log.info("node %s (%s, %s) joined; coordinator %s", name, transport.peer_id, profile.device,

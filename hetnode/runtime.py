@@ -50,7 +50,7 @@ def announce_ready(ready_fd: int | None, **fields: Any) -> None:
 
 
 async def shutdown_on_signal(scope: trio.CancelScope, before_cancel: Callable[[], Any] | None = None,
-                             *, lifeline_fd: int | None = None) -> None:
+                             *, lifeline_fd: int | None = None, grace_s: float = 3.0) -> None:
     """SIGINT, SIGTERM, or the end of the lifeline pipe: run the graceful step (bounded), then cancel the
     daemon's root scope. The testnet holds the lifeline's write end: when the launcher dies, however it dies,
     the kernel closes it and its children see EOF here (PR_SET_PDEATHSIG would follow the spawning thread,
@@ -60,7 +60,7 @@ async def shutdown_on_signal(scope: trio.CancelScope, before_cancel: Callable[[]
         async def stop(why: str) -> None:
             log.info("%s; shutting down", why)
             if before_cancel is not None:
-                with trio.move_on_after(3):
+                with trio.move_on_after(grace_s):
                     await before_cancel()
             scope.cancel()
             nursery.cancel_scope.cancel()

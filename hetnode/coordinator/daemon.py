@@ -183,7 +183,7 @@ class Coordinator:
                 peer_id=peer,
                 heartbeat_interval_s=self.config.heartbeat_interval_s,
                 heartbeat_deadline_s=self.config.heartbeat_deadline_s,
-                members=[r.member_info() for r in self.registry.up_members()],
+                members=[r.member_info() for r in self.registry.members()],
             ))
             self._poke()
             self.probes.member_joined(peer)
@@ -233,6 +233,17 @@ class Coordinator:
                     record.assignment_state = msg.state
                 if self.deployment is not None:
                     self.deployment.on_status(peer, msg)
+            elif isinstance(msg, Leave) and msg.drain_s > 0:
+                # It goes once its sessions have moved with their KV; nothing new is routed or planned there.
+                if self.registry.drain(peer):
+                    log.info("node %s is leaving (%s); its sessions move with their KV", self._name(peer),
+                             msg.reason or "no reason given")
+                    if self.generator is not None:
+                        self.generator.node_leaving(peer)
+                    if self.deployment is not None:
+                        self.deployment.node_down(peer)
+                        self.deployment.membership_changed(f"{self._name(peer)} leaving")
+                    self._poke()
             elif isinstance(msg, Leave):
                 self.registry.mark(peer, "left", msg.reason or "left")
                 self._member_gone(peer, "left")
@@ -274,7 +285,7 @@ class Coordinator:
 
     async def _push_members(self, skip: NodeId | None = None) -> None:
         members = Members(version=self.registry.version,
-                          members=[r.member_info() for r in self.registry.up_members()])
+                          members=[r.member_info() for r in self.registry.members()])
         for peer, session in list(self._sessions.items()):
             if peer == skip:
                 continue
@@ -296,4 +307,9 @@ class Coordinator:
     def cluster_view(self) -> dict[str, object]:
         view = self.registry.snapshot()
         view["coordinator"] = {"peer_id": self.transport.peer_id, "addrs": self.transport.listen_addrs()}
+        if self.generator is not None:
+            g = self.generator
+            # Moves that re-prefilled the whole context, and moves that took the KV along (graceful leaves).
+            view["moves"] = {"reprefilled": g.reroutes, "with_kv": g.migrations,
+                             "recomputed_tokens": g.recomputed_tokens}
         return view

@@ -40,6 +40,9 @@ class NodeRecord:
     assignment: Assignment | None = None
     assignment_state: str = ""
     joins: int = 1
+    # Leaving gracefully: still a member (its sessions' KV moves from it to other nodes), but planned and routed
+    # nothing new.
+    draining: bool = False
 
     def member_info(self) -> MemberInfo:
         return MemberInfo(peer_id=self.peer_id, name=self.name, region=self.region, addrs=self.addrs)
@@ -95,7 +98,21 @@ class Registry:
         return record is not None and record.state == "up"
 
     def up_members(self) -> list[NodeRecord]:
+        """The members that may serve: up, and not draining before they leave."""
+        return sorted((r for r in self.nodes.values() if r.state == "up" and not r.draining), key=lambda r: r.name)
+
+    def members(self) -> list[NodeRecord]:
+        """Every member the data path accepts, draining ones included (what the nodes are told)."""
         return sorted((r for r in self.nodes.values() if r.state == "up"), key=lambda r: r.name)
+
+    def drain(self, peer: NodeId) -> bool:
+        """Mark an up member as draining; True if that changed anything."""
+        record = self.nodes.get(peer)
+        if record is None or record.state != "up" or record.draining:
+            return False
+        record.draining = True
+        self.version += 1
+        return True
 
     # -- liveness ----------------------------------------------------------------------------------------
 

@@ -46,7 +46,10 @@ from hetnode.protocol.messages import (
     INFER_PROTOCOL,
     CodecRate,
     ErrorReply,
+    Export,
     Failed,
+    Freeze,
+    Frozen,
     Hop,
     Install,
     Item,
@@ -63,13 +66,20 @@ from hetnode.protocol.messages import (
     Tokens,
     infer_decoder,
 )
-from hetnode.protocol.routes import describe, kv_targets, phase_span, pipeline_route, route_peers
+from hetnode.protocol.routes import describe, kv_targets, phase_span, pipeline_route, route_peers, route_problem
 from hetnode.protocol.transport import Transport
 from hetnode.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
-_Inbound = Token | Failed | Ready | str  # str: the coordinator's own verdict (a node went down)
+@dataclass(frozen=True)
+class _Leaving:
+    """The coordinator's word that a hop of the session's last phase is draining."""
+
+    peer: NodeId
+
+
+_Inbound = Token | Failed | Ready | Frozen | _Leaving | str  # str: the coordinator's own verdict (a node went down)
 
 RouteFor = Callable[[set[NodeId]], Awaitable[list[Hop] | Route]]
 """A route of up nodes (or a pipeline: one mixed phase) that covers every layer once per phase and uses no node
@@ -95,6 +105,8 @@ class _Session:
         self.set_route(route)
         self.ready: set[NodeId] = set()
         self.prefilled = False  # its first token came: the prefill phase is done
+        self.leaving: set[NodeId] = set()  # hops of its last phase that are draining: move it, KV and all
+        self.frozen: dict[NodeId, int] = {}  # answers to Freeze: each hop's computed positions
         # Room for every token the session may produce and a few failure notices: a node never waits for a
         # slow HTTP client, and a token is never dropped.
         self.send, self.recv = trio.open_memory_channel[_Inbound](capacity + 16)
@@ -165,7 +177,9 @@ class PipelineGenerator:
         self._releasing = 0
         self._released = trio.Event()
         self._active = 0
-        self.reroutes = 0  # moves of requests to another route, since start
+        self.reroutes = 0  # moves of requests to another route that re-prefilled the context, since start
+        self.migrations = 0  # moves that took the request's KV along (its nodes left gracefully)
+        self.recomputed_tokens = 0  # positions such moves computed again (those past the KV the hops had)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
@@ -264,14 +278,14 @@ class PipelineGenerator:
         if isinstance(msg, Tokens):
             for token in msg.tokens:
                 self._to_session(peer, token.session, token)
-        elif isinstance(msg, Failed | Ready):
+        elif isinstance(msg, Failed | Ready | Frozen):
             self._to_session(peer, msg.session, msg)
         elif isinstance(msg, ErrorReply):
             log.warning("data path error from %s: %s: %s", self._name(peer), msg.code, msg.message)
         else:
             log.warning("unexpected %s from %s on the data path", type(msg).__name__, self._name(peer))
 
-    def _to_session(self, peer: NodeId, session_id: str, msg: Token | Failed | Ready) -> None:
+    def _to_session(self, peer: NodeId, session_id: str, msg: Token | Failed | Ready | Frozen) -> None:
         session = self._sessions.get(SessionId(session_id))
         # Tokens come only from the last hop of a phase that samples, Ready only from a hop that is handed KV,
         # failures from any of its hops; anything else (a moved request's old session, another peer speaking
@@ -286,15 +300,30 @@ class PipelineGenerator:
             return
         if isinstance(msg, Ready):
             session.ready.add(peer)
+        elif isinstance(msg, Frozen):
+            session.frozen[peer] = msg.end
         try:
             session.send.send_nowait(msg)
         except trio.WouldBlock:
             log.warning("session %s: more results from %s than it can produce; dropped", session_id, peer)
 
-    def node_down(self, peer: NodeId, reason: str) -> None:
-        """Tell every session whose route runs through `peer`: its request moves to another route."""
+    def node_leaving(self, peer: NodeId) -> None:
+        """`peer` drains before it leaves: every session whose KV it holds moves with that KV to other nodes
+        (at its next token, or once prefilled). Sessions it only prefilled for are done with it by then: it
+        finishes sending their KV before it goes."""
         for session in self._sessions.values():
-            if peer in session.peers:
+            if peer in {NodeId(h.peer) for h in session.route.phases[-1].hops}:
+                session.leaving.add(peer)
+                with suppress(trio.WouldBlock):
+                    session.send.send_nowait(_Leaving(peer))
+
+    def node_down(self, peer: NodeId, reason: str) -> None:
+        """Tell every session whose route runs through `peer`: its request moves to another route. A node that
+        left gracefully finished sending the KV it computed before it went: only sessions whose last phase
+        runs through it move."""
+        for session in self._sessions.values():
+            if peer in session.peers and (reason != "left" or peer in {NodeId(h.peer)
+                                                                      for h in session.route.phases[-1].hops}):
                 with suppress(trio.WouldBlock):
                     session.send.send_nowait(f"node {self._name(peer)} went down ({reason})")
         self._nursery_soon(self.mailbox.forget, peer)
@@ -399,25 +428,28 @@ class PipelineGenerator:
     async def _events(self, request: _Request) -> AsyncIterator[TokenEvent]:
         moves = 0
         params = request.params
+        lost = await self._start(request)
         while True:
-            lost = await self._start(request)
             while lost is None:
                 msg = await self._next(request.session)
                 if isinstance(msg, _Lost):
                     lost = msg
                     break
-                expected = len(request.prompt) + len(request.generated)
-                if msg.position != expected:
-                    raise GenerationError(f"out-of-order token (position {msg.position}, expected {expected})",
-                                          status=502, code="protocol_error")
-                request.generated.append(msg.token)
-                if not request.session.prefilled:
-                    request.session.prefilled = True
-                    self.deployment.route_prefilled(request.session.id)
-                top = tuple((int(t), float(lp)) for t, lp in msg.top_logprobs) if msg.top_logprobs else None
-                yield TokenEvent(msg.token, msg.logprob, top, msg.stopped)
+                yield self._accept(request, msg)
                 if self.lifecycle.ends(len(request.generated), params.max_tokens, msg.stopped):
                     return
+                if request.session.leaving:
+                    lost = self._leaving(request.session)
+            if lost.code == "leaving":
+                # A graceful leave: the session moves with its KV; only when that cannot be done, re-prefilled.
+                late, frozen = await self._freeze(request.session, lost)
+                for msg in late:
+                    yield self._accept(request, msg)
+                    if self.lifecycle.ends(len(request.generated), params.max_tokens, msg.stopped):
+                        return
+                lost = await self._move_with_kv(request, lost) if frozen is None else frozen
+                if lost is None:
+                    continue
             if not self.lifecycle.moves(lost.cause, moves):
                 if lost.cause == "refused":  # the request, not the route, cannot be served
                     raise GenerationError(lost.reason, status=400, code="kv_capacity_exceeded")
@@ -425,9 +457,89 @@ class PipelineGenerator:
                                       status=502, code=lost.code)
             moves += 1
             await self._move(request, lost, moves)
+            lost = await self._start(request)
 
-    async def _start(self, request: _Request) -> _Lost | None:
-        """Install the session on every hop of its route and send the context to the first hop."""
+    def _accept(self, request: _Request, msg: Token) -> TokenEvent:
+        """The request's next token, checked to continue its context."""
+        expected = len(request.prompt) + len(request.generated)
+        if msg.position != expected:
+            raise GenerationError(f"out-of-order token (position {msg.position}, expected {expected})",
+                                  status=502, code="protocol_error")
+        request.generated.append(msg.token)
+        if not request.session.prefilled:
+            request.session.prefilled = True
+            self.deployment.route_prefilled(request.session.id)
+        top = tuple((int(t), float(lp)) for t, lp in msg.top_logprobs) if msg.top_logprobs else None
+        return TokenEvent(msg.token, msg.logprob, top, msg.stopped)
+
+    async def _freeze(self, old: _Session, lost: _Lost) -> tuple[list[Token], _Lost | None]:
+        """Ask the hops that hold the session's KV (its last phase) to stop it and say how far each computed.
+        Returns the tokens that arrived meanwhile (sampled before the freeze reached the last hop: the stream
+        keeps them), and None, or why the session cannot move with its KV."""
+        holders = [NodeId(h.peer) for h in old.route.phases[-1].hops]
+        late: list[Token] = []
+        with trio.move_on_after(self.step_timeout_s):
+            try:
+                for peer in holders:
+                    await self.mailbox.send(peer, Freeze(session=old.id))
+            except HetnodeError as exc:
+                return late, self._no_kv_move(old, lost, f"freezing it failed: {exc}")
+            while len(old.frozen) < len(holders):
+                msg = await old.recv.receive()
+                if isinstance(msg, Token):
+                    late.append(msg)
+                elif isinstance(msg, Failed | str):
+                    why = msg if isinstance(msg, str) else msg.reason
+                    return late, self._no_kv_move(old, lost, f"a hop failed while it froze: {why}")
+        if len(old.frozen) < len(holders):
+            return late, self._no_kv_move(old, lost, f"its hops did not freeze within {self.step_timeout_s:g} s")
+        return late, None
+
+    def _no_kv_move(self, old: _Session, lost: _Lost, why: str) -> _Lost:
+        log.warning("session %s cannot move with its KV (%s): it re-prefills elsewhere", old.id, why)
+        return _Lost(f"{lost.reason}; {why}", "node_down", lost.suspects)
+
+    async def _move_with_kv(self, request: _Request, lost: _Lost) -> _Lost | None:
+        """Move the frozen request to a route of staying nodes with the KV its last phase holds.
+
+        The new session's route has two phases: the old hops, prefilling up to the least position they all
+        computed (so they hand over, per layer, the KV they have), then the new pipeline, which computes what
+        follows from there (a token or two) and decodes on. None when the request goes on in the new session,
+        else why not (the caller then re-prefills it)."""
+        old = request.session
+        total = len(request.prompt) + len(request.generated)
+        end = min(old.frozen.values())
+        if not 0 < end < total:
+            return self._no_kv_move(old, lost, f"its hops hold KV of [0, {end}) of a context of {total}")
+        session_id = self._new_id()
+        fresh = await self._reroute(lost, session_id, total)
+        route = Route(phases=[Phase(kind="prefill", hops=list(old.route.phases[-1].hops), last_token=end),
+                              Phase(kind="mixed", hops=list(fresh.phases[-1].hops), first_token=end)])
+        problem = route_problem(route, self.model_config.num_layers)
+        if problem:
+            self.deployment.route_done(session_id, None)
+            return self._no_kv_move(old, lost, f"no route takes its KV: {problem}")
+        request.session = self._open(session_id, route, request.params.max_tokens)
+        started = await self._start(request, adopts=old)
+        if started is not None:
+            self._close(request.session, None)
+            request.session = old
+            return self._no_kv_move(old, lost, started.reason)
+        # The old session's hops free it themselves once they have sent its KV.
+        self.deployment.route_done(old.id, None)
+        self._sessions.pop(old.id, None)
+        self.migrations += 1
+        self.recomputed_tokens += total - end
+        names = {str(p): self._name(p) for p in request.session.peers}
+        log.info("session %s moved with its KV to %s as %s (KV of %d positions handed over, %d computed again): %s",
+                 old.id, describe(route, names), session_id, end, total - end, lost.reason)
+        return None
+
+    async def _start(self, request: _Request, adopts: _Session | None = None) -> _Lost | None:
+        """Install the session on every hop of its route and send the context to the first hop.
+
+        `adopts`: the session starts from that (frozen) session's KV: its first phase is that session's hops,
+        which get an Export instead of an Install and no context."""
         session = request.session
         context = request.prompt + request.generated
         left = self.lifecycle.restart(len(request.prompt), len(request.generated), request.params.max_tokens)
@@ -444,7 +556,8 @@ class PipelineGenerator:
                                  f"[{t.first_layer},{t.last_layer}) {t.codec} {size} bytes")
             log.info("session %s hands over the KV of %d tokens: %s", session.id, end, ", ".join(moves))
         install = Install(session=session.id, route=session.route, sampling=wire_sampling(request.params.sampling),
-                          prefill_end=left.prefill_end, max_tokens=left.max_tokens, lease_s=self.lease_s)
+                          prefill_end=left.prefill_end, max_tokens=left.max_tokens, lease_s=self.lease_s,
+                          adopts=adopts.id if adopts is not None else None)
         try:
             # Exactly the checks the hops make on arrival: a value they would refuse (a NaN that slipped past
             # the API) fails this request here, instead of resetting a stream other requests share.
@@ -458,8 +571,10 @@ class PipelineGenerator:
         for p, phase in enumerate(session.route.phases):
             start, end = phase_span(session.route, p, left.prefill_end)
             end = left.prefill_end if end is None else end
-            if start < end:
+            if start < end and not (p == 0 and adopts is not None):  # the adopted KV is that part
                 parts[NodeId(phase.hops[0].peer)] = (start, end)
+        installed = session.peers if adopts is None else {NodeId(h.peer) for ph in session.route.phases[1:]
+                                                          for h in ph.hops}
         unreachable: list[tuple[NodeId, str]] = []
 
         async def send_to(peer: NodeId, msg: Install | None, context_part: bool) -> None:
@@ -479,12 +594,17 @@ class PipelineGenerator:
         # start from handed-over KV reserve it first, so the context goes out only when all of them are Ready.
         with trio.move_on_after(self.step_timeout_s) as scope:
             async with trio.open_nursery() as nursery:
-                for peer in session.peers:
+                for peer in installed:
                     nursery.start_soon(send_to, peer, install, not session.receivers)
             if not unreachable and session.receivers:
                 lost = await self._wait_ready(session)
                 if lost is not None:
                     return lost
+                if adopts is not None:  # every receiver holds room for it: the adopted KV goes now
+                    export = Export(session=adopts.id, to=session.id, route=session.route)
+                    async with trio.open_nursery() as nursery:
+                        for hop in session.route.phases[0].hops:
+                            nursery.start_soon(self._send_or_note, NodeId(hop.peer), export, unreachable)
                 async with trio.open_nursery() as nursery:
                     for peer in parts:
                         nursery.start_soon(send_to, peer, None, True)
@@ -495,6 +615,12 @@ class PipelineGenerator:
         if scope.cancelled_caught:
             return _Lost(f"installing the route took over {self.step_timeout_s:g} s", "timeout")
         return None
+
+    async def _send_or_note(self, peer: NodeId, msg: Export, unreachable: list[tuple[NodeId, str]]) -> None:
+        try:
+            await self.mailbox.send(peer, msg)
+        except HetnodeError as exc:
+            unreachable.append((peer, str(exc)))
 
     async def _wait_ready(self, session: _Session) -> _Lost | None:
         """Until every hop that starts from handed-over KV has reserved it (the caller bounds the wait)."""
@@ -510,9 +636,18 @@ class PipelineGenerator:
                 msg = await session.recv.receive()
                 if isinstance(msg, Token):
                     return msg
-                if not isinstance(msg, Ready):  # a Ready that came after the wait for it changes nothing
+                if isinstance(msg, _Leaving):
+                    if session.prefilled:  # else at its first token: a prompt half-way through cannot move
+                        return self._leaving(session)
+                    continue
+                if not isinstance(msg, Ready | Frozen):  # a Ready that came after the wait for it changes nothing
                     return self._lost(msg)
         return _Lost(f"no token from the route within {self.step_timeout_s:g} s", "timeout")
+
+    def _leaving(self, session: _Session) -> _Lost:
+        names = ", ".join(sorted(self._name(p) for p in session.leaving))
+        return _Lost(f"{names} {'is' if len(session.leaving) == 1 else 'are'} leaving", "leaving",
+                     frozenset(session.leaving))
 
     def _lost(self, msg: Failed | str) -> _Lost:
         if isinstance(msg, str):

@@ -245,12 +245,27 @@ class NodeDaemon:
             self._framed = None
             self._session_nursery = None
 
-    async def leave(self, reason: str = "shutting down") -> None:
-        """Tell the coordinator we are going, so that it need not wait for a heartbeat deadline."""
+    async def leave(self, reason: str = "shutting down", drain_s: float = 0.0) -> None:
+        """Tell the coordinator we are going, so that it need not wait for a heartbeat deadline.
+
+        With `drain_s` > 0 and sessions running here, first give the coordinator up to that long to move them to
+        other nodes with their KV (this node keeps serving them meanwhile and is routed nothing new), and wait
+        until their KV has left."""
         self._leaving = True
         framed = self._framed
         if framed is None:
             return
+        if drain_s > 0 and self.hops.sessions:
+            began = trio.current_time()
+            try:
+                await framed.send_msg(Leave(reason=reason, drain_s=drain_s))
+                log.info("draining: %d sessions move to other nodes with their KV", len(self.hops.sessions))
+                moved = await self.hops.drain(drain_s)
+                sent = await self.hops.kv_outbox.flush(max(0.0, drain_s - (trio.current_time() - began)))
+                log.info("drained in %.2f s%s", trio.current_time() - began,
+                         "" if moved and sent else f" (gave up: {len(self.hops.sessions)} sessions left)")
+            except (HetnodeError, OSError) as exc:
+                log.info("could not drain through the coordinator: %s", exc)
         with trio.move_on_after(2):
             try:
                 await framed.send_msg(Leave(reason=reason))

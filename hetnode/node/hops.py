@@ -45,7 +45,10 @@ from hetnode.protocol.messages import (
     AssignmentStatus,
     CodecRate,
     ErrorReply,
+    Export,
     Failed,
+    Freeze,
+    Frozen,
     Install,
     Item,
     Items,
@@ -78,6 +81,7 @@ _PARK_S = 10.0  # how long they wait before they are refused
 _PARK_BYTES = 256 << 20  # the tensors they hold, all sessions together (a hostile member cannot fill memory)
 _RELEASED_MEMORY = 65536  # sessions released recently: late items for them are dropped quietly
 _HANDED_MEMORY = 4096  # sessions handed to the next phase recently: a send that fails still reaches their coordinator
+_EXPORT_CHUNK = 512  # positions per KV message of a move (the prefill path sends one per chunk of that size too)
 
 
 def sampling_params(s: Sampling) -> SamplingParams:
@@ -112,6 +116,10 @@ class HopSession:
     # Hand-off out: the hops of the next phase that hold this hop's layers, and the next position to send.
     kv_to: list[KVPeer] = field(default_factory=list)
     kv_sent: int = 0
+    # Moving elsewhere with its KV: nothing more of the session leaves this hop (Freeze), positions [0, computed)
+    # are in its KV here.
+    frozen: bool = False
+    computed: int = 0
 
     @property
     def phase(self) -> Phase:
@@ -193,6 +201,7 @@ class HopServer:
         self._loop_scope: trio.CancelScope | None = None
         self._nursery: trio.Nursery | None = None
         self._assign_lock = trio.Lock()
+        self._emptied = trio.Event()  # set whenever the last session goes (a draining node waits for it)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
@@ -311,6 +320,10 @@ class HopServer:
                 # The coordinator may release a session whose Install never got here (refused, or lost): its
                 # late items are then dropped. Anyone else's release of an unknown session changes nothing.
                 self._drop(SessionId(msg.session))
+        elif isinstance(msg, Freeze):
+            self._on_freeze(peer, msg)
+        elif isinstance(msg, Export):
+            await self._on_export(peer, msg)
         elif isinstance(msg, Renew):
             now = trio.current_time()
             for sid in msg.sessions:
@@ -335,10 +348,15 @@ class HopServer:
         problem = ""
         engine, loop = self.engine, self.loop
         places = places_of(msg.route, self.transport.peer_id)
+        if msg.adopts is not None:
+            # The first phase hands over a frozen session's KV (Export); this hop serves only the last.
+            places = [p for p in places if p.phase == len(msg.route.phases) - 1]
         if engine is None or loop is None:
             problem = "this node holds no layers (plan changing)"
         elif problem := route_problem(msg.route, engine.config.num_layers):
             pass
+        elif msg.adopts is not None and len(msg.route.phases) != 2:
+            problem = "a session that adopts another's KV has two phases: its hops, then the new ones"
         elif len(places) != 1:
             problem = "this node is not on the route" if not places else "this node is on the route twice"
         else:
@@ -442,6 +460,8 @@ class HopServer:
     def _admit(self, peer: NodeId, session: HopSession, item: Item, rows: torch.Tensor) -> Work | None:
         """The batch-loop work for `item`, or None (with an error reply to the sender) when `peer` may not send
         it or it does not continue the session where it stands."""
+        if session.frozen:
+            return None  # in flight when it froze: the session goes on elsewhere from its KV
         problem = session.sender_problem(peer, item)
         if not problem and item.start != session.next_start:
             problem = f"session {session.id} stands at position {session.next_start}, not {item.start}"
@@ -498,6 +518,9 @@ class HopServer:
                 continue  # released or failed while the step ran
             item = work.item
             end = item.start + item.num_tokens
+            session.computed = max(session.computed, end)
+            if session.frozen:
+                continue  # its results would race the move: the session goes on from its KV elsewhere
             if session.kv_to:
                 handing.append((session, end))
             if not session.is_last:
@@ -687,6 +710,98 @@ class HopServer:
             self._released.popitem(last=False)
         if session is not None:
             session.loop.release(sid)
+        if not self.sessions:
+            self._emptied.set()
+            self._emptied = trio.Event()
+
+    async def drain(self, timeout_s: float) -> bool:
+        """Until this hop serves no session (they moved away or ended), at most `timeout_s`; True if none is left."""
+        with trio.move_on_after(timeout_s):
+            while self.sessions:
+                await self._emptied.wait()
+        return not self.sessions
+
+    # -- moves that keep the KV ----------------------------------------------------------------------------
+
+    def _on_freeze(self, peer: NodeId, msg: Freeze) -> None:
+        sid = SessionId(msg.session)
+        session = self.sessions.get(sid)
+        if session is None or session.coordinator != peer:
+            self._refuse(peer, "not_yours", f"session {sid} is not the sender's to freeze here")
+            return
+        if session.place.phase != len(session.route.phases) - 1:
+            self._refuse(peer, "refused", f"session {sid}: only the phase that decodes holds its whole KV")
+            return
+        session.frozen = True
+        # After the tokens this hop already queued for the coordinator: the answer says what they covered.
+        self.outbox.post(peer, Frozen(session=sid, end=session.computed))
+
+    async def _on_export(self, peer: NodeId, msg: Export) -> None:
+        """Send the frozen session's KV to the hops of its new session that hold the same layers, in chunks of
+        positions, each packed with its link's codec; then free it here."""
+        sid, to = SessionId(msg.session), SessionId(msg.to)
+        session = self.sessions.get(sid)
+        if session is None or session.coordinator != peer:
+            self._refuse(peer, "not_yours", f"session {sid} is not the sender's to export here")
+            return
+        engine = self.engine
+        places = places_of(msg.route, self.transport.peer_id)
+        first = msg.route.phases[0]
+        end = first.last_token
+        problem = route_problem(msg.route, engine.config.num_layers) if engine is not None else "no layers here"
+        if not problem:
+            if not session.frozen:
+                problem = f"session {sid} is not frozen"
+            elif len(msg.route.phases) != 2 or not places or places[0].phase != 0:
+                problem = "the export's route must name this hop in the first of its two phases"
+            elif end is None or not 0 < end <= session.computed:
+                problem = f"the first phase ends at {end}, but this hop has computed [0, {session.computed})"
+            elif engine is not None and (first.hops[places[0].hop].first_layer,
+                                         first.hops[places[0].hop].last_layer) != (engine.first_layer,
+                                                                                   engine.last_layer):
+                problem = "the export's route gives this hop other layers than it holds"
+        if problem:
+            self._report(peer, to, f"cannot hand over session {sid}'s KV: {problem}")
+            return
+        assert end is not None
+        targets = kv_targets(msg.route, 0, first.hops[places[0].hop])
+        loop = session.loop
+        me = self.transport.peer_id
+        for start in range(0, end, _EXPORT_CHUNK):
+            stop = min(end, start + _EXPORT_CHUNK)
+
+            def export(engine: Engine, start: int = start, stop: int = stop) -> list[tuple[KVPeer, memoryview]]:
+                keys, values = engine.export_kv(sid, start, stop)
+                base = engine.first_layer
+                return [(t, CODECS[t.codec].pack(keys[t.first_layer - base:t.last_layer - base],
+                                                 values[t.first_layer - base:t.last_layer - base]))
+                        for t in targets]
+
+            try:
+                packed = await loop.run_engine(export)
+            except EngineError as exc:
+                self._report(peer, to, f"could not export session {sid}'s KV: {exc}")
+                return
+            for target, data in packed:
+                kv = KV(session=to, first_layer=target.first_layer, layers=target.last_layer - target.first_layer,
+                        start=start, count=stop - start, codec=target.codec,  # type: ignore[arg-type]
+                        tensor=TensorMeta("uint8", [len(data)]))
+                self.kv_bytes_sent += len(data)
+                if NodeId(target.peer) == me:  # this hop holds the same layers in the new session: no network
+                    try:
+                        await self._on_kv(me, kv, bytes(data))
+                    except ProtocolError as exc:
+                        self._report(peer, to, f"could not hand session {sid}'s KV over here: {exc}")
+                        return
+                elif not self.kv_outbox.post(NodeId(target.peer), kv, data):
+                    self._report(peer, to, f"could not queue session {sid}'s KV for {target.peer}",
+                                 unreachable=NodeId(target.peer))
+                    return
+        self._handed[to] = peer  # a send that fails later is still reported, for the new session
+        if len(self._handed) > _HANDED_MEMORY:
+            self._handed.popitem(last=False)
+        log.info("session %s: handed the KV of %d positions over to session %s", sid, end, to)
+        self._drop(sid)
 
     # -- leases ------------------------------------------------------------------------------------------
 

@@ -178,7 +178,11 @@ class AssignmentStatus(_Msg, tag="assign_status", frozen=True, kw_only=True):
 
 
 class Leave(_Msg, tag="leave", frozen=True, kw_only=True):
+    """The node is going. With `drain_s` > 0 it first keeps serving for up to that long while its sessions move
+    elsewhere with their KV (it is routed nothing new meanwhile), and says Leave again, without it, when done."""
+
     reason: Text = ""
+    drain_s: Annotated[float, msgspec.Meta(ge=0, le=3600)] = 0.0
 
 
 CtlMessage = (
@@ -310,6 +314,9 @@ class Install(_Msg, tag="install", frozen=True, kw_only=True):
     prefill_end: Annotated[int, msgspec.Meta(ge=1, le=MAX_TOKENS_PER_SESSION)]
     max_tokens: Annotated[int, msgspec.Meta(ge=1, le=MAX_TOKENS_PER_SESSION)]
     lease_s: Annotated[float, msgspec.Meta(gt=0, le=3600)]
+    # The session starts from that session's KV, which its hops (the route's first phase, not installed)
+    # hand over on an Export: a hop that is on both phases serves the last.
+    adopts: SessionStr | None = None
 
 
 class Item(msgspec.Struct, frozen=True, array_like=True):
@@ -371,7 +378,31 @@ class Renew(_Msg, tag="renew", frozen=True, kw_only=True):
     sessions: Annotated[list[SessionStr], msgspec.Meta(max_length=65536)]
 
 
-InferMessage = Install | Items | Tokens | Failed | Ready | Release | Renew | ErrorReply
+class Freeze(_Msg, tag="freeze", frozen=True, kw_only=True):
+    """Stop running `session` here and keep its KV: it is about to move with it (coordinator -> a hop of the phase
+    that holds the session's KV). The hop answers Frozen once nothing more of the session leaves it."""
+
+    session: SessionStr
+
+
+class Frozen(_Msg, tag="frozen", frozen=True, kw_only=True):
+    """`session` is frozen on this hop, which has computed its positions [0, end)."""
+
+    session: SessionStr
+    end: Count
+
+
+class Export(_Msg, tag="export", frozen=True, kw_only=True):
+    """Hand the frozen `session`'s KV on to the session `to`, whose route names this hop in its first phase
+    (ending at the position the KV ends) and the hops that receive it in the next; then free the session here."""
+
+    session: SessionStr
+    to: SessionStr
+    route: Route
+
+
+InferMessage = (Install | Items | Tokens | Failed | Ready | Release | Renew | Freeze | Frozen | Export
+                | ErrorReply)
 infer_decoder = msgspec.msgpack.Decoder(InferMessage)
 
 

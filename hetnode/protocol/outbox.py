@@ -34,6 +34,8 @@ class Outbox:
         self._queues: dict[NodeId, trio.MemorySendChannel[_Entry]] = {}
         self._nursery: trio.Nursery | None = None
         self._closed = False
+        self._pending = 0  # posted and not yet sent (or failed)
+        self._flushed = trio.Event()
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         try:
@@ -58,6 +60,7 @@ class Outbox:
             self._nursery.start_soon(self._drain, peer, recv)
         try:
             queue.send_nowait((msg, payload))
+            self._pending += 1
         except trio.WouldBlock:
             return False
         except (trio.BrokenResourceError, trio.ClosedResourceError):
@@ -74,6 +77,22 @@ class Outbox:
                 except HetnodeError as exc:
                     log.info("sending %s to %s failed: %s", type(msg).__name__, peer, exc)
                     await self.on_fail(peer, msg, str(exc))
+                finally:
+                    self._sent(1)
+
+    def _sent(self, count: int) -> None:
+        self._pending -= count
+        if self._pending <= 0:
+            self._pending = 0
+            self._flushed.set()
+            self._flushed = trio.Event()
+
+    async def flush(self, timeout_s: float) -> bool:
+        """Until everything posted so far has been sent or failed, at most `timeout_s`; True if it all went."""
+        with trio.move_on_after(timeout_s):
+            while self._pending:
+                await self._flushed.wait()
+        return not self._pending
 
     def forget(self, peer: NodeId) -> None:
         """Stop the sender to a peer that left; what was queued for it is dropped."""

@@ -41,6 +41,7 @@ from hetnode.protocol.messages import (
     Phase,
     Route,
 )
+from hetnode.protocol.routes import pipeline_route
 
 PROMPTS = [[5, 6, 7], list(range(20, 45)), list(range(100, 170))]
 MAX_TOKENS = 12
@@ -333,7 +334,6 @@ async def test_auto_re_prefills_on_the_decode_side_when_that_beats_every_codec(
     import msgspec
 
     from hetnode.coordinator.registry import LinkEntry
-    from hetnode.protocol.routes import pipeline_route
 
     layers = load_config(tiny_model).num_layers
     async with network(tiny_model, {"p": (0, layers), "d": (0, layers)}) as net:
@@ -425,3 +425,46 @@ async def test_a_decode_hop_that_dies_during_the_hand_off_moves_the_request(
         assert routes == ["d1", "d2"] and killed == ["d1"] and gen.reroutes == 1
         assert nodes["d2"].kv_bytes_received > 0
         nursery.cancel_scope.cancel()
+
+
+def hops_of(*hops: tuple[str, int, int]) -> list[Hop]:
+    return [Hop(peer=n, first_layer=a, last_layer=b) for n, a, b in hops]
+
+
+@pytest.mark.parametrize("case", ["pipeline to one node", "a hop stays, the other is replaced",
+                                  "decode phase of a split route"])
+async def test_a_leaving_node_hands_its_sessions_kv_over_and_the_stream_goes_on(
+        tiny_model: Path, reference: list[list[int]], case: str) -> None:
+    """A hop of the phase that holds a session's KV drains: the coordinator freezes the session there, moves it
+    to a route without that hop with the KV handed over layer by layer (a hop that stays keeps its own copy
+    locally), and the stream continues token for token as if nothing happened: no re-prefill."""
+    layers = load_config(tiny_model).num_layers
+    cut = layers // 2
+    shards = {"a": (0, cut), "b": (cut, layers), "c": (0, layers), "c2": (cut, layers), "p": (0, layers)}
+    before, after, leaver = {
+        "pipeline to one node": (pipeline_route(hops_of(("a", 0, cut), ("b", cut, layers))),
+                                 pipeline_route(hops_of(("c", 0, layers))), "a"),
+        "a hop stays, the other is replaced": (pipeline_route(hops_of(("a", 0, cut), ("b", cut, layers))),
+                                               pipeline_route(hops_of(("a", 0, cut), ("c2", cut, layers))), "b"),
+        "decode phase of a split route": (split_route([("p", 0, layers)], [("a", 0, cut), ("b", cut, layers)]),
+                                          pipeline_route(hops_of(("c", 0, layers))), "b"),
+    }[case]
+    async with network(tiny_model, shards) as net:
+        async def routes(exclude: set[NodeId]) -> Route:
+            return after if NodeId(leaver) in exclude else before
+
+        net.gen.route_for = routes
+        params = GenerationParams(max_tokens=MAX_TOKENS, sampling=SamplingParams())
+        got: list[int] = []
+        async with net.gen.generate(PROMPTS[2], params) as events:
+            async for event in events:
+                got.append(event.token)
+                if len(got) == 4:
+                    net.gen.node_leaving(NodeId(leaver))
+        assert got == reference[2]
+        assert (net.gen.migrations, net.gen.reroutes) == (1, 0)
+        assert net.gen.recomputed_tokens <= 2  # what followed the KV the hops had when they froze
+        receivers = {h.peer for h in after.phases[-1].hops} - {h.peer for h in before.phases[-1].hops}
+        assert all(net.nodes[r].kv_bytes_received > 0 for r in receivers)
+        await net.gen.wait_released()
+        assert not net.nodes[leaver].sessions  # it can go: nothing of the session is left there
