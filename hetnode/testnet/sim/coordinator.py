@@ -263,6 +263,7 @@ class SimCoordinator:
         if self.request_s:
             now = self.free = max(self.free, now) + self.request_s
         if r.handoff is None:
+            r.kv_out = None  # (a request moved off a phase-split route hands nothing on here)
             self.send(self.index, r.entry, [r], now)
             return
         # Phase-split: the decode hops reserve the KV first; the context goes out when all are ready.
