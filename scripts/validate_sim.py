@@ -759,12 +759,15 @@ def simulate_all(result: dict[str, Any], args: argparse.Namespace) -> None:
     def run_sim(links: str, mixed: str, request_s: float, token_s: float, requests: list[dict[str, Any]],
                 duration: float, warmup: float) -> Any:
         # A fresh instance of the coordinator's scheduler, with the coordinator's options.
-        # A split plan is routed by CLS with the nodes' regions, as the coordinator's deployment routes it.
+        # A split plan is routed by CLS with the nodes' regions, as the coordinator's deployment routes it. The
+        # KV capacities are the nodes' real pools, which replace the planner's estimate in the coordinator's
+        # scheduler at their first heartbeat after loading (Deployment.on_load), long before any request.
         live = {"regions": {nd["peer_id"]: nd["region"] for nd in view["nodes"]}} if placement.replicas else {}
         scheduler = make_scheduler(
             scheduler_for(placement, pc.scheduler), placement, seed=plan["version"], high_water=pc.high_water,
             queue_limit=pc.queue_limit,
-            kv_capacity={p.node: kv_tokens(mem_by_peer[p.node], plan_spec, p.layers) for p in placement.placements},
+            kv_capacity={p.node: inputs["kv_pool"].get(p.node) or kv_tokens(mem_by_peer[p.node], plan_spec, p.layers)
+                         for p in placement.placements},
             **live)
         workload = Workload(name="testnet-replay", inputs=tuple(r["input"] for r in requests),
                             outputs=tuple(r["tokens"] for r in requests), arrivals=tuple(r["sent"] for r in requests),
