@@ -54,8 +54,16 @@ a check against a 10% target (Helix reports under 5% for its simulator):
    emulated links show what each part of the model contributes, and a split into fast and slow requests (one
    TPOT threshold applied to each side) compares like with like.
 
+8. Phase-split (`--placement split`): the coordinator plans prefill and decode replicas (`split_placement`) and
+   routes by CLS; the simulator runs the same plan with a fresh CLS scheduler (the nodes' regions), the KV
+   hand-offs at the codec rates the profile worker measures (`hetnode.kv.codec_rates.measure`, as each node
+   does when it loads its shard), the runtime's codec choice (`--kv-codec`, default auto) and, by default, whole
+   transfers after each prefill step, as the runtime sends them (`--kv-transfer`). The report adds the KV the
+   coordinator logged per codec (its "hands over the KV" lines) beside the simulator's.
+
     .venv/bin/python scripts/validate_sim.py                 # full run, ~9 minutes
     .venv/bin/python scripts/validate_sim.py --quick         # a short smoke run, ~3 minutes
+    .venv/bin/python scripts/validate_sim.py --placement split   # the phase-split run
     .venv/bin/python scripts/validate_sim.py --json out.json --out profiles.toml --keep-logs logs/
     .venv/bin/python scripts/validate_sim.py --replay out.json   # simulate an earlier run's requests again
 """
@@ -122,7 +130,14 @@ async def profile_worker(cfg: dict[str, Any]) -> dict[str, Any]:
     """Child: time paced steps of each layer range's shard the way a node's batch loop times them."""
     import torch
 
+    from hetnode.kv import codec_rates
+    from hetnode.models.resolve import load_config
+
     out: dict[str, Any] = {"threads": torch.get_num_threads(), "ranges": [], "concurrent": False}
+    # The KV codecs' pack and unpack rates, measured as a node measures them when it loads a shard.
+    model_cfg = load_config(cfg["model"])
+    out["codec_rates"] = {c: list(r) for c, r in codec_rates.measure(model_cfg.num_kv_heads,
+                                                                     model_cfg.head_dim).items()}
     for part in cfg["ranges"]:
         entries, concurrent = await measure_range(cfg, part)
         out["ranges"].extend(entries)
@@ -475,11 +490,31 @@ def testnet_summary(requests: list[Request], window: tuple[float, float]) -> dic
     }
 
 
+def handoffs_logged(path: Path) -> dict[str, Any]:
+    """The KV the coordinator handed over, per codec, from its log ("session ... hands over the KV of N tokens:
+    a>b layers [x,y) int8 123 bytes, ..."), and how many sessions it re-prefilled on the decode side instead."""
+    import re
+
+    text = path.read_text(errors="replace") if path.exists() else ""
+    moved: dict[str, float] = {}
+    transfers: dict[str, int] = {}
+    sessions = 0
+    for line in text.splitlines():
+        if "hands over the KV" not in line:
+            continue
+        sessions += 1
+        for codec, size in re.findall(r"layers \[\d+,\d+\) (\w+) (\d+) bytes", line):
+            moved[codec] = moved.get(codec, 0.0) + float(size)
+            transfers[codec] = transfers.get(codec, 0) + 1
+    return {"sessions": sessions, "bytes_by_codec": dict(sorted(moved.items())),
+            "links_by_codec": dict(sorted(transfers.items())), "reprefilled": text.count("re-prefilling")}
+
+
 # -- 3./4. links and plan from the coordinator ----------------------------------------------------------------
 
 
 def plan_from_api(plan: dict[str, Any], spec: Any) -> Any:
-    from hetnode.planner.plan import SINK, SOURCE, NodePlacement, PlacementPlan
+    from hetnode.planner.plan import SINK, SOURCE, NodePlacement, PlacementPlan, Replica
 
     peer = {s["name"]: s["peer_id"] for s in plan["shards"]}
     peer.update({SOURCE: SOURCE, SINK: SINK})
@@ -488,7 +523,8 @@ def plan_from_api(plan: dict[str, Any], spec: Any) -> Any:
         placements=tuple(NodePlacement(s["peer_id"], s["first_layer"], s["last_layer"]) for s in plan["shards"]),
         flows={(peer.get(f["from"], f["from"]), peer.get(f["to"], f["to"])): float(f["flow"]) for f in plan["flows"]},
         max_flow=float(plan["max_flow"]), upper_bound=math.inf if plan.get("upper_bound") is None
-        else float(plan["upper_bound"]), status=plan.get("status", ""), partial_inference=False)
+        else float(plan["upper_bound"]), status=plan.get("status", ""), partial_inference=False,
+        replicas=tuple(Replica(r["role"], tuple(peer[n] for n in r["nodes"])) for r in plan.get("replicas", ())))
 
 
 def sim_cluster(view: dict[str, Any], coordinator: str, home_region: str, links: str, emulated: Any) -> Any:
@@ -549,12 +585,13 @@ async def experiment(args: argparse.Namespace, work_dir: Path) -> dict[str, Any]
         cluster=args.cluster, nodes=None, model=args.model, detach=False, state_dir=work_dir / "testnet",
         api="127.0.0.1:0", api_key=None, token=None, heartbeat_deadline=5.0, ready_timeout=300.0,
         log_level="info", compute_dilation=args.dilation, placement=args.placement, scheduler="iwrr",
-        plan_time_limit=10.0)
+        plan_time_limit=10.0, kv_codec=args.kv_codec)
     t_up = time.perf_counter()
     log(f"starting the testnet: cluster {args.cluster}, {args.model}, compute dilation {args.dilation:g}, "
         f"placement {args.placement} (load {load_avg()})")
     running = await launcher.start(ns)
     coordinator = next(p.peer_id for p in running.state.procs if p.role == "coordinator")
+    coordinator_log = Path(next(p.log for p in running.state.procs if p.role == "coordinator"))
     log(f"testnet up in {time.perf_counter() - t_up:.1f} s: {running.state.api}")
     try:
         limits = httpx.Limits(max_connections=1000, max_keepalive_connections=1000)
@@ -601,6 +638,7 @@ async def experiment(args: argparse.Namespace, work_dir: Path) -> dict[str, Any]
             profiles, notes = build_profiles(raw, plan_spec, memory)
             result["profiles"] = {"worker_threads": raw["threads"], "notes": notes, "concurrent": raw["concurrent"],
                                   "seconds": time.perf_counter() - t_prof}
+            result["codec_rates"] = raw["codec_rates"]
             result["profile_table"] = profile_table_to_dict(profiles)
             if args.out:
                 save_profile_table(profiles, args.out)
@@ -675,6 +713,7 @@ async def experiment(args: argparse.Namespace, work_dir: Path) -> dict[str, Any]
     result["workload_start_s"] = start
     window = (start + args.warmup, start + args.duration)
     result["testnet"] = testnet_summary(requests, window)
+    result["testnet"]["kv_handoff"] = handoffs_logged(coordinator_log)
     result["requests"] = [{"phase": phase, "at": r.at, "sent": r.sent, "input": len(r.prompt),
                            "max_tokens": r.max_tokens, "tokens": r.tokens, "finish": r.finish, "ttft": r.ttft,
                            "tpot": r.tpot, "e2e": r.e2e, "error": r.error}
@@ -689,7 +728,7 @@ def simulate_all(result: dict[str, Any], args: argparse.Namespace) -> None:
     """6. The simulator: the testnet's plan, scheduler, links, arrivals and lengths, measured profiles and KV
     pools; with measured and emulated links, and both ways of pricing mixed steps."""
     from hetnode.coordinator.deployment import PLAN_BYTES_PER_PARAM, PlanningConfig
-    from hetnode.coordinator.routing import make_scheduler
+    from hetnode.coordinator.routing import make_scheduler, scheduler_for
     from hetnode.models.resolve import load_config
     from hetnode.planner.cluster import load_cluster
     from hetnode.planner.model import from_model_config
@@ -700,6 +739,7 @@ def simulate_all(result: dict[str, Any], args: argparse.Namespace) -> None:
 
     inputs = result["sim_inputs"]
     plan, view, coordinator = inputs["plan"], inputs["view"], inputs["coordinator"]
+    codec_rates = {c: tuple(r) for c, r in result.get("codec_rates", {}).items()} or None
     plan_spec = from_model_config(args.model, load_config(args.model), bytes_per_param=PLAN_BYTES_PER_PARAM)
     table = parse_profile_table(result["profile_table"], plan_spec, "measured on the testnet")
     # Entries by node name (a type whose nodes hold different layer ranges) serve the node's peer id here.
@@ -719,14 +759,23 @@ def simulate_all(result: dict[str, Any], args: argparse.Namespace) -> None:
     def run_sim(links: str, mixed: str, request_s: float, token_s: float, requests: list[dict[str, Any]],
                 duration: float, warmup: float) -> Any:
         # A fresh instance of the coordinator's scheduler, with the coordinator's options.
+        # A split plan is routed by CLS with the nodes' regions, as the coordinator's deployment routes it. The
+        # KV capacities are the nodes' real pools, which replace the planner's estimate in the coordinator's
+        # scheduler at their first heartbeat after loading (Deployment.on_load), long before any request.
+        live = {"regions": {nd["peer_id"]: nd["region"] for nd in view["nodes"]}} if placement.replicas else {}
         scheduler = make_scheduler(
-            pc.scheduler, placement, seed=plan["version"], high_water=pc.high_water, queue_limit=pc.queue_limit,
-            kv_capacity={p.node: kv_tokens(mem_by_peer[p.node], plan_spec, p.layers) for p in placement.placements})
+            scheduler_for(placement, pc.scheduler), placement, seed=plan["version"], high_water=pc.high_water,
+            queue_limit=pc.queue_limit,
+            kv_capacity={p.node: inputs["kv_pool"].get(p.node) or kv_tokens(mem_by_peer[p.node], plan_spec, p.layers)
+                         for p in placement.placements},
+            **live)
         workload = Workload(name="testnet-replay", inputs=tuple(r["input"] for r in requests),
                             outputs=tuple(r["tokens"] for r in requests), arrivals=tuple(r["sent"] for r in requests),
                             description="the testnet run's requests: send times and completion lengths")
         options = SimOptions(kv_capacity=inputs["kv_pool"], drain_s=args.drain, mixed_steps=mixed,
-                             coordinator_request_s=request_s, coordinator_token_s=token_s)
+                             coordinator_request_s=request_s, coordinator_token_s=token_s,
+                             kv_codec=getattr(args, "kv_codec", "auto"),
+                             kv_transfer=getattr(args, "kv_transfer", "whole"), kv_codec_rates=codec_rates)
         return simulate(clusters[links], sim_spec, profiles, placement, workload=workload, scheduler=scheduler,
                         duration_s=duration, warmup_s=warmup, options=options)
 
@@ -767,8 +816,11 @@ def simulate_all(result: dict[str, Any], args: argparse.Namespace) -> None:
                 sims[(links, mode, overhead)] = run_sim(links, mode, req, tok, replayed, window[1], window[0])
     key = (link_modes[0], mixed, "measured")
     primary = sims[key]
-    result["primary"] = {"links": key[0], "mixed_steps": key[1], "coordinator_time": key[2]}
+    result["primary"] = {"links": key[0], "mixed_steps": key[1], "coordinator_time": key[2],
+                         "kv_transfer": getattr(args, "kv_transfer", "whole")}
     result["sim"] = {"summary": primary.summary, "nodes": [asdict(n) for n in primary.nodes]}
+    if "kv_handoff" in primary.summary:
+        result["sim"]["kv_handoff"] = primary.summary["kv_handoff"]
     result["compare"] = compare(result["testnet"], primary)
     result["variants"] = {"/".join(k): compare(result["testnet"], sim) for k, sim in sims.items()}
     for r, rec in zip(replayed, primary.requests, strict=True):
@@ -844,6 +896,28 @@ def _table(rows: list[dict[str, Any]]) -> None:
               f"  {mark}{'' if row['headline'] else ' (not a target)'}")
 
 
+def _per_codec(kv: dict[str, Any] | None, counts: str) -> str:
+    if not kv:
+        return "-"
+    return ", ".join(f"{c} {b / 1e6:.2f} MB ({kv[counts][c]})" for c, b in kv["bytes_by_codec"].items()) or "none"
+
+
+def _kv_report(r: dict[str, Any]) -> None:
+    """Split runs: the KV the coordinator logged per codec beside the simulator's, and the simulated hand-off."""
+    kv_sim, kv_net = r.get("sim", {}).get("kv_handoff"), r.get("testnet", {}).get("kv_handoff")
+    if not kv_sim and not (kv_net and kv_net["sessions"]):
+        return
+    print(f"KV handed over (all requests; transfers in brackets): testnet {_per_codec(kv_net, 'links_by_codec')} "
+          f"in {kv_net['sessions'] if kv_net else 0} sessions, {kv_net['reprefilled'] if kv_net else 0} "
+          f"re-prefilled; simulator {_per_codec(kv_sim, 'transfers_by_codec')} "
+          f"({r['primary'].get('kv_transfer', 'whole')})")
+    gap = kv_sim["prefill_end_to_decode_s"] if kv_sim else {"count": 0}
+    if gap["count"]:
+        rates = ", ".join(f"{c} {pk / 1e9:.2f}/{up / 1e9:.2f}" for c, (pk, up) in kv_sim["codec_rates"].items())
+        print(f"  simulator: prefill end -> first decode step mean {gap['mean'] * 1e3:.1f} ms, p50 "
+              f"{gap['p50'] * 1e3:.1f} ms; codec rates (GB/s, pack/unpack) {rates}")
+
+
 def print_report(r: dict[str, Any]) -> None:
     s = r["settings"]
     print(f"\n== simulator vs testnet: cluster {s['cluster']} ({s['model']}), compute dilation {s['dilation']:g}, "
@@ -893,6 +967,7 @@ def print_report(r: dict[str, Any]) -> None:
     print(f"\nsimulator: {p['links']} links, mixed steps \"{p['mixed_steps']}\", "
           f"coordinator time {p['coordinator_time']}")
     _table(r["compare"])
+    _kv_report(r)
     print("\nvariants (links/mixed steps/coordinator time; sim/testnet for throughput, TTFT p50, TPOT p50):")
     for name, rows in r["variants"].items():
         got = {row["metric"]: row["sim_over_testnet"] for row in rows}
@@ -918,7 +993,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=MODEL)
     parser.add_argument("--cluster", default=CLUSTER, help="cluster file or shipped name (default: demo)")
-    parser.add_argument("--placement", default="helix", help="the coordinator's placement method (default: helix)")
+    parser.add_argument("--placement", default="helix",
+                        help="the coordinator's placement method (default: helix; split: phase-split replicas)")
+    parser.add_argument("--kv-codec", default="auto", choices=["auto", "fp16", "int8", "int4"],
+                        help="split: the coordinator's and the simulator's KV codec choice (default: auto)")
+    parser.add_argument("--kv-transfer", default="whole", choices=["whole", "layerwise"],
+                        help="split: how the simulator sends KV (default: whole after each step, as the runtime)")
     parser.add_argument("--dilation", type=float, default=1000.0, help="nodes' --compute-dilation (default 1000)")
     parser.add_argument("--rate", type=float, default=None, help="requests/s (default 1.5; quick 1.0)")
     parser.add_argument("--duration", type=float, default=None, help="seconds of arrivals (default 240; quick 40)")
@@ -950,7 +1030,7 @@ def main() -> None:
         return
     if args.replay is not None:
         result = json.loads(args.replay.read_text())
-        saved = argparse.Namespace(**{**result["settings"], "links": args.links})
+        saved = argparse.Namespace(**{**result["settings"], "links": args.links, "kv_transfer": args.kv_transfer})
         simulate_all(result, saved)
         print_report(result)
         if args.json is not None:

@@ -112,3 +112,47 @@ def test_sim_plans_with_the_runtime_planner(setup: tuple[Path, Path], monkeypatc
     assert code == 0 and calls == ["petals"]
     out = json.loads(capsys.readouterr().out)
     assert out["config"]["method"] == "petals" and out["summary"]["requests"]["arrived"] == 10
+
+
+SPLIT_CLUSTER = """
+name = "quad"
+[[nodes]]
+name = "a"
+device = "a100"
+region = "us"
+[[nodes]]
+name = "b"
+device = "a100"
+region = "us"
+[[nodes]]
+name = "c"
+device = "l4"
+region = "us"
+[[nodes]]
+name = "d"
+device = "l4"
+region = "us"
+[links.default]
+bandwidth_mbps = 1000
+latency_ms = 2
+"""
+
+
+@pytest.mark.parametrize("flag", ["--method", "--placement"])
+def test_sim_split_plans_routes_by_cls_and_reports_the_hand_offs(flag: str, tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    cluster = tmp_path / "quad.toml"
+    cluster.write_text(SPLIT_CLUSTER)
+    args = ["sim", "--cluster", str(cluster), "--model", "llama3-8b", "--profile", "roofline", flag, "split",
+            "--trace", "conv", "--rate", "0.5", "--duration", "30", "--warmup", "5", "--progress", "off"]
+    assert main([*args, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["config"]["method"] == "split" and out["config"]["scheduler"] == "cls"
+    kv = out["summary"]["kv_handoff"]
+    assert kv["installs"] >= out["summary"]["requests"]["finished"] > 0
+    assert sum(kv["bytes_by_codec"].values()) > 0
+    assert kv["prefill_end_to_decode_s"]["mean"] > 0
+    assert main([*args, "--kv-transfer", "whole", "--kv-codec", "int8"]) == 0
+    text = capsys.readouterr().out
+    assert "scheduler    cls" in text and "KV hand-off  int8 " in text and "whole" in text
+    assert "prefill end -> first decode step: mean" in text

@@ -23,7 +23,6 @@ from sim_helpers import PROFILE
 from hetnode.coordinator.deployment import Deployment
 from hetnode.coordinator.generation import GenerationError, GenerationParams
 from hetnode.coordinator.registry import Registry
-from hetnode.coordinator.scheduler import PipelineHop
 from hetnode.coordinator.sessions import PipelineGenerator
 from hetnode.ids import NodeId
 from hetnode.models.resolve import load_config
@@ -42,6 +41,7 @@ from hetnode.protocol.messages import (
     Token,
     Tokens,
 )
+from hetnode.protocol.routes import pipeline_route
 from hetnode.testnet.sim.coordinator import SimCoordinator, SimRequest
 from hetnode.testnet.sim.node import SimNode
 
@@ -117,7 +117,7 @@ def _sim(prompt_len: int, max_tokens: int, max_moves: int, script: list[Attempt]
     class Decision:
         def __init__(self, request_id: str) -> None:
             self.request_id = request_id
-            self.pipeline = [PipelineHop("n", 0, 4)]
+            self.route = pipeline_route([Hop(peer="n", first_layer=0, last_layer=4)])
             self.queued = False
 
     class Scheduler:

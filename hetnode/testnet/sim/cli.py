@@ -24,7 +24,7 @@ from hetnode.errors import ConfigError
 
 log = logging.getLogger("hetnode.sim")
 
-SCHEDULER_NAMES = ("iwrr", "random", "shortest-queue", "swarm")
+SCHEDULER_NAMES = ("iwrr", "random", "shortest-queue", "swarm", "cls")
 
 
 def _non_negative(value: str) -> float:
@@ -44,13 +44,23 @@ def add_arguments(p: argparse.ArgumentParser, *, clusters: Sequence[str] = ()) -
     p.add_argument("--profile", default="auto", metavar="FILE|roofline|helix",
                    help="profile table: Helix's measured profiles, the roofline cost model, or a table file "
                         "(measured on the live testnet, say); default auto")
-    p.add_argument("--method", default="helix", choices=["helix", "petals", "swarm", "sp", "sp+"],
+    p.add_argument("--method", "--placement", dest="method", default="helix",
+                   choices=["helix", "petals", "swarm", "sp", "sp+", "split"],
                    help="placement method of the runtime's planner: helix (MILP), or the baselines petals, swarm, sp "
-                        "(separate pipelines), sp+ (plus a mixed pipeline of the rest); default helix")
+                        "(separate pipelines), sp+ (plus a mixed pipeline of the rest), or split (prefill and decode "
+                        "replicas, sized for the trace's mean prompt and output, routed by cls, KV handed between "
+                        "them); default helix")
     p.add_argument("--plan", default=None, metavar="FILE",
                    help="use this plan (JSON from `hetnode plan --json`) instead of planning")
     p.add_argument("--scheduler", default="iwrr", choices=SCHEDULER_NAMES,
-                   help="the runtime's request scheduler (default: iwrr, Helix's)")
+                   help="the runtime's request scheduler (default: iwrr, Helix's; a split plan is always routed by "
+                        "cls, Splitwise's, as the coordinator routes it)")
+    p.add_argument("--kv-codec", default="auto", choices=["auto", "fp16", "int8", "int4"],
+                   help="split plans: the codec of KV hand-offs (default: auto, the cheapest per link, as the "
+                        "coordinator picks it)")
+    p.add_argument("--kv-transfer", default="layerwise", choices=["layerwise", "whole"],
+                   help="split plans: KV leaves layer by layer during the prefill step (default), or whole after it "
+                        "(as the runtime sends it today)")
     p.add_argument("--trace", default="conv", metavar="conv|code|FILE",
                    help="Azure trace: conv, code (the full trace from ../shared/data or $HETNODE_TRACE_DIR when "
                         "found, else the shipped sample) or a CSV file (default: conv)")
@@ -117,11 +127,21 @@ def run(args: argparse.Namespace, *, clusters_dir: Path) -> int:
     cluster = load_cluster(resolve_cluster(args.cluster, clusters_dir))
     model = model_spec(args.model)
     profiles = profile_table_for(cluster, model, args.profile, kv_share=args.kv_share)
+    trace = wl.load_trace(args.trace, length_filter=not args.no_length_filter)
     if args.plan is not None:
         try:
             plan = PlacementPlan.from_json(json.loads(Path(args.plan).read_text()))
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise ConfigError(f"cannot read the plan: {exc}", file=args.plan, key="--plan") from exc
+    elif args.method == "split":
+        from hetnode.planner.profile import Workload
+        from hetnode.planner.split import split_placement
+
+        # The pools are sized for the requests this run serves (hetnode coordinator's --split-workload).
+        typical = Workload(input_len=max(1, round(trace.mean_input)), output_len=max(0, round(trace.mean_output)))
+        _say(args, f"planning {model.name} on {cluster.name} (split, for {typical.input_len} prompt and "
+                   f"{typical.output_len} output tokens) ...")
+        plan = split_placement(cluster, model, profiles, workload=typical)
     else:
         from hetnode.planner.placement import PlannerOptions, plan_placement
 
@@ -131,7 +151,6 @@ def run(args: argparse.Namespace, *, clusters_dir: Path) -> int:
         plan = plan_placement(cluster, model, profiles, method=args.method, options=planning)
     _say(args, f"plan: {plan.method}, {len(plan.placements)} nodes, max flow {plan.max_flow:.1f} tokens/s")
 
-    trace = wl.load_trace(args.trace, length_filter=not args.no_length_filter)
     _say(args, f"trace: {len(trace)} requests from {trace.source}")
     duration = args.duration or (600.0 if args.offline else 1800.0)
     warmup = args.warmup if args.warmup is not None else (60.0 if args.offline else 30.0)
@@ -140,7 +159,8 @@ def run(args: argparse.Namespace, *, clusters_dir: Path) -> int:
                           key="--warmup")
     slos = {k: v for k, v in (("ttft", args.slo_ttft), ("tpot", args.slo_tpot), ("e2e", args.slo_e2e)) if v}
     try:
-        options = SimOptions(max_batch_tokens=args.max_batch_tokens, high_water=args.high_water)
+        options = SimOptions(max_batch_tokens=args.max_batch_tokens, high_water=args.high_water,
+                             kv_codec=args.kv_codec, kv_transfer=args.kv_transfer)
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
     if args.offline:
@@ -209,11 +229,27 @@ def format_summary(result: Any) -> str:
         lines.append("SLO          " + ", ".join(f"{k} {v:.1%}" for k, v in s["slo_attainment"].items()))
     lines.append(f"nodes        mean utilization {s['node_utilization_mean']:.1%}, peak KV {s['kv_peak_max']:.1%}, "
                  f"mean pipeline depth {_num(s['mean_depth'])}")
+    kv = s.get("kv_handoff")
+    if kv:
+        moved = ", ".join(f"{codec} {_bytes(b)} ({kv['transfers_by_codec'][codec]} transfers)"
+                          for codec, b in kv["bytes_by_codec"].items()) or "none"
+        gap = kv["prefill_end_to_decode_s"]
+        lines.append(f"KV hand-off  {moved}; {c.get('option_kv_transfer', '')}, {kv['refused_full']} of "
+                     f"{kv['installs']} installs refused (full)")
+        lines.append(f"  prefill end -> first decode step: mean {_num(gap['mean'])} s, p50 {_num(gap['p50'])} s, "
+                     f"p90 {_num(gap['p90'])} s")
     if s["busiest_link"]:
         lines.append(f"links        busiest {s['busiest_link']['name']} ({s['busiest_link']['utilization']:.1%}); "
                      f"longest prompt wait {s['worst_prompt_queue_link']['name']} "
                      f"({s['worst_prompt_queue_link']['mean_prompt_queue_s']:.3g} s)")
     return "\n".join(lines) + "\n"
+
+
+def _bytes(n: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{n:.0f} B"
 
 
 def _num(x: float | None) -> str:

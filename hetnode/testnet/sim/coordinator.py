@@ -1,14 +1,20 @@
 """The simulated coordinator: the runtime's scheduler object decides, the simulator carries the tokens.
 
-A request arrives; `scheduler.submit(id, input_len, now)` gives it a pipeline (or queues or refuses it). The
-coordinator then does what `hetnode.coordinator.sessions.PipelineGenerator` does over the network: it sends the
-whole context's token ids to the first hop in one message (the nodes' batch policy chunks it under their
-token budget). From then on the nodes run the request by themselves, as `hetnode.node.hops` does: the last
-hop samples, feeds each token straight back to the first hop (a link message from the last hop to the
-first) and streams it to the coordinator beside that (`at_last_hop`), stopping by itself at the request's
-output length. The coordinator counts each token when it arrives (TTFT and TPOT are measured there), and when
-the last one is in, every hop gets a Release (it frees the session's KV there, a link latency later) and
-`scheduler.finish` may admit requests the scheduler had queued.
+A request arrives; `scheduler.submit(id, input_len, now)` gives it a route (`Decision.route`, or queues or
+refuses it). The coordinator then does what `hetnode.coordinator.sessions.PipelineGenerator` does over the
+network: it sends the whole context's token ids to the first hop in one message (the nodes' batch policy
+chunks it under their token budget). From then on the nodes run the request by themselves, as
+`hetnode.node.hops` does: the last hop samples, feeds each token straight back to the first hop (a link message
+from the last hop to the first) and streams it to the coordinator beside that (`at_last_hop`), stopping by
+itself at the request's output length. The coordinator counts each token when it arrives (TTFT and TPOT are
+measured there), tells the scheduler at a session's first token (`prefilled`: a phase-split scheduler frees the
+prefill replica), and when the last one is in, every hop gets a Release (it frees the session's KV there, a
+link latency later) and `scheduler.finish` may admit requests the scheduler had queued.
+
+A route is one mixed phase (Helix) or a prefill phase and a decode phase (Splitwise, ThunderServe). For the
+latter the decode hops reserve their KV first (`handoff.py`: the Install and Ready round trip, before the
+context goes out); the prefill phase's last hop samples the first token, streams it here at once and hands it
+to the decode phase's first hop, whose hops run once their KV has come.
 
 Token ids travel as 4 bytes per token (`TOKEN_BYTES`), on the links from the coordinator to the first hop, from
 the last hop to the first, and from the last hop to the coordinator. By default the coordinator itself
@@ -25,7 +31,10 @@ from typing import Any, Protocol
 
 from hetnode.errors import HetnodeError
 from hetnode.policy import Cause, Lifecycle
+from hetnode.protocol.messages import Route
+from hetnode.protocol.routes import describe, kv_targets, route_problem
 from hetnode.testnet.sim.events import grouped
+from hetnode.testnet.sim.handoff import RouteHandoff
 from hetnode.testnet.sim.node import SimNode
 
 
@@ -35,13 +44,14 @@ class SimulationError(HetnodeError):
 
 class Decision(Protocol):
     @property
-    def pipeline(self) -> Sequence[Any] | None: ...
+    def route(self) -> Route | None: ...
     @property
     def queued(self) -> bool: ...
 
 
 class Scheduler(Protocol):
-    """What the simulator needs of `hetnode.coordinator.scheduler`'s schedulers."""
+    """What the simulator needs of `hetnode.coordinator.scheduler`'s schedulers (their `prefilled(id, now)` is
+    called too where a scheduler has it, as every runtime scheduler does)."""
 
     def submit(self, request_id: str, input_len: int, now: float) -> Any: ...
 
@@ -54,9 +64,11 @@ class SimRequest:
     """A request, and the item of it in flight (the fields the batch policy reads: session, start, num_tokens,
     prefill_end). A piece split off a prompt chunk by a node's policy is a clone whose `origin` is the request."""
 
-    __slots__ = ("admitted", "arrival", "depth", "done", "first", "first_token", "gen", "hops", "idx", "input_len",
-                 "kv_since", "kv_wait", "last_token", "max_tbt", "num_tokens", "nxt", "origin", "output_len",
-                 "path", "pf", "prefill_end", "received", "rejected", "restarts", "rid", "seg", "session", "start")
+    __slots__ = ("admitted", "arrival", "decode_at", "depth", "done", "entry", "first", "first_token", "gen",
+                 "handoff", "hops", "idx", "input_len", "kind", "kv_out", "kv_since", "kv_wait", "last_token",
+                 "max_tbt", "num_tokens", "nxt", "origin", "output_len", "path", "pf", "prefill_end",
+                 "prefilled_at", "ready", "received", "rejected", "restarts", "rid", "seg", "session", "start",
+                 "told")
 
     def __init__(self, idx: int, arrival: float, input_len: int, output_len: int) -> None:
         self.idx = idx
@@ -83,13 +95,23 @@ class SimRequest:
         self.num_tokens = 0
         self.pf = True
         self.prefill_end = input_len
-        self.first = -1  # index of the first hop's node
-        self.nxt: dict[int, int] = {}  # node index -> the next hop's index (the coordinator after the last)
+        self.entry = -1  # index of the node the context goes to: the first phase's first hop
+        self.first = -1  # index of the last phase's first hop (where each sampled token goes)
+        self.nxt: dict[int, int] = {}  # node index -> the next hop's index (the coordinator after a phase's last)
         self.seg: dict[int, int] = {}  # node index -> its layer-range slot there
-        self.hops: tuple[tuple[SimNode, int], ...] = ()  # (node, layers it runs there)
+        self.hops: tuple[tuple[SimNode, int], ...] = ()  # (node, layers it runs there), every phase's
         self.depth = 0
         self.path = ""
-
+        self.kind = PHASE_KIND  # the last phase's kind
+        self.told = -1  # the session whose first token the scheduler has heard of
+        # Phase-split routes (handoff.py): the route's hand-offs, this session's codec and transfer mode per link
+        # (by prefill hop), decode hops not ready yet, when the prefill phase sampled the first token and when
+        # the decode phase's first step began.
+        self.handoff: RouteHandoff | None = None
+        self.kv_out: dict[int, Any] | None = None
+        self.ready = 0
+        self.prefilled_at = -1.0
+        self.decode_at = -1.0
 
     def piece(self, k: int) -> SimRequest:
         """Split the item: a clone runs its first `k` tokens now; this request keeps the rest, at its place."""
@@ -103,19 +125,23 @@ class SimRequest:
         return clone
 
 
-class Route:
-    """One pipeline, prepared once and shared (read-only) by every request the scheduler sends along it."""
+class SimRoute:
+    """One route, prepared once and shared (read-only) by every request the scheduler sends along it."""
 
-    __slots__ = ("depth", "first", "hops", "nxt", "path", "seg")
+    __slots__ = ("depth", "entry", "first", "handoff", "hops", "kind", "nxt", "path", "seg")
 
-    def __init__(self, first: int, nxt: dict[int, int], seg: dict[int, int], hops: tuple[tuple[SimNode, int], ...],
-                 path: str) -> None:
+    def __init__(self, entry: int, first: int, nxt: dict[int, int], seg: dict[int, int],
+                 hops: tuple[tuple[SimNode, int], ...], depth: int, path: str, kind: str,
+                 handoff: RouteHandoff | None) -> None:
+        self.entry = entry
         self.first = first
         self.nxt = nxt
         self.seg = seg
-        self.hops = hops  # (node, layers it runs)
-        self.depth = len(hops)
+        self.hops = hops  # (node, layers it runs), every phase's
+        self.depth = depth  # hops of the last phase
         self.path = path
+        self.kind = kind
+        self.handoff = handoff
 
 
 class SimToken:
@@ -130,20 +156,31 @@ class SimToken:
         self.session = r.session
 
 
-# Every simulated route is one mixed phase, Helix's (phase-split routes come with KV hand-offs).
+# A one-phase route prefills and decodes on the same pipeline (Helix's); phase-split ones hand KV over.
 PHASE_KIND = "mixed"
+PREFILL = "prefill"
 Send = Callable[[int, int, list[Any], float], None]
 Push = Callable[[float, int, Any, Any], None]
+
+
+class Installer(Protocol):
+    """What starts a phase-split session (`handoff.SimHandoff`): its decode hops reserve, then each answers
+    `on_ready` or `on_full`."""
+
+    def install(self, r: SimRequest, now: float) -> None: ...
 
 
 class SimCoordinator:
     def __init__(self, scheduler: Scheduler, nodes: Sequence[SimNode], *, num_layers: int, send: Send,
                  send_ids: Send, release: Callable[[SimNode, int, float], None], block_size: int,
                  window: tuple[float, float], bin_s: float, request_s: float = 0.0, token_s: float = 0.0,
-                 max_reroutes: int = 3, lifecycle: Lifecycle | None = None) -> None:
+                 max_reroutes: int = 3, lifecycle: Lifecycle | None = None,
+                 handoff: Installer | None = None) -> None:
         if not request_s >= 0 or not token_s >= 0:
             raise ValueError(f"the coordinator's times must be >= 0, not {request_s} and {token_s}")
         self.scheduler = scheduler
+        self.prefilled: Callable[[str, float], Sequence[Any]] | None = getattr(scheduler, "prefilled", None)
+        self.handoff = handoff
         self.nodes = nodes
         self.by_name = {n.name: n for n in nodes}
         self.index = len(nodes)  # the coordinator's endpoint index
@@ -161,7 +198,7 @@ class SimCoordinator:
         self.stragglers = False
         self.window = window
         self.bin_s = bin_s
-        self.routes: dict[tuple[tuple[str, int, int], ...], Route] = {}
+        self.routes: dict[tuple[Any, ...], SimRoute] = {}
         self.requests: list[SimRequest] = []  # every request that arrived, in arrival order
         self.waiting: dict[str, SimRequest] = {}  # queued by the scheduler
         self.inflight = 0  # admitted and not finished
@@ -185,26 +222,35 @@ class SimCoordinator:
         self._decided(r, self.scheduler.submit(r.rid, r.input_len, now), now)
 
     def _decided(self, r: SimRequest, decision: Any, now: float) -> None:
-        if decision.pipeline is not None:
-            self._start(r, decision.pipeline, now)
+        route = decision.route
+        if route is not None:
+            self._start(r, route, now)
         elif decision.queued:
             self.waiting[r.rid] = r
         else:
             r.rejected = str(getattr(decision, "reason", "") or "refused by the scheduler")
 
-    def _start(self, r: SimRequest, pipeline: Sequence[Any], now: float) -> None:
-        key = tuple((s.node, s.first_layer, s.last_layer) for s in pipeline)
+    def _start(self, r: SimRequest, decided: Route, now: float) -> None:
+        phases = decided.phases
+        if len(phases) == 1:
+            key: tuple[Any, ...] = tuple((h.peer, h.first_layer, h.last_layer) for h in phases[0].hops)
+        else:
+            key = tuple((p.kind, p.first_token, p.last_token, tuple((h.peer, h.first_layer, h.last_layer)
+                                                                    for h in p.hops)) for p in phases)
         route = self.routes.get(key)
         if route is None:
-            route = self.routes[key] = self._route(key)
+            route = self.routes[key] = self._route(decided)
         if r.admitted < 0:
             r.admitted = now
+        r.entry = route.entry
         r.first = route.first
         r.nxt = route.nxt
         r.seg = route.seg
         r.depth = route.depth
         r.path = route.path
         r.hops = route.hops
+        r.kind = route.kind
+        r.handoff = route.handoff
         # A fresh session: after a move the new pipeline prefills the prompt and every token generated so far
         # (as SessionCursor.restart), then samples the next token.
         r.session = self.sessions
@@ -216,34 +262,78 @@ class SimCoordinator:
         self.inflight += 1
         if self.request_s:
             now = self.free = max(self.free, now) + self.request_s
-        self.send(self.index, r.first, [r], now)
+        if r.handoff is None:
+            r.kv_out = None  # (a request moved off a phase-split route hands nothing on here)
+            self.send(self.index, r.entry, [r], now)
+            return
+        # Phase-split: the decode hops reserve the KV first; the context goes out when all are ready.
+        if self.handoff is None:
+            raise SimulationError("a phase-split route, but the simulation models no KV hand-offs")
+        self.handoff.install(r, now)
 
-    def _route(self, key: tuple[tuple[str, int, int], ...]) -> Route:
-        if not key:
-            raise SimulationError("the scheduler returned an empty pipeline")
-        expect = 0
-        nodes: list[SimNode] = []
-        for name, first, last in key:
-            node = self.by_name.get(name)
-            if node is None:
-                raise SimulationError(f"the scheduler's pipeline {key} names node {name!r}, which holds no layers")
-            if first != expect or not first < last:
-                raise SimulationError(f"the scheduler's pipeline {key} does not run every layer once, in order")
-            if node in nodes:
-                raise SimulationError(f"the scheduler's pipeline {key} visits {name} twice")
-            nodes.append(node)
-            expect = last
-        if expect != self.num_layers:
-            raise SimulationError(f"the scheduler's pipeline {key} ends at layer {expect}, not {self.num_layers}")
+    def on_ready(self, r: SimRequest, session: int, now: float) -> None:
+        """A decode hop reserved the session's KV (Ready); the last one lets the context go to the first hop."""
+        if r.session != session or r.done >= 0 or r.rejected:
+            return
+        r.ready -= 1
+        if not r.ready:
+            self.send(self.index, r.entry, [r], now)
+
+    def on_full(self, r: SimRequest, session: int, reason: str, now: float) -> None:
+        """A decode hop had no KV memory free for the session (Failed, cause "full"): the lifecycle decides."""
+        if r.session == session:
+            self.on_failed([(r, reason, "full")], now)
+
+    def _route(self, route: Route) -> SimRoute:
+        """The scheduler's route, checked by the rules every hop checks an Install against, as the simulator runs
+        it: one mixed phase, or a prefill phase then a decode phase on other nodes."""
+        what = describe(route)
+        problem = route_problem(route, self.num_layers)
+        if problem:
+            raise SimulationError(f"the scheduler's route {what} is not one the hops accept (every layer once, in "
+                                  f"order, per phase): {problem}")
+        phases = route.phases
+        split = len(phases) == 2 and phases[0].kind == PREFILL and phases[1].kind == "decode"
+        if len(phases) > 1 and not split:
+            raise SimulationError(f"the scheduler's route {what}: the simulator runs one mixed phase, or a prefill "
+                                  f"phase then a decode phase")
         nxt: dict[int, int] = {}
         seg: dict[int, int] = {}
-        for i, (node, (_, first, last)) in enumerate(zip(nodes, key, strict=True)):
-            nxt[node.index] = nodes[i + 1].index if i + 1 < len(nodes) else self.index
-            node.add_next_hop(nxt[node.index])
-            seg[node.index] = node.slot(first, last)
-        hops = tuple((node, last - first) for node, (_, first, last) in zip(nodes, key, strict=True))
-        path = ">".join(f"{name}[{first},{last})" for name, first, last in key)
-        return Route(nodes[0].index, nxt, seg, hops, path)
+        hops: list[tuple[SimNode, int]] = []
+        starts: list[int] = []
+        lasts: list[int] = []
+        for phase in phases:
+            nodes: list[SimNode] = []
+            for h in phase.hops:
+                node = self.by_name.get(h.peer)
+                if node is None:
+                    raise SimulationError(f"the scheduler's route {what} names node {h.peer!r}, which holds no layers")
+                if node.index in seg:  # a hop refuses a route that names it twice
+                    raise SimulationError(f"the scheduler's route {what} visits {h.peer} twice")
+                nodes.append(node)
+                seg[node.index] = node.slot(h.first_layer, h.last_layer)
+                hops.append((node, h.last_layer - h.first_layer))
+            for i, node in enumerate(nodes):
+                nxt[node.index] = nodes[i + 1].index if i + 1 < len(nodes) else self.index
+                node.add_next_hop(nxt[node.index])
+            starts.append(nodes[0].index)
+            lasts.append(nodes[-1].index)
+        handoff = None
+        if split:
+            sources = {}
+            for h in phases[0].hops:
+                src = self.by_name[h.peer]
+                src.kv_out = True
+                targets = tuple((self.by_name[t.peer].index, t.first_layer - h.first_layer,
+                                 t.last_layer - h.first_layer, t.codec if phases[0].kv_links else "")
+                                for t in kv_targets(route, 0, h))
+                sources[src.index] = (h.last_layer - h.first_layer, targets)
+            receivers = {self.by_name[h.peer].index: h.last_layer - h.first_layer for h in phases[1].hops}
+            handoff = RouteHandoff(lasts[0], sources, receivers)
+        path = " | ".join(">".join(f"{h.peer}[{h.first_layer},{h.last_layer})" for h in phase.hops)
+                          for phase in phases)
+        return SimRoute(starts[0], starts[-1], nxt, seg, tuple(hops), len(phases[-1].hops), path, phases[-1].kind,
+                        handoff)
 
     # -- the last hop: the decode loop runs on the nodes ------------------------------------------
 
@@ -264,10 +354,14 @@ class SimCoordinator:
                 r.num_tokens = 1
             r.gen += 1
             tokens.append(SimToken(r))
+            kind = r.kind
+            if r.handoff is not None and node == r.handoff.last:
+                kind = PREFILL  # the prefill phase's last hop: the first token goes on to the decode phase
+                r.prefilled_at = now
             # A runtime route counts from its own start against what is left of max_tokens (its Install); both
             # counts here are from the request's start, which shifts both sides of the comparison alike.
-            then = after_token(PHASE_KIND, r.gen, r.output_len, False)
-            if then == "loop":
+            then = after_token(kind, r.gen, r.output_len, False)
+            if then != "end":  # "loop" to this phase's first hop, or "handoff" to the decode phase's: r.first
                 going.append(r)
         if tokens:
             self.send(node, self.index, tokens, now)
@@ -300,6 +394,10 @@ class SimCoordinator:
                 continue  # ended, or a token of a session the request has moved away from
             produced += 1
             r.received += 1
+            if t.session != r.told:  # the session's first token: its prefill is done (the runtime's route_prefilled)
+                r.told = t.session
+                if self.prefilled is not None:
+                    self._admit_queued(self.prefilled(r.rid, now), now)
             if r.first_token < 0:
                 r.first_token = r.last_token = now
                 prompt_done += r.input_len

@@ -31,6 +31,7 @@ from hetnode.testnet.sim.events import (
     EventQueue,
     grouped,
 )
+from hetnode.testnet.sim.handoff import SimHandoff
 from hetnode.testnet.sim.links import SimLink
 from hetnode.testnet.sim.node import SimNode
 
@@ -48,15 +49,15 @@ class Network:
         self.nodes = list(nodes)
         self.coordinator = len(self.nodes)
         self.window = window
-        self._names = [n.name for n in self.nodes] + [COORDINATOR]
+        self.names = [n.name for n in self.nodes] + [COORDINATOR]
         self._activation = model.activation_bytes
-        size = len(self._names)
+        size = len(self.names)
         self.table: list[list[SimLink | None]] = [[None] * size for _ in range(size)]
 
     def link(self, src: int, dst: int) -> SimLink:
         found = self.table[src][dst]
         if found is None:
-            a, b = self._names[src], self._names[dst]
+            a, b = self.names[src], self.names[dst]
             spec = self.cluster.link(a, b)
             per_token = TOKEN_BYTES if COORDINATOR in (a, b) else self._activation
             found = self.table[src][dst] = SimLink(f"{a}->{b}", spec.bytes_per_s, spec.latency_s, per_token)
@@ -73,6 +74,7 @@ class Simulation:
         self.nodes = network.nodes
         self.events = events or EventQueue()
         self.coordinator: SimCoordinator | None = None
+        self.handoff: SimHandoff | None = None  # KV hand-offs between phases (set by whoever runs such routes)
         self.on_arrival: Callable[[int, float], None] = _no_arrivals
         self.processed = 0
         self.handlers: list[Handler] = []
@@ -112,14 +114,18 @@ class Simulation:
         heapq.heappush(self.events.heap, (arrive, next(self.events.seq), NODE_MESSAGE, dst, items))
 
     def release(self, node: SimNode, session: int, now: float) -> None:
-        """The coordinator's Release for a session: `node` frees its KV one link latency later, or at once where
-        the cluster has no coordinator link to it (a pruned cluster: control messages still reach every node,
-        and a Release's latency matters little next to a session's life)."""
+        """The coordinator's Release for a session: `node` frees its KV one link latency later."""
+        self.events.push(now + self.delay(self.network.coordinator, node.index), RELEASE, node.index, session)
+
+    def delay(self, src: int, dst: int) -> float:
+        """How long a control message (Release, Install, Ready: a few bytes) takes from endpoint src to dst: the
+        link's latency, or nothing where the cluster has no such link (a pruned cluster: control messages still
+        reach every node, and their latency matters little next to a session's life)."""
         net = self.network
-        link = net.table[net.coordinator][node.index]  # once built, the link is cached: no rule lookup per release
-        if link is None and net.cluster.has_link(COORDINATOR, node.name):
-            link = net.link(net.coordinator, node.index)
-        self.events.push(now + (link.latency_s if link is not None else 0.0), RELEASE, node.index, session)
+        link = net.table[src][dst]  # once built, the link is cached: no rule lookup per message
+        if link is None and net.cluster.has_link(net.names[src], net.names[dst]):
+            link = net.link(src, dst)
+        return link.latency_s if link is not None else 0.0
 
     def arrive_at(self, time: float, workload_index: int) -> None:
         self.events.push(time, ARRIVAL, workload_index)
@@ -138,6 +144,11 @@ class Simulation:
         assert self.coordinator is not None
         if self.coordinator.stragglers:
             items = [r for r in items if not r.origin.rejected]
+        if node.kv_coming:  # a hop of a decode phase: its sessions' items wait for their handed-over KV
+            assert self.handoff is not None
+            items = self.handoff.hold(node, items)
+            if not items:
+                return
         if node.queue:
             node.queue.extend(items)
         else:
@@ -145,12 +156,16 @@ class Simulation:
         if node.batch is None:
             self._step(node, now)
 
-    def _step_done(self, now: float, index: int, _: None) -> None:
+    def _step_done(self, now: float, index: int, dur: float) -> None:
         """A node finished its step: its items go on, one message per next hop, and its next step starts."""
         node = self.nodes[index]
         batch = node.batch
         node.batch = None
         assert batch is not None
+        kv = None
+        if node.kv_out:  # a prefill hop: the KV its step computed goes to the next phase
+            assert self.handoff is not None
+            kv = self.handoff.step_done(node, batch, dur, now)
         d = node.only_next
         if d >= 0 or len(batch) == 1:
             self._forward(index, batch[0].nxt[index], batch, now)
@@ -162,6 +177,10 @@ class Simulation:
             else:
                 for d, g in grouped(dests, batch).items():
                     self._forward(index, d, g, now)
+        if kv is not None:  # after the tokens and activations, as the runtime's hop sends them
+            assert self.handoff is not None
+            if self.handoff.send(node, kv, now):
+                return  # the node packs: its next step starts when that is done
         if node.queue:
             self._step(node, now)
 
@@ -195,7 +214,10 @@ class Simulation:
             assert self.coordinator is not None
             self.coordinator.on_failed(failed, now)
         if dur >= 0:
-            heapq.heappush(self.events.heap, (now + dur, next(self.events.seq), STEP_DONE, node.index, None))
+            if node.kv_first:  # a decode phase's first hop: some session's first decode step may start now
+                assert self.handoff is not None and node.batch is not None
+                self.handoff.started(node, node.batch, now)
+            heapq.heappush(self.events.heap, (now + dur, next(self.events.seq), STEP_DONE, node.index, dur))
 
     # -- the loop ---------------------------------------------------------------------------------------
 

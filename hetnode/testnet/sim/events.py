@@ -17,10 +17,12 @@ from typing import Any
 
 # Event kinds, in no particular order; the runner dispatches on them.
 NODE_MESSAGE = 0  # a link message reached a compute node: a = node index, b = list of items
-STEP_DONE = 1  # a node finished its step: a = node index
+STEP_DONE = 1  # a node finished its step: a = node index, b = its duration
 COORD_MESSAGE = 2  # a link message reached the coordinator: b = list of items
 ARRIVAL = 3  # a request arrives at the coordinator: a = workload index
-RELEASE = 4  # a session's Release reached a node: a = node index, b = block-layers to free
+RELEASE = 4  # a session's Release reached a node: a = node index, b = the session
+# handoff.py registers the KV hand-off's own kinds (Install, Ready, Failed "full", KV in, KV unpacked, packing
+# done) with `Simulation.register`.
 
 Event = tuple[float, int, int, Any, Any]
 

@@ -52,6 +52,9 @@ class RequestRecord:
     path: str  # node[first,last)>node[first,last)>...
     measured: bool  # arrived inside the measured window
     rejected: str = ""
+    # Phase-split routes: from the prefill phase's first token (sampled) to the decode phase's first step, the KV
+    # hand-off's cost on the critical path (NaN on a one-phase route).
+    handoff: float = math.nan
 
     @property
     def finished(self) -> bool:

@@ -84,6 +84,10 @@ class SimNode:
         "items",
         "kv_area",
         "kv_capacity",
+        "kv_coming",
+        "kv_first",
+        "kv_held",
+        "kv_out",
         "kv_peak",
         "kv_pending",
         "kv_t",
@@ -96,6 +100,7 @@ class SimNode:
         "mixed_batched",
         "name",
         "only_next",
+        "pack_free",
         "policy",
         "prefill_memo",
         "prompt_curve",
@@ -110,6 +115,7 @@ class SimNode:
         "steps",
         "tokens",
         "track_throughput",
+        "unpack_free",
         "window",
         "window_busy_s",
     )
@@ -151,7 +157,16 @@ class SimNode:
         self.kv_waits = 0  # prompts that found the memory full
         self.kv_wait_s = 0.0
         self.queue: list[Any] = []
-        self.batch: list[Any] | None = None  # the step under way
+        self.batch: list[Any] | None = None  # the step under way ([] while the node packs KV: not idle either)
+        # KV hand-offs (handoff.py). In: the sessions whose handed-over KV is still coming (layer-tokens left),
+        # their items that arrived meanwhile, and those whose first decode step has not run here. Out: whether
+        # some route hands KV on from here. When the packer and unpacker beside the compute are next free.
+        self.kv_coming: dict[Any, int] = {}
+        self.kv_held: dict[Any, list[Any]] = {}
+        self.kv_first: set[Any] = set()
+        self.kv_out = False
+        self.pack_free = 0.0
+        self.unpack_free = 0.0
         # The layer ranges requests run here; the usual case is one, the node's whole range.
         self.ranges: list[tuple[int, int]] = []
         self.range_slot: dict[tuple[int, int], int] = {}
@@ -357,9 +372,23 @@ class SimNode:
     # -- KV memory ------------------------------------------------------------------------------------------
 
     def release(self, session: int, now: float) -> None:
-        """The coordinator's Release: the session's blocks go back to the pool."""
+        """The coordinator's Release (or a prefill hop's own, once its KV has gone): the session's blocks go back
+        to the pool, and KV still coming for it is no longer awaited."""
         if self.ledger.release(session):
             self.kv_note(now)
+        if self.kv_coming or self.kv_first:
+            self.kv_coming.pop(session, None)
+            self.kv_held.pop(session, None)
+            self.kv_first.discard(session)
+
+    def occupy(self, now: float, dur: float) -> None:
+        """Busy for `dur` seconds outside a step (packing KV to hand on)."""
+        self.busy_s += dur
+        end = now + dur
+        lo, hi = self.window
+        if end > lo and now < hi:
+            self.window_busy_s += (end if end < hi else hi) - (now if now > lo else lo)
+        add_to_bins(self.busy_bins, self.bin_s, now, end)
 
     def kv_note(self, now: float) -> None:
         """Follow the ledger's blocks in use (peak and time integral); also closes the integral at the end."""

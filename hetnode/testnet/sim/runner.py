@@ -7,8 +7,9 @@
 
 The scheduler is the runtime's own object (`hetnode.coordinator.routing.make_scheduler`, the same code the
 coordinator daemon runs), driven by the simulated clock; a scheduler object may be passed instead of a name.
-The plan comes from the runtime's planner unchanged. Nothing here reads the wall clock except to report how
-long the run took.
+The plan comes from the runtime's planner unchanged; a phase-split plan (`split_placement`: prefill and decode
+replicas) is routed by "cls", whatever the name, as the coordinator routes it, and its KV hand-offs run as
+`handoff.py` describes. Nothing here reads the wall clock except to report how long the run took.
 """
 
 from __future__ import annotations
@@ -25,8 +26,10 @@ from hetnode.planner.model import ModelSpec
 from hetnode.planner.plan import PlacementPlan
 from hetnode.planner.profile import ProfileTable, kv_tokens
 from hetnode.policy import MIN_CHUNK
+from hetnode.policy.kv_codec import AUTO, OPERATOR_CHOICES
 from hetnode.testnet.sim.coordinator import Scheduler, SimCoordinator, SimRequest
 from hetnode.testnet.sim.core import Network, Simulation
+from hetnode.testnet.sim.handoff import LAYERWISE, TRANSFER_MODES, SimHandoff, TransferMode
 from hetnode.testnet.sim.metrics import (
     LATENCY_METRICS,
     LinkStats,
@@ -40,7 +43,7 @@ from hetnode.testnet.sim.metrics import (
 from hetnode.testnet.sim.node import MIXED_STEPS, SimNode
 from hetnode.testnet.sim.workload import Trace, Workload, offline
 
-SCHEDULERS = ("iwrr", "random", "shortest-queue", "swarm")
+SCHEDULERS = ("iwrr", "random", "shortest-queue", "swarm", "cls")
 NAN = math.nan
 
 
@@ -70,6 +73,12 @@ class SimOptions:
     # next item). Measured, not guessed: scripts/validate_sim.py measures both on the testnet.
     coordinator_request_s: float = 0.0
     coordinator_token_s: float = 0.0
+    # KV hand-offs of phase-split routes (handoff.py): the operator's codec choice (the coordinator's --kv-codec),
+    # how each link sends ("layerwise" or "whole", or a callable of the link's `KVTransfer` that says which),
+    # and the codecs' pack and unpack rates in fp16 bytes/s (None: measured on this machine, as nodes do).
+    kv_codec: str = AUTO
+    kv_transfer: str | TransferMode = field(default=LAYERWISE, hash=False)
+    kv_codec_rates: Mapping[str, tuple[float, float]] | None = field(default=None, hash=False)
 
     def __post_init__(self) -> None:
         if (self.max_batch_tokens < 1 or self.block_size < 1 or self.drain_s < 0
@@ -81,6 +90,14 @@ class SimOptions:
             raise ConfigError(f"mixed_steps must be one of {', '.join(MIXED_STEPS)}, not {self.mixed_steps!r}")
         if self.bin_s is not None and not self.bin_s > 0:
             raise ConfigError(f"bin_s must be > 0, not {self.bin_s}")
+        if self.kv_codec not in OPERATOR_CHOICES:
+            raise ConfigError(f"kv_codec must be one of {', '.join(OPERATOR_CHOICES)}, not {self.kv_codec!r}")
+        if not callable(self.kv_transfer) and self.kv_transfer not in TRANSFER_MODES:
+            raise ConfigError(f"kv_transfer must be one of {', '.join(TRANSFER_MODES)} or a callable, not "
+                              f"{self.kv_transfer!r}")
+        for codec, rates in (self.kv_codec_rates or {}).items():
+            if len(rates) != 2 or not all(x > 0 for x in rates):
+                raise ConfigError(f"the rates of codec {codec} must be two positive numbers, not {rates}")
 
 
 def _nice_bin(span: float) -> float:
@@ -91,11 +108,13 @@ def _nice_bin(span: float) -> float:
 
 
 def make_runtime_scheduler(name: str, plan: PlacementPlan, nodes: Mapping[str, SimNode], *, seed: int,
-                           avg_output_len: float, kv_capacity: Mapping[str, int],
-                           options: SimOptions) -> Scheduler:
-    """The runtime's scheduler by name, with the simulated nodes' queues and throughput where it asks."""
-    from hetnode.coordinator.routing import make_scheduler
+                           avg_output_len: float, kv_capacity: Mapping[str, int], options: SimOptions,
+                           regions: Mapping[str, str] | None = None) -> Scheduler:
+    """The runtime's scheduler by name, with the simulated nodes' queues and throughput where it asks; a
+    phase-split plan gets CLS with the nodes' regions, as the coordinator's deployment routes it."""
+    from hetnode.coordinator.routing import make_scheduler, scheduler_for
 
+    name = scheduler_for(plan, name)
     if name not in SCHEDULERS:
         raise ConfigError(f"unknown scheduler {name!r}; known: {', '.join(SCHEDULERS)}", key="--scheduler")
     kwargs: dict[str, Any] = {"kv_capacity": dict(kv_capacity), "avg_output_len": avg_output_len, "seed": seed}
@@ -109,6 +128,8 @@ def make_runtime_scheduler(name: str, plan: PlacementPlan, nodes: Mapping[str, S
         for n in nodes.values():
             n.track_throughput = True
         kwargs["throughput"] = lambda node: float(nodes[node].rate.value)
+    if name == "cls":
+        kwargs["regions"] = dict(regions or {})
     scheduler: Scheduler = make_scheduler(name, plan, **kwargs)
     return scheduler
 
@@ -154,14 +175,17 @@ def simulate(cluster: ClusterSpec, model: ModelSpec, profiles: ProfileTable, pla
     sim = Simulation(network)
     if isinstance(scheduler, str):
         sched = make_runtime_scheduler(scheduler, plan, by_name, seed=seed, avg_output_len=workload.mean_output,
-                                       kv_capacity=kv_capacity, options=opts)
-        scheduler_name = scheduler
+                                       kv_capacity=kv_capacity, options=opts,
+                                       regions={s.name: s.region for s in cluster.nodes})
+        scheduler_name = str(getattr(sched, "name", scheduler))
     else:
         sched, scheduler_name = scheduler, type(scheduler).__name__
+    sim.handoff = SimHandoff(sim, model, codec=opts.kv_codec, transfer=opts.kv_transfer, rates=opts.kv_codec_rates)
     coord = SimCoordinator(sched, nodes, num_layers=model.num_layers, send=sim.send, send_ids=sim.send_ids,
                            release=sim.release,
                            block_size=opts.block_size, window=window, bin_s=bin_s,
-                           request_s=opts.coordinator_request_s, token_s=opts.coordinator_token_s)
+                           request_s=opts.coordinator_request_s, token_s=opts.coordinator_token_s,
+                           handoff=sim.handoff)
     sim.coordinator = coord
 
     inputs, outputs = workload.inputs, workload.outputs
@@ -200,7 +224,7 @@ def simulate(cluster: ClusterSpec, model: ModelSpec, profiles: ProfileTable, pla
         "workload_description": workload.description, "offline": workload.offline,
         "rate": None if workload.offline else workload.rate, "duration_s": duration_s, "warmup_s": warmup_s,
         "seed": seed, "slos": dict(slos or {}),
-        **{f"option_{k}": dict(v) if isinstance(v, Mapping) else v for k, v in asdict(opts).items()},
+        **{f"option_{k}": _option(v) for k, v in asdict(opts).items()},
     }
     records = [_record(r, window) for r in coord.requests]
     node_stats = [_node_stats(n, end, window) for n in nodes]
@@ -215,6 +239,8 @@ def simulate(cluster: ClusterSpec, model: ModelSpec, profiles: ProfileTable, pla
         node_utilization={n.name: tuple(min(1.0, v / bin_s) for v in _pad(n.busy_bins, nbins)) for n in nodes},
     )
     summary = _summary(records, node_stats, link_stats, coord, window, slos or {})
+    if sim.handoff.installs:
+        summary["kv_handoff"] = _handoff_summary(sim.handoff, records)
     return SimResult(config=config, summary=summary, requests=records, nodes=node_stats, links=link_stats,
                      timeseries=series, wall_s=wall, events=sim.processed, sim_end_s=end)
 
@@ -267,6 +293,21 @@ def _closed_loop(coord: SimCoordinator, workload: Workload, duration_s: float, m
 # -- results ----------------------------------------------------------------------------------------------
 
 
+def _option(value: Any) -> Any:
+    """An option as the run's config records it (JSON-ready: a callable by its name)."""
+    if isinstance(value, Mapping):
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in value.items()}
+    if callable(value):
+        return getattr(value, "__qualname__", repr(value))
+    return value
+
+
+def _handoff_summary(handoff: SimHandoff, records: list[RequestRecord]) -> dict[str, Any]:
+    """KV moved between phases (per codec) and the time from a prefill's end to its decode's first step."""
+    done = [r for r in records if r.measured and r.finished]
+    return {**handoff.summary(), "prefill_end_to_decode_s": percentiles([r.handoff for r in done])}
+
+
 def _pad(values: list[float], n: int) -> list[float]:
     return (values + [0.0] * n)[:n]
 
@@ -282,7 +323,8 @@ def _record(r: SimRequest, window: tuple[float, float]) -> RequestRecord:
         id=r.rid, arrival=r.arrival, input_len=r.input_len, output_len=r.output_len, generated=r.gen,
         admitted=admitted, first_token=first, finish=done, ttft=first - r.arrival, tpot=tpot, e2e=done - r.arrival,
         queue=admitted - r.arrival, kv_wait=r.kv_wait, max_tbt=r.max_tbt if r.gen > 1 else NAN, depth=r.depth,
-        path=r.path, measured=window[0] <= r.arrival < window[1], rejected=r.rejected)
+        path=r.path, measured=window[0] <= r.arrival < window[1], rejected=r.rejected,
+        handoff=r.decode_at - r.prefilled_at if r.decode_at >= 0 and r.prefilled_at >= 0 else NAN)
 
 
 def _node_stats(n: SimNode, end: float, window: tuple[float, float]) -> NodeStats:

@@ -1,0 +1,440 @@
+"""KV hand-offs between a route's phases: the decode side's reservation, the codec per link, the transfers.
+
+A phase-split route (Splitwise, ThunderServe: a prefill phase, then a decode phase on other nodes) runs here as
+`hetnode.node.hops` runs it, with the runtime's own decisions:
+
+- Install. Before the context goes out, every hop of the decode phase reserves KV for the whole context in its
+  ledger (`KVLedger.reserve`, as `BatchLoop.reserve` does) when the coordinator's Install reaches it (one link
+  latency), and answers Ready (one more); the coordinator sends the context when every hop is ready. A hop
+  without room answers Failed with cause "full", and `Lifecycle` decides what follows, as for any failure.
+- Codec. Each link of the hand-off (a prefill hop to a decode hop that holds some of its layers: the runtime's
+  `kv_targets`) gets the codec that `KVCodecPolicy` picks from the link's bandwidth and latency, the KV's exact
+  packed size (`packed_size`) for the layers it carries and the whole context's tokens, and the codecs' pack
+  and unpack rates, once per session when it starts, as `PipelineGenerator.with_codecs` picks them. The rates
+  are those the nodes measure (`hetnode.kv.codec_rates.measure`, on this machine, for the model's KV shape)
+  unless given; every node has the same.
+- Transfer. After each prefill step a hop sends the KV its step computed, each layer to the hop that holds it,
+  over the simulated links (alpha-beta and FIFO, queued with the links' other traffic):
+
+  * "whole", the runtime's way today: when the step's results have gone on, the hop packs every session's KV of
+    the step (its worker is busy meanwhile: the next step waits) and then sends one message per session and
+    target;
+  * "layerwise": the step's layers are taken to finish evenly over its time, layer i of L at
+    t0 + (i + 1) / L x step; each layer is packed when it is done (by a packer beside the compute, one layer
+    after the other) and leaves at once, one message per layer and target for all the step's sessions, so the
+    transfer overlaps the rest of the step.
+
+  Which one a link uses is a pluggable choice (`TransferMode`: a callable of the link's `KVTransfer`, asked once
+  per session and link); the default sends every link layer by layer.
+- Arrival. The receiving hop unpacks each message in arrival order (an unpacker beside its compute: on the
+  testnet the unpacking runs while the hop's emulated step sleeps; on a GPU it is a small kernel) and holds the
+  session's items until every layer it holds has the whole context. Its first decode step then runs on the
+  decode pipeline; the prefill hop frees the session's KV once the last of it has left.
+
+What the model leaves out: a layer-wise message that left before the end of its step is put on its link when the
+step ends, so it queues behind messages sent on that link during the step; the unpacker takes messages in the
+order their last byte arrives.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from hetnode.planner.model import ModelSpec
+from hetnode.policy.kv_codec import AUTO, AUTO_CODECS, CodecOption, KVCodecPolicy, LinkEstimate
+from hetnode.protocol.kv_wire import packed_size
+from hetnode.testnet.sim.events import RELEASE
+
+if TYPE_CHECKING:
+    from hetnode.testnet.sim.core import Simulation
+    from hetnode.testnet.sim.node import SimNode
+
+WHOLE = "whole"
+LAYERWISE = "layerwise"
+TRANSFER_MODES = (WHOLE, LAYERWISE)
+# A link this fast is, to the codec policy, as good as unlimited (its estimate needs a finite bandwidth).
+_UNLIMITED_BPS = 1e15
+
+Rates = Mapping[str, tuple[float, float]]  # codec -> (pack, unpack) in bytes of fp16 KV per second
+
+
+@dataclass(frozen=True, slots=True)
+class KVTransfer:
+    """One link of one session's hand-off: what a transfer-mode choice decides on."""
+
+    src: str
+    dst: str
+    codec: str
+    layers: int
+    tokens: int
+    fp16_bytes: int
+    wire_bytes: int
+    bandwidth: float  # bytes per second (inf: unlimited)
+    latency: float  # seconds, one way
+
+
+TransferMode = Callable[[KVTransfer], str]
+
+
+def transfer_mode(choice: str | TransferMode) -> TransferMode:
+    """A fixed mode by name ("whole", "layerwise"), or the callable itself."""
+    if callable(choice):
+        return choice
+    if choice not in TRANSFER_MODES:
+        raise ValueError(f"kv transfer must be one of {', '.join(TRANSFER_MODES)} or a callable, not {choice!r}")
+    return (lambda _: WHOLE) if choice == WHOLE else (lambda _: LAYERWISE)
+
+
+class RouteHandoff:
+    """Who hands whom which layers on one route, by node index (read-only, shared by the route's requests).
+
+    sources: each prefill hop's layer count and targets (decode hop, first and last offset in the prefill hop's
+    layers, the codec the route names for the link or ""); receivers: each decode hop's layer count; last: the
+    prefill phase's last hop, which samples the first token and hands the session over."""
+
+    __slots__ = ("last", "receivers", "sources")
+
+    def __init__(self, last: int, sources: dict[int, tuple[int, tuple[tuple[int, int, int, str], ...]]],
+                 receivers: dict[int, int]) -> None:
+        self.last = last
+        self.sources = sources
+        self.receivers = receivers
+
+
+# A prefill hop's plan for one session: its layer count, and per target (decode hop, first and last offset in
+# its layers, codec, transfer mode).
+Plan = tuple[int, tuple[tuple[int, int, int, str, str], ...]]
+
+
+class StepKV:
+    """What one prefill step hands over, between `step_done` and `send`: layer-wise messages that leave after
+    the step's end ((departure, target, bytes, sessions, unpack seconds) each), the arrivals and sessions per
+    target so far, the whole transfers ((session, target, layers, tokens, codec, fp16 bytes) each), and the
+    sessions whose last KV at the hop this step computed."""
+
+    __slots__ = ("chunks", "entries", "finals", "late", "whole")
+
+    def __init__(self) -> None:
+        self.late: list[tuple[float, int, int, int, float]] = []
+        self.chunks: dict[int, list[tuple[float, float]]] = {}
+        self.entries: dict[int, list[tuple[int, int]]] = {}
+        self.whole: list[tuple[int, int, int, int, str, int]] = []
+        self.finals: list[int] = []
+
+
+class SimHandoff:
+    """The hand-off's executor: registers its event kinds with the simulation and keeps the totals."""
+
+    def __init__(self, sim: Simulation, model: ModelSpec, *, codec: str = AUTO,
+                 transfer: str | TransferMode = LAYERWISE, rates: Rates | None = None) -> None:
+        self.sim = sim
+        self.nodes = sim.nodes
+        self.policy = KVCodecPolicy(codec)  # the operator's --kv-codec, as the runtime's coordinator takes it
+        self.mode = transfer_mode(transfer)
+        self._rates = None if rates is None else dict(rates)
+        self.kv_heads = model.num_kv_heads
+        self.head_dim = model.head_dim
+        self._sizes: dict[tuple[str, int, int], int] = {}
+        self._plans: dict[tuple[RouteHandoff, int], dict[int, Plan]] = {}
+        # Totals for the report.
+        self.wire_bytes: dict[str, float] = {}  # codec -> bytes on the wire
+        self.fp16_bytes: dict[str, float] = {}  # codec -> the same KV at fp16
+        self.transfers: dict[str, int] = {}  # codec -> transfers (a session, a link, a prefill step)
+        self.messages = 0
+        self.installs = 0
+        self.full = 0  # installs refused for want of KV memory
+        self.INSTALL = sim.register(self._install)
+        self.READY = sim.register(self._ready)
+        self.FULL = sim.register(self._full)
+        self.KV_IN = sim.register(self._kv_in)
+        self.KV_DONE = sim.register(self._kv_done)
+        self.UNBLOCK = sim.register(self._unblock)
+
+    # -- what the runtime's coordinator decides when a session starts -------------------------------------------
+
+    @property
+    def rates(self) -> Rates:
+        if self._rates is None:
+            # Measured as a node measures them when it loads a shard (torch: only a run with hand-offs and no
+            # given rates pays for the import and the few milliseconds of measuring).
+            from hetnode.kv import codec_rates
+
+            self._rates = codec_rates.measure(self.kv_heads, self.head_dim)
+        return self._rates
+
+    def size(self, codec: str, layers: int, tokens: int) -> int:
+        key = (codec, layers, tokens)
+        found = self._sizes.get(key)
+        if found is None:
+            found = self._sizes[key] = packed_size(codec, layers, tokens, self.kv_heads, self.head_dim)
+        return found
+
+    def codec(self, src: SimNode, dst: SimNode, layers: int, tokens: int) -> str:
+        """The link's codec, as `PipelineGenerator._codec_for` picks it: the policy's cheapest of packing, sending
+        and unpacking; fp16 (or the operator's codec) where a rate is missing."""
+        allowed = self.policy.allowed
+        names = AUTO_CODECS if allowed == AUTO else (allowed,)
+        rates = self.rates
+        if not all(name in rates for name in names):
+            return names[0] if allowed != AUTO else "fp16"
+        link = self.sim.network.link(src.index, dst.index)
+        options = [CodecOption(name, self.size(name, layers, tokens), rates[name][0], rates[name][1])
+                   for name in names]
+        estimate = LinkEstimate(bandwidth=min(link.bytes_per_s, _UNLIMITED_BPS), latency=link.latency_s)
+        return self.policy.choose(self.size("fp16", layers, tokens), options, estimate).codec
+
+    def plan(self, handoff: RouteHandoff, tokens: int) -> dict[int, Plan]:
+        """Per prefill hop: the codec and transfer mode of each of its links, for a context of `tokens` tokens
+        (the same inputs give the same choice: memoized per route and length)."""
+        key = (handoff, tokens)
+        found = self._plans.get(key)
+        if found is not None:
+            return found
+        found = {}
+        for src, (layers, targets) in handoff.sources.items():
+            outs = []
+            for dst, lo, hi, named in targets:
+                a, b = self.nodes[src], self.nodes[dst]
+                codec = named or self.codec(a, b, hi - lo, tokens)
+                link = self.sim.network.link(src, dst)
+                mode = self.mode(KVTransfer(a.name, b.name, codec, hi - lo, tokens, self.size("fp16", hi - lo, tokens),
+                                            self.size(codec, hi - lo, tokens), link.bytes_per_s, link.latency_s))
+                if mode not in TRANSFER_MODES:
+                    raise ValueError(f"the kv transfer choice gave {mode!r}, not one of {', '.join(TRANSFER_MODES)}")
+                outs.append((dst, lo, hi, codec, mode))
+            found[src] = (layers, tuple(outs))
+        self._plans[key] = found
+        return found
+
+    # -- install: the decode hops reserve before the prefill starts --------------------------------------------
+
+    def install(self, r: Any, now: float) -> None:
+        """The coordinator installs a phase-split session: its codecs are chosen, its decode hops reserve."""
+        h = r.handoff
+        r.kv_out = self.plan(h, r.prefill_end)
+        r.ready = len(h.receivers)
+        r.prefilled_at = r.decode_at = -1.0
+        coordinator = self.sim.network.coordinator
+        heap, seq = self.sim.events.heap, self.sim.events.seq
+        for index in h.receivers:
+            at = now + self.sim.delay(coordinator, index)
+            heapq.heappush(heap, (at, next(seq), self.INSTALL, index, (r, r.session)))
+
+    def _install(self, now: float, index: int, payload: tuple[Any, int]) -> None:
+        r, session = payload
+        if r.session != session or r.done >= 0 or r.rejected:
+            return  # the session failed or ended before its Install got here
+        node = self.nodes[index]
+        back = now + self.sim.delay(index, self.sim.network.coordinator)
+        heap, seq = self.sim.events.heap, self.sim.events.seq
+        self.installs += 1
+        if not node.ledger.reserve(session, r.prefill_end):
+            self.full += 1
+            why = f"no KV memory free on {node.name} for the {r.prefill_end} tokens handed over"
+            heapq.heappush(heap, (back, next(seq), self.FULL, None, (r, session, why)))
+            return
+        node.kv_note(now)
+        node.kv_coming[session] = r.handoff.receivers[index] * r.prefill_end  # layer-tokens still to come
+        if index == r.first:
+            node.kv_first.add(session)
+        heapq.heappush(heap, (back, next(seq), self.READY, None, (r, session)))
+
+    def _ready(self, now: float, _: None, payload: tuple[Any, int]) -> None:
+        assert self.sim.coordinator is not None
+        self.sim.coordinator.on_ready(*payload, now)
+
+    def _full(self, now: float, _: None, payload: tuple[Any, int, str]) -> None:
+        assert self.sim.coordinator is not None
+        self.sim.coordinator.on_full(*payload, now)
+
+    # -- the prefill side: after each step ------------------------------------------------------------------------
+
+    def step_done(self, node: SimNode, batch: list[Any], dur: float, now: float) -> StepKV | None:
+        """A step of a node that hands KV on ended, before its results go on: what the step hands over. The
+        layer-wise messages that left during the step go on their links now (a link is FIFO: they are ahead
+        of the step's results); `send` does the rest once the results have gone."""
+        index = node.index
+        groups: dict[int, list[Any]] = {}  # target -> [lo, hi, wire, pack, unpack (each per layer), entries]
+        kv = StepKV()
+        rates = self.rates
+        layers = 0
+        for it in batch:
+            r = it.origin
+            out = r.kv_out
+            if out is None or it.session != r.session:
+                continue
+            mine = out.get(index)
+            if mine is None:
+                continue
+            end = it.start + it.num_tokens
+            count = (end if end < it.prefill_end else it.prefill_end) - it.start
+            if count <= 0:
+                continue
+            layers, targets = mine
+            if end >= it.prefill_end:
+                kv.finals.append(it.session)  # its last KV here: freed once it has left
+            fp16 = self.size("fp16", 1, count)
+            for dst, lo, hi, codec, mode in targets:
+                pack, unpack = rates.get(codec, (math.inf, math.inf))
+                if mode == WHOLE:
+                    kv.whole.append((it.session, dst, hi - lo, count, codec, fp16 * (hi - lo)))
+                    continue
+                group = groups.get(dst)
+                if group is None:
+                    group = groups[dst] = [lo, hi, 0, 0.0, 0.0, []]
+                wire = self.size(codec, 1, count)
+                group[2] += wire
+                group[3] += fp16 / pack
+                group[4] += fp16 / unpack
+                group[5].append((it.session, (hi - lo) * count))
+                self._count(codec, wire * (hi - lo), fp16 * (hi - lo))
+        if groups:
+            self._layers(node, kv, groups, layers, now - dur, dur, now)
+        if not (kv.finals or kv.whole or kv.late or kv.entries):
+            return None
+        return kv
+
+    def _layers(self, node: SimNode, kv: StepKV, groups: dict[int, list[Any]], layers: int, t0: float, dur: float,
+                now: float) -> None:
+        """Layer i of L is done at t0 + (i + 1) / L x dur; the packer takes the layers in order, each as it is
+        done, and each packed layer leaves for every target that holds it."""
+        free = node.pack_free
+        for j in range(layers):
+            done = t0 + (j + 1) * dur / layers
+            for dst, (lo, hi, wire, pack, unpack, entries) in groups.items():
+                if lo <= j < hi:
+                    free = (free if free > done else done) + pack
+                    chunk = (free, dst, wire, len(entries), unpack)
+                    if free <= now:
+                        self._chunk(node, kv, chunk)
+                    else:
+                        kv.late.append(chunk)
+        node.pack_free = free
+        for dst, group in groups.items():
+            kv.entries[dst] = group[5]
+            kv.chunks.setdefault(dst, [])
+
+    def _chunk(self, node: SimNode, kv: StepKV, chunk: tuple[float, int, int, int, float]) -> None:
+        depart, dst, wire, n, unpack = chunk
+        net = self.sim.network
+        link = net.table[node.index][dst] or net.link(node.index, dst)
+        kv.chunks.setdefault(dst, []).append((link.send(depart, 1, n, 0, net.window, wire), unpack))
+        self.messages += 1
+
+    def send(self, node: SimNode, kv: StepKV, now: float) -> bool:
+        """After the step's results went on: the layer-wise messages still to leave, then the whole transfers
+        (the node packs them all, its next step waiting, then sends each, as the runtime's hop does). True when
+        the node is held for the packing."""
+        for chunk in kv.late:
+            self._chunk(node, kv, chunk)
+        for dst, entries in kv.entries.items():
+            self._arrive(dst, entries, kv.chunks[dst], now)
+        rates = self.rates
+        hold = 0.0
+        for _, _, _, _, codec, fp16 in kv.whole:
+            hold += fp16 / rates.get(codec, (math.inf, math.inf))[0]
+        depart = now + hold
+        net = self.sim.network
+        for session, dst, layers, count, codec, fp16 in kv.whole:
+            wire = self.size(codec, layers, count)
+            link = net.table[node.index][dst] or net.link(node.index, dst)
+            arrival = link.send(depart, 1, 1, 0, net.window, wire)
+            self.messages += 1
+            self._count(codec, wire, fp16)
+            self._arrive(dst, [(session, layers * count)], [(arrival, fp16 / rates.get(codec, (0, math.inf))[1])], now)
+        if kv.finals:
+            # Everything this hop computed for these sessions has left: their KV is not needed here.
+            self._release_at(node, kv.finals, max(depart, node.pack_free))
+        if hold <= 0:
+            return False
+        node.occupy(now, hold)
+        node.batch = []  # not idle: nothing starts until the packing is done
+        heapq.heappush(self.sim.events.heap, (depart, next(self.sim.events.seq), self.UNBLOCK, node.index, None))
+        return True
+
+    def _unblock(self, now: float, index: int, _: None) -> None:
+        node = self.nodes[index]
+        node.batch = None
+        if node.queue:
+            self.sim._step(node, now)
+
+    def _count(self, codec: str, wire: float, fp16: float) -> None:
+        self.wire_bytes[codec] = self.wire_bytes.get(codec, 0.0) + wire
+        self.fp16_bytes[codec] = self.fp16_bytes.get(codec, 0.0) + fp16
+        self.transfers[codec] = self.transfers.get(codec, 0) + 1
+
+    def _release_at(self, node: SimNode, sessions: list[int], at: float) -> None:
+        for session in sessions:
+            heapq.heappush(self.sim.events.heap, (at, next(self.sim.events.seq), RELEASE, node.index, session))
+
+    # -- the decode side ------------------------------------------------------------------------------------------
+
+    def _arrive(self, dst: int, entries: list[tuple[int, int]], chunks: list[tuple[float, float]], now: float) -> None:
+        last = max(arrival for arrival, _ in chunks)
+        heapq.heappush(self.sim.events.heap, (last if last > now else now, next(self.sim.events.seq), self.KV_IN, dst,
+                                              (entries, chunks)))
+
+    def _kv_in(self, now: float, index: int, payload: tuple[list[tuple[int, int]], list[tuple[float, float]]]) -> None:
+        """A transfer's last byte is in: its messages are unpacked one after the other, each from its arrival."""
+        entries, chunks = payload
+        node = self.nodes[index]
+        u = node.unpack_free
+        for arrival, unpack in chunks:
+            u = (u if u > arrival else arrival) + unpack
+        node.unpack_free = u
+        if u > now:
+            heapq.heappush(self.sim.events.heap, (u, next(self.sim.events.seq), self.KV_DONE, index, entries))
+        else:
+            self._kv_done(now, index, entries)
+
+    def _kv_done(self, now: float, index: int, entries: list[tuple[int, int]]) -> None:
+        """KV unpacked into the hop's cache: a session that has every layer's whole context may run."""
+        node = self.nodes[index]
+        wait = node.kv_coming
+        ready: list[Any] = []
+        for session, n in entries:
+            left = wait.get(session)
+            if left is None:
+                continue  # released meanwhile
+            if left > n:
+                wait[session] = left - n
+                continue
+            del wait[session]
+            held = node.kv_held.pop(session, None)
+            if held:
+                ready += held
+        if ready:
+            node.queue.extend(ready)
+            if node.batch is None:
+                self.sim._step(node, now)
+
+    def hold(self, node: SimNode, items: list[Any]) -> list[Any]:
+        """Items that reached a hop still waiting for handed-over KV wait with their session; the rest go on."""
+        wait = node.kv_coming
+        free = []
+        for it in items:
+            if it.session in wait:
+                node.kv_held.setdefault(it.session, []).append(it)
+            else:
+                free.append(it)
+        return free
+
+    def started(self, node: SimNode, batch: list[Any], now: float) -> None:
+        """A step of a decode phase's first hop began: note the sessions whose first decode step this is."""
+        first = node.kv_first
+        for it in batch:
+            if it.session in first and not it.pf:
+                first.discard(it.session)
+                it.origin.decode_at = now
+
+    def summary(self) -> dict[str, Any]:
+        return {"installs": self.installs, "refused_full": self.full, "messages": self.messages,
+                "bytes_by_codec": dict(sorted(self.wire_bytes.items())),
+                "fp16_bytes_by_codec": dict(sorted(self.fp16_bytes.items())),
+                "transfers_by_codec": dict(sorted(self.transfers.items())),
+                # The rates the codecs were priced and timed with (measured ones differ from run to run).
+                "codec_rates": {c: list(r) for c, r in sorted((self._rates or {}).items())}}
