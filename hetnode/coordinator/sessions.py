@@ -39,12 +39,18 @@ from hetnode.errors import HetnodeError
 from hetnode.ids import NodeId, SessionId
 from hetnode.models.config import ModelConfig
 from hetnode.policy import Cause, Lifecycle
-from hetnode.policy.kv_codec import AUTO, AUTO_CODECS, REPREFILL, CodecOption, KVCodecPolicy, LinkEstimate
+from hetnode.policy.kv_codec import (
+    AUTO,
+    HandoffLink,
+    KVCodecPolicy,
+    LinkEstimate,
+    choose_handoff,
+    reprefill_seconds,
+)
 from hetnode.protocol.kv_wire import packed_size
 from hetnode.protocol.mailbox import Mailbox
 from hetnode.protocol.messages import (
     INFER_PROTOCOL,
-    CodecRate,
     ErrorReply,
     Export,
     Failed,
@@ -208,67 +214,54 @@ class PipelineGenerator:
         return await self.deployment.route(session, input_len, exclude)
 
     def with_codecs(self, route: Route, prefill_end: int) -> Route:
-        """`route` with a codec on every link of every hand-off that does not name one: the cheapest of
-        packing, sending and unpacking (`KVCodecPolicy`) at the link's measured bandwidth and latency and the
-        two nodes' measured codec rates. Without those measurements it sends fp16 (or the operator's codec)."""
+        """`route` with a codec on every link of every hand-off that does not name one (`choose_handoff`: the
+        cheapest of packing, sending and unpacking at the link's measured bandwidth and the two nodes' measured
+        codec rates; fp16, or the operator's codec, where something is not measured yet), or, under `auto`, one
+        mixed phase on the decode pipeline when it re-prefills the context sooner than any link moves its KV."""
         if len(route.phases) < 2:
             return route
-        cfg = self.model_config
         phases = list(route.phases)
         # Prefill then decode of the whole context: under --kv-codec auto the decode side may re-prefill it.
         whole = len(phases) == 2 and phases[0].last_token is None and not phases[0].kv_links
-        reprefill_s = self._reprefill_s(phases[1], prefill_end) if whole and self.kv_codecs.allowed == AUTO else None
-        reprefill = reprefill_s is not None
+        reprefill_s = reprefill_seconds(prefill_end, [self._prefill_rate(NodeId(h.peer)) for h in phases[1].hops]
+                                        ) if whole else None
         for p, phase in enumerate(route.phases[:-1]):
             if phase.kv_links:
                 continue  # a route that names its codecs keeps them
             _, end = phase_span(route, p, prefill_end)
             assert end is not None
-            links = []
-            for hop in phase.hops:
-                for target in kv_targets(route, p, hop):
-                    layers = target.last_layer - target.first_layer
-                    codec = self._codec_for(NodeId(hop.peer), NodeId(target.peer), layers, end, cfg, reprefill_s)
-                    reprefill = reprefill and codec == REPREFILL
-                    if codec == REPREFILL:  # this link alone would rather not move its KV: the next best codec
-                        codec = self._codec_for(NodeId(hop.peer), NodeId(target.peer), layers, end, cfg, None)
-                    links.append(KVLink(src=hop.peer, dst=target.peer, codec=codec))  # type: ignore[arg-type]
-            phases[p] = msgspec.structs.replace(phase, kv_links=links)
-        if reprefill:
-            # Every link would take longer than the decode side recomputing the context: it runs it all.
-            log.info("re-prefilling %d tokens on the decode side (about %.3f s) is cheaper than handing over the KV",
-                     prefill_end, reprefill_s)
-            return pipeline_route(route.phases[1].hops)
+            pairs = [(hop, target) for hop in phase.hops for target in kv_targets(route, p, hop)]
+            codecs, reprefill = choose_handoff(self.kv_codecs, [
+                self._handoff_link(NodeId(hop.peer), NodeId(t.peer), t.last_layer - t.first_layer, end)
+                for hop, t in pairs], reprefill_s if p == 0 else None)
+            if reprefill:
+                log.info("re-prefilling %d tokens on the decode side (about %.3f s) is cheaper than handing over "
+                         "the KV", prefill_end, reprefill_s)
+                return pipeline_route(route.phases[1].hops)
+            phases[p] = msgspec.structs.replace(phase, kv_links=[
+                KVLink(src=hop.peer, dst=t.peer, codec=c)  # type: ignore[arg-type]
+                for (hop, t), c in zip(pairs, codecs, strict=True)])
         return Route(phases=phases)
 
-    def _reprefill_s(self, decode: Phase, tokens: int) -> float | None:
-        """How long the decode pipeline would take to prefill `tokens`: each hop's measured prefill rate, hop
-        after hop; None while a hop has measured none."""
-        seconds = 0.0
-        for hop in decode.hops:
-            record = self.registry.nodes.get(NodeId(hop.peer))
-            rate = record.load.prefill_tokens_per_s if record is not None else 0.0
-            if rate <= 0:
-                return None
-            seconds += tokens / rate
-        return seconds
+    def _prefill_rate(self, peer: NodeId) -> float:
+        record = self.registry.nodes.get(peer)
+        return record.load.prefill_tokens_per_s if record is not None else 0.0
 
-    def _codec_for(self, src: NodeId, dst: NodeId, layers: int, tokens: int, cfg: ModelConfig,
-                   reprefill_s: float | None = None) -> str:
-        allowed = self.kv_codecs.allowed
-        names = AUTO_CODECS if allowed == AUTO else (allowed,)
-        link = self.registry.links.get((src, dst))
-        rates: dict[NodeId, dict[str, CodecRate]] = {}
-        for peer in (src, dst):
-            record = self.registry.nodes.get(peer)
-            rates[peer] = {r.codec: r for r in (record.load.kv_codec_rates if record else [])}
-        if link is None or not all(name in rates[p] for p in (src, dst) for name in names):
-            return names[0] if allowed != AUTO else "fp16"
-        options = [CodecOption(name, packed_size(name, layers, tokens, cfg.num_kv_heads, cfg.head_dim),
-                               rates[src][name].pack, rates[dst][name].unpack) for name in names]
-        fp16 = packed_size("fp16", layers, tokens, cfg.num_kv_heads, cfg.head_dim)
-        estimate = LinkEstimate(bandwidth=max(link.bandwidth_mbps, 1e-3) * 1e6 / 8, latency=link.rtt_ms / 2000)
-        return self.kv_codecs.choose(fp16, options, estimate, reprefill_s).codec
+    def _handoff_link(self, src: NodeId, dst: NodeId, layers: int, tokens: int) -> HandoffLink:
+        """What the policy chooses one link's codec from: the packed sizes, the two nodes' measured rates (from
+        their heartbeats) and the link as probed."""
+        cfg = self.model_config
+        names = {r.codec for peer in (src, dst) if (rec := self.registry.nodes.get(peer)) is not None
+                 for r in rec.load.kv_codec_rates} | {"fp16"}
+        send = self.registry.nodes.get(src)
+        recv = self.registry.nodes.get(dst)
+        probed = self.registry.links.get((src, dst))
+        return HandoffLink(
+            sizes={n: packed_size(n, layers, tokens, cfg.num_kv_heads, cfg.head_dim) for n in names},
+            pack={r.codec: r.pack for r in (send.load.kv_codec_rates if send else [])},
+            unpack={r.codec: r.unpack for r in (recv.load.kv_codec_rates if recv else [])},
+            link=None if probed is None else LinkEstimate(bandwidth=max(probed.bandwidth_mbps, 1e-3) * 1e6 / 8,
+                                                          latency=probed.rtt_ms / 2000))
 
     def _new_id(self) -> SessionId:
         return SessionId(f"s{next(self._ids)}-{secrets.token_hex(6)}")

@@ -18,7 +18,7 @@ pack and unpack rates measured on the two nodes, so this module stays free of to
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 REPREFILL = "reprefill"
@@ -108,3 +108,48 @@ class KVCodecPolicy:
         if reprefill_s is not None and reprefill_s < seconds:
             return KVCodecChoice(REPREFILL, 0, reprefill_s)
         return KVCodecChoice(best.name, best.wire_bytes, seconds)
+
+
+@dataclass(frozen=True, slots=True)
+class HandoffLink:
+    """What one link of a hand-off is chosen from: each codec's exact wire size (fp16's included), the sender's
+    pack and the receiver's unpack rates as measured (a codec missing from them: not measured), and the link as
+    probed (None: not probed yet)."""
+
+    sizes: Mapping[str, int]
+    pack: Mapping[str, float]
+    unpack: Mapping[str, float]
+    link: LinkEstimate | None
+
+
+def reprefill_seconds(tokens: int, prefill_rates: Sequence[float]) -> float | None:
+    """How long a pipeline takes to prefill `tokens`: each hop's measured prefill rate (tokens per second of its
+    steps that prefill), hop after hop; None while a hop has measured none."""
+    if not prefill_rates or any(not rate > 0 for rate in prefill_rates):
+        return None
+    return sum(tokens / rate for rate in prefill_rates)
+
+
+def choose_handoff(policy: KVCodecPolicy, links: Sequence[HandoffLink],
+                   reprefill_s: float | None = None) -> tuple[list[str], bool]:
+    """Each link's codec, and whether the decode side should re-prefill the context instead of receiving it.
+
+    A link whose rates or bandwidth are not measured yet sends fp16 (or the operator's codec). The decode side
+    re-prefills only under `auto`, when the caller can estimate it (`reprefill_s`), and when every link would
+    take longer than that: a hand-off either moves all of its KV or none. The runtime's coordinator and the
+    simulator both decide with this."""
+    names = AUTO_CODECS if policy.allowed == AUTO else (policy.allowed,)
+    fallback = "fp16" if policy.allowed == AUTO else names[0]
+    offer = reprefill_s if policy.allowed == AUTO else None
+    codecs: list[str] = []
+    everywhere = offer is not None and bool(links)
+    for h in links:
+        if h.link is None or not all(n in h.pack and n in h.unpack for n in names):
+            codecs.append(fallback)
+            everywhere = False
+            continue
+        options = [CodecOption(n, h.sizes[n], h.pack[n], h.unpack[n]) for n in names]
+        best = policy.choose(h.sizes["fp16"], options, h.link)
+        codecs.append(best.codec)
+        everywhere = everywhere and offer is not None and offer < best.seconds
+    return codecs, everywhere

@@ -79,3 +79,22 @@ def test_bad_input_is_refused() -> None:
         CodecOption("int4", 10, pack_rate=math.nan, unpack_rate=1e9)
     with pytest.raises(ValueError, match="wire_bytes"):
         CodecOption("int4", 0, pack_rate=1e9, unpack_rate=1e9)
+
+
+def test_choose_handoff_codecs_per_link_and_a_reprefill_only_when_every_link_would_rather() -> None:
+    from hetnode.policy.kv_codec import HandoffLink, choose_handoff, reprefill_seconds
+
+    sizes = {o.name: o.wire_bytes for o in OPTIONS} | {"fp16": FP16}
+    rates = {o.name: o.pack_rate for o in OPTIONS}
+    slow = HandoffLink(sizes, rates, {o.name: o.unpack_rate for o in OPTIONS}, WAN)
+    fast = HandoffLink(sizes, rates, {o.name: o.unpack_rate for o in OPTIONS}, LinkEstimate(1e12, 0.0))
+    unmeasured = HandoffLink(sizes, {}, {}, None)
+    policy = KVCodecPolicy()
+    assert choose_handoff(policy, [slow, fast, unmeasured]) == (["int4", "fp16", "fp16"], False)
+    slow_s = policy.choose(FP16, OPTIONS, WAN).seconds
+    assert choose_handoff(policy, [slow], reprefill_s=slow_s / 2) == (["int4"], True)
+    assert choose_handoff(policy, [slow, fast], reprefill_s=slow_s / 2)[1] is False  # the fast link moves its KV
+    assert choose_handoff(policy, [slow, unmeasured], reprefill_s=slow_s / 2)[1] is False
+    assert choose_handoff(KVCodecPolicy("int8"), [slow], reprefill_s=0.0) == (["int8"], False)  # only under auto
+    assert reprefill_seconds(100, [1000.0, 500.0]) == pytest.approx(0.3)
+    assert reprefill_seconds(100, [1000.0, 0.0]) is None and reprefill_seconds(100, []) is None

@@ -130,6 +130,9 @@ def _sim(script: list[Request]) -> Outcome:
             r.ready = 1
             coord.on_ready(r, r.session, now)
 
+        def reprefills(self, route: Any, tokens: int) -> bool:
+            return False  # no node has measured a prefill rate here, as on the runtime's side
+
     coord = SimCoordinator(make_scheduler("cls", PLACEMENT, **OPTIONS), nodes, num_layers=4, send=send,
                            send_ids=lambda *a: None, release=lambda *a: None, block_size=16, window=(0.0, 1e9),
                            bin_s=1.0, handoff=Ready())

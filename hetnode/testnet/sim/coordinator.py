@@ -32,7 +32,7 @@ from typing import Any, Protocol
 from hetnode.errors import HetnodeError
 from hetnode.policy import Cause, Lifecycle
 from hetnode.protocol.messages import Route
-from hetnode.protocol.routes import describe, kv_targets, route_problem
+from hetnode.protocol.routes import describe, kv_targets, pipeline_route, route_problem
 from hetnode.testnet.sim.events import grouped
 from hetnode.testnet.sim.handoff import RouteHandoff
 from hetnode.testnet.sim.node import SimNode
@@ -169,6 +169,8 @@ class Installer(Protocol):
 
     def install(self, r: SimRequest, now: float) -> None: ...
 
+    def reprefills(self, route: Route, tokens: int) -> bool: ...
+
 
 class SimCoordinator:
     def __init__(self, scheduler: Scheduler, nodes: Sequence[SimNode], *, num_layers: int, send: Send,
@@ -231,6 +233,9 @@ class SimCoordinator:
             r.rejected = str(getattr(decision, "reason", "") or "refused by the scheduler")
 
     def _start(self, r: SimRequest, decided: Route, now: float) -> None:
+        if (self.handoff is not None and len(decided.phases) == 2 and self.handoff.reprefills(
+                decided, self.lifecycle.restart(r.input_len, r.gen, r.output_len).prefill_end)):
+            decided = pipeline_route(decided.phases[1].hops)  # the decode side recomputes it, sooner
         phases = decided.phases
         if len(phases) == 1:
             key: tuple[Any, ...] = tuple((h.peer, h.first_layer, h.last_layer) for h in phases[0].hops)

@@ -45,8 +45,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from hetnode.planner.model import ModelSpec
-from hetnode.policy.kv_codec import AUTO, AUTO_CODECS, CodecOption, KVCodecPolicy, LinkEstimate
+from hetnode.policy.kv_codec import AUTO, HandoffLink, KVCodecPolicy, LinkEstimate, choose_handoff, reprefill_seconds
 from hetnode.protocol.kv_wire import packed_size
+from hetnode.protocol.messages import Route
+from hetnode.protocol.routes import kv_targets
 from hetnode.testnet.sim.events import RELEASE
 
 if TYPE_CHECKING:
@@ -133,6 +135,7 @@ class SimHandoff:
                  transfer: str | TransferMode = LAYERWISE, rates: Rates | None = None) -> None:
         self.sim = sim
         self.nodes = sim.nodes
+        self.by_name = {n.name: n for n in sim.nodes}
         self.policy = KVCodecPolicy(codec)  # the operator's --kv-codec, as the runtime's coordinator takes it
         self.mode = transfer_mode(transfer)
         self._rates = None if rates is None else dict(rates)
@@ -174,18 +177,29 @@ class SimHandoff:
         return found
 
     def codec(self, src: SimNode, dst: SimNode, layers: int, tokens: int) -> str:
-        """The link's codec, as `PipelineGenerator._codec_for` picks it: the policy's cheapest of packing, sending
-        and unpacking; fp16 (or the operator's codec) where a rate is missing."""
-        allowed = self.policy.allowed
-        names = AUTO_CODECS if allowed == AUTO else (allowed,)
+        """The link's codec, as the runtime's coordinator picks it (`choose_handoff`)."""
+        return choose_handoff(self.policy, [self._link(src, dst, layers, tokens)])[0][0]
+
+    def reprefills(self, route: Route, tokens: int) -> bool:
+        """Whether the decode side re-prefills the context instead of being handed its KV, as the runtime's
+        coordinator decides it (`choose_handoff`, from the decode hops' measured prefill rates: a node that has
+        never prefilled has none)."""
+        prefill, decode = route.phases
+        if prefill.last_token is not None or prefill.kv_links:
+            return False
+        seconds = reprefill_seconds(tokens, [self.by_name[h.peer].prefill_rate.value for h in decode.hops])
+        if seconds is None:
+            return False
+        links = [self._link(self.by_name[h.peer], self.by_name[t.peer], t.last_layer - t.first_layer, tokens)
+                 for h in prefill.hops for t in kv_targets(route, 0, h)]
+        return choose_handoff(self.policy, links, seconds)[1]
+
+    def _link(self, src: SimNode, dst: SimNode, layers: int, tokens: int) -> HandoffLink:
         rates = self.rates
-        if not all(name in rates for name in names):
-            return names[0] if allowed != AUTO else "fp16"
         link = self.sim.network.link(src.index, dst.index)
-        options = [CodecOption(name, self.size(name, layers, tokens), rates[name][0], rates[name][1])
-                   for name in names]
-        estimate = LinkEstimate(bandwidth=min(link.bytes_per_s, _UNLIMITED_BPS), latency=link.latency_s)
-        return self.policy.choose(self.size("fp16", layers, tokens), options, estimate).codec
+        return HandoffLink(sizes={n: self.size(n, layers, tokens) for n in {*rates, "fp16"}},
+                           pack={n: r[0] for n, r in rates.items()}, unpack={n: r[1] for n, r in rates.items()},
+                           link=LinkEstimate(bandwidth=min(link.bytes_per_s, _UNLIMITED_BPS), latency=link.latency_s))
 
     def plan(self, handoff: RouteHandoff, tokens: int) -> dict[int, Plan]:
         """Per prefill hop: the codec and transfer mode of each of its links, for a context of `tokens` tokens

@@ -103,6 +103,7 @@ class SimNode:
         "pack_free",
         "policy",
         "prefill_memo",
+        "prefill_rate",
         "prompt_curve",
         "prompt_tokens",
         "queue",
@@ -186,6 +187,8 @@ class SimNode:
         self.window_busy_s = 0.0
         self.rate = StepRate(profile.tokens_per_s(last_layer - first_layer))  # T_j, then an EMA of steps
         self.track_throughput = False  # keep the EMA (only SWARM's scheduler reads it)
+        # tokens/s of the steps that prefill, as a node reports it: what a re-prefill here is weighed by
+        self.prefill_rate = StepRate()
         self.only_next = -2  # the one next hop of every route through here; -1 once there are several
 
     @property
@@ -368,6 +371,8 @@ class SimNode:
                 add_to_bins(bins, self.bin_s, now, end)
             if self.track_throughput:
                 self.rate.step(tokens, dur)
+            if prompt_tokens:
+                self.prefill_rate.step(tokens, dur)
 
     # -- KV memory ------------------------------------------------------------------------------------------
 
