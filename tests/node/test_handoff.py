@@ -2,8 +2,9 @@
 
 Real HopServers with real engines (a tiny random-weight model, three nodes) on the memory transport, and the
 coordinator's real PipelineGenerator with routes given by the test. Greedy output equals the single process's,
-whatever the two phases' layer cuts; the first token comes from the prefill side; the prefill side frees its KV
-once it is handed over; a decode side that cannot reserve the KV refuses before any prefill.
+whatever the two phases' layer cuts and whether the KV goes whole after each step or layer by layer from inside
+it; the first token comes from the prefill side; the prefill side frees its KV once it is handed over; a decode
+side that cannot reserve the KV refuses before any prefill.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from hetnode.models.tiny import write_tiny_model
 from hetnode.models.tokenizer import load_tokenizer
 from hetnode.node.engine import EngineConfig, SamplingParams
 from hetnode.node.hops import HopServer
+from hetnode.policy import KVTransferPolicy
 from hetnode.protocol.memory import MemoryNetwork
 from hetnode.protocol.messages import (
     Assignment,
@@ -44,6 +46,10 @@ from hetnode.protocol.messages import (
 
 PROMPTS = [[5, 6, 7], list(range(20, 45)), list(range(100, 170))]
 MAX_TOKENS = 12
+WHOLE = KVTransferPolicy(min_layerwise_bytes=1 << 62)
+LAYERWISE = KVTransferPolicy(min_layerwise_bytes=0, min_group_bytes=0, max_groups=1024)  # a frame per layer
+HALVES = KVTransferPolicy(min_layerwise_bytes=0, min_group_bytes=0, max_groups=2)  # 3 layers: groups of 2, 1
+TRANSFERS = {"whole": WHOLE, "layerwise": LAYERWISE, "halves": HALVES}
 PROFILE = HardwareProfile(device="cpu", device_type="cpu", memory_bytes=8 << 30, matmul_tflops=0.1,
                           mem_bandwidth_gbps=10.0, dtype="float32")
 
@@ -77,7 +83,7 @@ class Net:
 
 @asynccontextmanager
 async def network(model: Path, shards: dict[str, tuple[int, int]], kv_blocks: dict[str, int] | None = None,
-                  ) -> AsyncIterator[Net]:
+                  kv_transfer: KVTransferPolicy | None = None) -> AsyncIterator[Net]:
     cfg = load_config(model)
     net = MemoryNetwork()
     registry = Registry(token="t", heartbeat_deadline_s=60.0)
@@ -96,21 +102,22 @@ async def network(model: Path, shards: dict[str, tuple[int, int]], kv_blocks: di
                                 tokenizer=load_tokenizer(model), step_timeout_s=30.0, max_reroutes=0)
         await nursery.start(gen.run)
         servers: dict[str, HopServer] = {}
-        async with _nodes(net, nursery, model, list(shards.items()), servers, kv_blocks or {}):
+        async with _nodes(net, nursery, model, list(shards.items()), servers, kv_blocks or {}, kv_transfer):
             yield Net(gen, servers, cfg.num_layers)
         nursery.cancel_scope.cancel()
 
 
 @asynccontextmanager
 async def _nodes(net: MemoryNetwork, nursery: trio.Nursery, model: Path, shards: list[tuple[str, tuple[int, int]]],
-                 out: dict[str, HopServer], kv_blocks: dict[str, int]) -> AsyncIterator[None]:
+                 out: dict[str, HopServer], kv_blocks: dict[str, int],
+                 kv_transfer: KVTransferPolicy | None = None) -> AsyncIterator[None]:
     if not shards:
         yield
         return
     (name, (a, b)), rest = shards[0], shards[1:]
     async with net.transport(name) as t:
         config = EngineConfig(num_kv_blocks=kv_blocks.get(name, 256), block_size=4)
-        hops = HopServer(t, lambda peer: True, engine_config=config)
+        hops = HopServer(t, lambda peer: True, engine_config=config, kv_transfer=kv_transfer)
         hops.is_coordinator = lambda peer: peer == "coord"
         await nursery.start(hops.run)
 
@@ -120,7 +127,7 @@ async def _nodes(net: MemoryNetwork, nursery: trio.Nursery, model: Path, shards:
         await hops.assign(Assignment(plan_version=1, model=str(model), first_layer=a, last_layer=b, role="mixed"),
                           report)
         out[name] = hops
-        async with _nodes(net, nursery, model, rest, out, kv_blocks):
+        async with _nodes(net, nursery, model, rest, out, kv_blocks, kv_transfer):
             yield
 
 
@@ -134,12 +141,14 @@ def split_route(prefill: list[tuple[str, int, int]], decode: list[tuple[str, int
     ])
 
 
+@pytest.mark.parametrize("transfer", list(TRANSFERS))
 @pytest.mark.parametrize("direction", ["two prefill hops, one decode hop", "one prefill hop, two decode hops"])
 async def test_phase_split_greedy_output_equals_the_single_process(tiny_model: Path, reference: list[list[int]],
-                                                                   direction: str) -> None:
+                                                                   direction: str, transfer: str) -> None:
     layers = load_config(tiny_model).num_layers
     cut = layers // 2
-    async with network(tiny_model, {"p0": (0, cut), "p1": (cut, layers), "d": (0, layers)}) as net:
+    async with network(tiny_model, {"p0": (0, cut), "p1": (cut, layers), "d": (0, layers)},
+                       kv_transfer=TRANSFERS[transfer]) as net:
         if direction.startswith("two prefill"):
             route = split_route([("p0", 0, cut), ("p1", cut, layers)], [("d", 0, layers)])
         else:
@@ -167,6 +176,12 @@ async def test_phase_split_greedy_output_equals_the_single_process(tiny_model: P
                 assert hops.kv_bytes_sent > 0 and hops.kv_bytes_received == 0
             else:
                 assert hops.kv_bytes_received > 0 and hops.kv_bytes_sent == 0
+        # Each prompt is one prefill step: one frame per target whole, one per layer group layer-wise.
+        frames = {name: net.nodes[name].kv_frames_sent for name in senders}
+        groups = [TRANSFERS[transfer].choose(1, n, 1.0).groups for n in (cut, layers - cut)]
+        want = {"p0": groups[0], "p1": groups[1]} if direction.startswith("two prefill") else {"d": sum(groups)}
+        assert frames == {name: n * len(PROMPTS) for name, n in want.items()}
+        assert sum(frames.values()) == len(PROMPTS) * {"whole": 2, "layerwise": layers, "halves": 4}[transfer]
 
 
 async def test_a_decode_hop_without_room_for_the_kv_refuses_before_any_prefill(tiny_model: Path) -> None:
@@ -184,13 +199,15 @@ async def test_a_decode_hop_without_room_for_the_kv_refuses_before_any_prefill(t
         assert await collect(net.gen, PROMPTS[0], 4)  # 3 tokens fit in d's 2 blocks ... with room to grow
 
 
+@pytest.mark.parametrize("transfer", ["whole", "layerwise"])
 async def test_a_partial_prefill_hands_its_kv_to_the_phase_that_finishes_the_prompt(
-        tiny_model: Path, reference: list[list[int]]) -> None:
+        tiny_model: Path, reference: list[list[int]], transfer: str) -> None:
     """Cronus: the weak node prefills tokens [0, k), the strong one the rest of the prompt beside its decodes. A
     prompt shorter than k is prefilled whole on the weak node, which then samples the first token."""
     layers = load_config(tiny_model).num_layers
     k = 20
-    async with network(tiny_model, {"weak": (0, layers), "strong": (0, layers)}) as net:
+    async with network(tiny_model, {"weak": (0, layers), "strong": (0, layers)},
+                       kv_transfer=TRANSFERS[transfer]) as net:
         route = Route(phases=[
             Phase(kind="prefill", hops=[Hop(peer="weak", first_layer=0, last_layer=layers)], last_token=k),
             Phase(kind="mixed", hops=[Hop(peer="strong", first_layer=0, last_layer=layers)], first_token=k),
