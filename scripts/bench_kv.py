@@ -270,8 +270,8 @@ def quality(
 
 # -- transfer and threshold sections ------------------------------------------------------------------------
 
-WHOLE = KVTransferPolicy(min_layerwise_bytes=1 << 62)
-LAYERWISE = KVTransferPolicy(min_layerwise_bytes=0)  # the policy's own groups, at any size
+WHOLE = KVTransferPolicy(min_layerwise_s=math.inf)
+LAYERWISE = KVTransferPolicy(min_layerwise_s=0)  # the policy's own groups, at any size
 TRANSFER_PROMPTS = (128, 512, 1024, 2048)
 THRESHOLD_PROMPTS = (2, 4, 8, 16, 32, 64, 128)
 TARGET_HIDDEN = 0.8  # of the serialized transfer, for prompts of >= 1024 tokens
@@ -330,6 +330,7 @@ async def _rig(path: Path, link: LinkSpec, codec: str) -> AsyncIterator[_Rig]:
             await nursery.start(hops.run)
             await hops.assign(Assignment(plan_version=1, model=str(path), first_layer=0, last_layer=layers,
                                          role="mixed"), report)
+            hops.link_mbps = lambda peer: link.bandwidth_mbps  # as a node's probes would have measured it
             servers.append(hops)
         yield _Rig(_Coordinator(ct), servers[0], servers[1], layers, codec)
         nursery.cancel_scope.cancel()
@@ -393,6 +394,7 @@ def transfer_section(path: Path, args: argparse.Namespace) -> dict[str, Any]:
     cfg = load_config(path)
     link = LinkSpec(bandwidth_mbps=args.mbps, latency_ms=1.0)
     per_token = CODECS[args.codec].packed_size(cfg.num_layers, 1, cfg.num_kv_heads, cfg.head_dim)
+    policy = KVTransferPolicy()
 
     async def main() -> dict[str, Any]:
         async with _rig(path, link, args.codec) as rig:
@@ -409,15 +411,24 @@ def transfer_section(path: Path, args: argparse.Namespace) -> dict[str, Any]:
                 cells = await _compare(rig, args.threshold_prompts, args.threshold_repeats,
                                        {"whole": WHOLE, "layerwise": LAYERWISE}, not args.json)
                 rows = [{"tokens": tokens, "wire_bytes": per_token * tokens, "whole": c["whole"],
-                         "layerwise": c["layerwise"],
-                         "gain_s": c["whole"]["ready_s"] - c["layerwise"]["ready_s"]}
+                         "layerwise": c["layerwise"], "streamed": c["layerwise"]["frames"] > 1,
+                         "policy": policy.choose(tokens, cfg.num_layers, per_token / cfg.num_layers,
+                                                 link.bandwidth_mbps).mode,
+                         "gain_s": c["whole"]["ready_s"] - c["layerwise"]["ready_s"],
+                         "ttft_cost_s": c["layerwise"]["prefill_s"] - c["whole"]["prefill_s"]}
                         for tokens, c in cells.items()]
-                # The smallest transfer from which layer-wise is ready sooner at every larger size measured.
-                wins = [r["gain_s"] > 0 for r in rows]
+                # Layer-wise wins where the decode side is ready sooner by more than the first token loses to
+                # it; the threshold is the smallest transfer from which it wins at every larger size measured.
+                wins = [r["streamed"] and r["gain_s"] > max(0.0, r["ttft_cost_s"]) for r in rows]
                 first = next((i for i in range(len(rows)) if all(wins[i:])), None)
-                result["threshold"] = {"rows": rows,
-                                       "measured_bytes": rows[first]["wire_bytes"] if first is not None else None,
-                                       "policy_bytes": KVTransferPolicy().min_layerwise_bytes}
+                measured = rows[first]["wire_bytes"] if first is not None else None
+                result["threshold"] = {
+                    "rows": rows, "measured_bytes": measured,
+                    "measured_s": measured * 8 / (link.bandwidth_mbps * 1e6) if measured is not None else None,
+                    # The bytes from which the default policy streams on this link.
+                    "policy_bytes": policy.min_layerwise_s * link.bandwidth_mbps * 1e6 / 8,
+                    "policy_s": policy.min_layerwise_s,
+                }
             return result
 
     torch.set_num_threads(args.threads)
@@ -488,16 +499,19 @@ def report(result: dict[str, Any]) -> None:
     if "threshold" in result:
         th = result["threshold"]
         print(f"\n{'prompt':>7} {'KV bytes':>11} | {'send -> decode ready, ms':>25} {'gain ms':>8} | "
-              f"{'prefill ms':>21} {'frames':>6}")
-        print(f"{'':>7} {'':>11} | {'whole':>12} {'layer-wise':>12} {'':>8} | {'whole':>10} {'layer-wise':>10}")
+              f"{'prefill (first token), ms':>32} | {'frames':>6} {'policy':>10}")
+        print(f"{'':>7} {'':>11} | {'whole':>12} {'layer-wise':>12} {'':>8} | {'whole':>10} {'layer-wise':>10} "
+              f"{'cost':>10} |")
         for r in th["rows"]:
             w, lw = r["whole"], r["layerwise"]
             print(f"{r['tokens']:>7} {r['wire_bytes']:>11,} | {w['ready_s'] * 1e3:>12.1f} {lw['ready_s'] * 1e3:>12.1f} "
                   f"{r['gain_s'] * 1e3:>8.1f} | {w['prefill_s'] * 1e3:>10.1f} {lw['prefill_s'] * 1e3:>10.1f} "
-                  f"{lw['frames']:>6.0f}")
+                  f"{r['ttft_cost_s'] * 1e3:>10.1f} | {lw['frames']:>6.0f} {r['policy']:>10}")
         measured = th["measured_bytes"]
-        print(f"layer-wise ready sooner from {measured:,} bytes on (policy default: {th['policy_bytes']:,})"
-              if measured is not None else "layer-wise never ready sooner at every larger size measured")
+        print(f"layer-wise gains more than the first token loses from {measured:,} bytes "
+              f"({th['measured_s'] * 1e3:.1f} ms whole on this link) on; the policy streams from "
+              f"{th['policy_bytes']:,.0f} bytes ({th['policy_s'] * 1e3:.0f} ms)" if measured is not None
+              else "layer-wise never gains more than the first token loses at every larger size measured")
 
 
 def report_codecs(result: dict[str, Any]) -> None:

@@ -192,6 +192,8 @@ class HopServer:
         self.kv_mailbox = Mailbox(transport, KV_PROTOCOL, kv_decoder, self._on_kv, is_member)
         self.kv_outbox = Outbox(self.kv_mailbox, self._send_failed)
         self.kv_transfer = kv_transfer or KVTransferPolicy()  # whole after the step, or layer-wise within it
+        # The measured bandwidth to a peer in Mbit/s, None where not measured (set by NodeDaemon from its probes).
+        self.link_mbps: Callable[[NodeId], float | None] = lambda peer: None
         self.kv_bytes_sent = 0
         self.kv_bytes_received = 0
         self.kv_frames_sent = 0
@@ -577,7 +579,7 @@ class HopServer:
                     continue  # the whole hand-off after the step reports it
                 layers, tokens = t.last_layer - t.first_layer, end - start
                 per = codec.packed_size(layers, tokens, cfg.num_kv_heads, cfg.head_dim) / (layers * tokens)
-                choice = self.kv_transfer.choose(tokens, layers, per)
+                choice = self.kv_transfer.choose(tokens, layers, per, self.link_mbps(NodeId(t.peer)))
                 if choice.mode == "layerwise":
                     parts.append(StreamPart(session.id, t.peer, t.codec, start, end, t.first_layer, t.last_layer,
                                             choice.group_layers))

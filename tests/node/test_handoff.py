@@ -9,6 +9,7 @@ side that cannot reserve the KV refuses before any prefill.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing, asynccontextmanager
@@ -46,9 +47,9 @@ from hetnode.protocol.messages import (
 
 PROMPTS = [[5, 6, 7], list(range(20, 45)), list(range(100, 170))]
 MAX_TOKENS = 12
-WHOLE = KVTransferPolicy(min_layerwise_bytes=1 << 62)
-LAYERWISE = KVTransferPolicy(min_layerwise_bytes=0, min_group_bytes=0, max_groups=1024)  # a frame per layer
-HALVES = KVTransferPolicy(min_layerwise_bytes=0, min_group_bytes=0, max_groups=2)  # 3 layers: groups of 2, 1
+WHOLE = KVTransferPolicy(min_layerwise_s=math.inf)
+LAYERWISE = KVTransferPolicy(min_layerwise_s=0, min_group_bytes=0, max_groups=1024)  # a frame per layer
+HALVES = KVTransferPolicy(min_layerwise_s=0, min_group_bytes=0, max_groups=2)  # 3 layers: groups of 2, 1
 TRANSFERS = {"whole": WHOLE, "layerwise": LAYERWISE, "halves": HALVES}
 PROFILE = HardwareProfile(device="cpu", device_type="cpu", memory_bytes=8 << 30, matmul_tflops=0.1,
                           mem_bandwidth_gbps=10.0, dtype="float32")
@@ -551,3 +552,29 @@ async def test_the_first_token_never_waits_for_kv_streamed_from_inside_the_step(
                 await stuck.wait()  # the KV went out while the first token did
         p = net.nodes["p"]
         assert p.kv_frames_sent == layers and p.loop is not None and p.loop.steps == 1
+
+
+@pytest.mark.parametrize("mbps", [1.0, 10_000.0, None])
+async def test_a_hop_streams_its_kv_over_a_slow_link_and_sends_it_whole_over_a_fast_one(
+        tiny_model: Path, reference: list[list[int]], mbps: float | None) -> None:
+    """The transfer policy reads the link's measured bandwidth (the node's probes; None: not measured, taken as
+    100 Mbit/s): the 70-token prompt's 50 KB take 400 ms at 1 Mbit/s and stream, 4 ms at 100 Mbit/s and go
+    whole."""
+    layers = load_config(tiny_model).num_layers
+    policy = KVTransferPolicy(min_group_bytes=0, max_groups=1024)  # the default threshold; a frame per layer
+    async with network(tiny_model, {"p": (0, layers), "d": (0, layers)}, kv_transfer=policy) as net:
+        asked: list[NodeId] = []
+
+        def link_mbps(peer: NodeId) -> float | None:
+            asked.append(peer)
+            return mbps
+
+        net.nodes["p"].link_mbps = link_mbps
+
+        async def fixed(exclude: set[NodeId]) -> Route:
+            return split_route([("p", 0, layers)], [("d", 0, layers)])
+
+        net.gen.route_for = fixed
+        assert await collect(net.gen, PROMPTS[2]) == reference[2]
+        assert asked == ["d"]
+        assert net.nodes["p"].kv_frames_sent == (layers if mbps == 1.0 else 1)
