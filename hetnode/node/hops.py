@@ -17,6 +17,13 @@ After each step the node sends one Items message per next hop carrying every ite
 per-peer outbox, so the batch loop never waits on the network. The last hop samples, streams the tokens of the
 step to their coordinators (one Tokens message each), and feeds every session that goes on back to the first hop
 of its phase; it stops a session by itself at a stop token or at max_tokens.
+
+A hop of a phase that hands off sends the KV its steps compute to the hops of the next phase that hold those
+layers, on the KV protocol (its own streams and outbox: KV never delays activations or tokens). The transfer
+policy (`hetnode.policy.KVTransferPolicy`) picks per link and step: whole after the step, or layer group by
+layer group from inside it (Splitwise §IV-C, `hetnode.kv.stream`), which hides the transfer behind the rest
+of the forward. The receiving hop takes any number of layer-group frames per token range, each checked on its
+own, and lets the session's items run once every layer has all its positions.
 """
 
 from __future__ import annotations
