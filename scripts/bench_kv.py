@@ -16,10 +16,15 @@ holding all of SmolLM2, with the link between them shaped to `--mbps` (100 Mbit/
 installs a phase-split route and sends a prompt of 128, 512, 1024 and 2048 tokens. For each prompt the KV goes
 whole after the prefill step (serialized) and layer-wise from inside it (the transfer policy's groups), and the
 time from the prefill's end (its first token at the coordinator) to the decode side's KV being complete is
-measured side by side, median of `--repeats`: the fraction of the serialized time that layer-wise hides.
+measured side by side, median of `--transfer-repeats`: the fraction of the serialized time that layer-wise
+hides. A prefill step runs up to `--chunk` tokens (the engine's max_batch_tokens, 8192 by default: each prompt
+is one step); with `--chunk 512` a longer prompt runs in steps, and the whole transfer of one step already
+overlaps the next step's compute, so only the last step's transfer is left to hide.
 
 Threshold section: the same rig with small prompts (2 to 128 tokens), timing from the prompt's send to decode
-ready, whole and layer-wise: the smallest transfer from which streaming wins is `KVTransferPolicy`'s default.
+ready, whole and layer-wise (median of `--threshold-repeats`): layer-wise wins where the decode side is ready
+sooner by more than the first token loses to it; the smallest transfer from which it wins, in seconds on the
+link, is `KVTransferPolicy`'s default (`--mbps 1000` for a faster link).
 
     .venv/bin/python scripts/bench_kv.py [--quick] [--json] [--threads 1] [--windows 5]
         [--section codecs --section quality --section transfer --section threshold]
@@ -308,7 +313,7 @@ class _Rig:
 
 
 @asynccontextmanager
-async def _rig(path: Path, link: LinkSpec, codec: str) -> AsyncIterator[_Rig]:
+async def _rig(path: Path, link: LinkSpec, codec: str, chunk: int) -> AsyncIterator[_Rig]:
     """A prefill node and a decode node, each with all of the model, the link between them shaped to `link`."""
     layers = load_config(path).num_layers
     net = MemoryNetwork()
@@ -325,7 +330,8 @@ async def _rig(path: Path, link: LinkSpec, codec: str) -> AsyncIterator[_Rig]:
             net.transport("d") as dt, shaped_transport(dt, link_for) as ds:
         servers = []
         for t in (ps, ds):
-            hops = HopServer(t, lambda peer: True, engine_config=EngineConfig(kv_cache_bytes=512 << 20))
+            config = EngineConfig(kv_cache_bytes=512 << 20, max_batch_tokens=chunk)
+            hops = HopServer(t, lambda peer: True, engine_config=config)
             hops.is_coordinator = lambda peer: peer == "coord"
             await nursery.start(hops.run)
             await hops.assign(Assignment(plan_version=1, model=str(path), first_layer=0, last_layer=layers,
@@ -397,7 +403,7 @@ def transfer_section(path: Path, args: argparse.Namespace) -> dict[str, Any]:
     policy = KVTransferPolicy()
 
     async def main() -> dict[str, Any]:
-        async with _rig(path, link, args.codec) as rig:
+        async with _rig(path, link, args.codec, args.chunk) as rig:
             result: dict[str, Any] = {}
             if "transfer" in args.section:
                 cells = await _compare(rig, args.transfer_prompts, args.transfer_repeats,
@@ -434,7 +440,7 @@ def transfer_section(path: Path, args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     result = trio.run(main)
     result["link"] = {"mbps": link.bandwidth_mbps, "latency_ms": link.latency_ms, "codec": args.codec,
-                      "model": path.name, "layers": cfg.num_layers}
+                      "model": path.name, "layers": cfg.num_layers, "chunk": args.chunk}
     return result
 
 
@@ -481,7 +487,7 @@ def report(result: dict[str, Any]) -> None:
     if "transfer" in result or "threshold" in result:
         link = result["link"]
         print(f"\nKV hand-off over {link['mbps']:g} Mbit/s, {link['latency_ms']:g} ms, {link['codec']}: "
-              f"{link['model']} prefill node -> decode node, medians")
+              f"{link['model']} prefill node -> decode node, prefill steps of up to {link['chunk']} tokens, medians")
     if "transfer" in result:
         print(f"{'prompt':>7} {'KV bytes':>11} {'prefill s':>9} | {'prefill end -> decode ready, ms':>31} "
               f"{'hidden':>7} | {'prefill s':>9} {'frames':>6}")
@@ -555,6 +561,8 @@ def main() -> None:
                         help="what to measure (repeat for several; default: codecs and quality)")
     parser.add_argument("--mbps", type=float, default=100.0, help="transfer, threshold: the emulated link")
     parser.add_argument("--codec", default="fp16", choices=sorted(CODECS), help="transfer, threshold: the link's codec")
+    parser.add_argument("--chunk", type=int, default=EngineConfig().max_batch_tokens,
+                        help="transfer, threshold: the most tokens a prefill step runs (longer prompts go in chunks)")
     parser.add_argument("--transfer-prompts", type=int, nargs="+", default=TRANSFER_PROMPTS)
     parser.add_argument("--transfer-repeats", type=int, default=3)
     parser.add_argument("--threshold-prompts", type=int, nargs="+", default=THRESHOLD_PROMPTS)
