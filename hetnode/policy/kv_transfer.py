@@ -29,12 +29,13 @@ from typing import Literal
 
 Mode = Literal["whole", "layerwise"]
 
-# Measured with `scripts/bench_kv.py --section threshold` (SmolLM2-135M, float32 CPU engine, fp16 codec, one
-# torch thread, a prefill and a decode hop server in one process over the link shaper, 2-core machine): layer-wise
-# is worth it where the decode side becomes ready sooner by more than the first token loses to it. At 1 Gbit/s
-# that held from 2.9 MB (24 ms whole on the wire) and failed at 1.5 MB (12 ms); at 100 Mbit/s it held from the
-# smallest transfer that streams at all (92 KB, 7 ms). 20 ms is right at 1 Gbit/s and gives up a few ms at
-# 100 Mbit/s below 250 KB. Rows in docs/performance.md ("Layer-wise KV transfer").
+# Measured with `scripts/bench_kv.py --section threshold [--mbps 1000]` (SmolLM2-135M, float32 CPU engine, fp16
+# codec, one torch thread, a prefill and a decode hop server in one process over the link shaper, 2-core machine
+# at load average ~1): layer-wise is worth it where the decode side becomes ready sooner by more than the first
+# token loses to it. At 1 Gbit/s that held from 2.9 MB (24 ms whole on the wire) and failed at 1.5 MB (12 ms);
+# at 100 Mbit/s it held from the smallest transfer that streams at all (92 KB, 7 ms). 20 ms is right at 1 Gbit/s
+# and gives up a few ms at 100 Mbit/s below 250 KB. Under a load of ~3 the crossover moved up several times
+# (streaming takes CPU from the step as it runs). Rows in docs/performance.md ("Layer-wise KV transfer").
 MIN_LAYERWISE_S = 0.020
 DEFAULT_MBPS = 100.0  # the link assumed when its bandwidth is not known (not yet measured)
 MIN_GROUP_BYTES = 64 << 10  # one chunk of the link shaper, about what one TCP window moves
