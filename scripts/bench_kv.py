@@ -399,7 +399,10 @@ async def _compare(rig: _Rig, prompts: tuple[int, ...], repeats: int, modes: dic
 def transfer_section(path: Path, args: argparse.Namespace) -> dict[str, Any]:
     cfg = load_config(path)
     link = LinkSpec(bandwidth_mbps=args.mbps, latency_ms=1.0)
-    per_token = CODECS[args.codec].packed_size(cfg.num_layers, 1, cfg.num_kv_heads, cfg.head_dim)
+
+    def wire(tokens: int) -> int:  # the whole transfer's bytes (an int codec's scales come per 64 tokens)
+        return CODECS[args.codec].packed_size(cfg.num_layers, tokens, cfg.num_kv_heads, cfg.head_dim)
+
     policy = KVTransferPolicy()
 
     async def main() -> dict[str, Any]:
@@ -409,16 +412,16 @@ def transfer_section(path: Path, args: argparse.Namespace) -> dict[str, Any]:
                 cells = await _compare(rig, args.transfer_prompts, args.transfer_repeats,
                                        {"whole": WHOLE, "layerwise": LAYERWISE}, not args.json)
                 result["transfer"] = [
-                    {"tokens": tokens, "wire_bytes": per_token * tokens, "whole": c["whole"],
+                    {"tokens": tokens, "wire_bytes": wire(tokens), "whole": c["whole"],
                      "layerwise": c["layerwise"],
                      "hidden": 1 - c["layerwise"]["exposed_s"] / c["whole"]["exposed_s"]}
                     for tokens, c in cells.items()]
             if "threshold" in args.section:
                 cells = await _compare(rig, args.threshold_prompts, args.threshold_repeats,
                                        {"whole": WHOLE, "layerwise": LAYERWISE}, not args.json)
-                rows = [{"tokens": tokens, "wire_bytes": per_token * tokens, "whole": c["whole"],
+                rows = [{"tokens": tokens, "wire_bytes": wire(tokens), "whole": c["whole"],
                          "layerwise": c["layerwise"], "streamed": c["layerwise"]["frames"] > 1,
-                         "policy": policy.choose(tokens, cfg.num_layers, per_token / cfg.num_layers,
+                         "policy": policy.choose(tokens, cfg.num_layers, wire(tokens) / (cfg.num_layers * tokens),
                                                  link.bandwidth_mbps).mode,
                          "gain_s": c["whole"]["ready_s"] - c["layerwise"]["ready_s"],
                          "ttft_cost_s": c["layerwise"]["prefill_s"] - c["whole"]["prefill_s"]}
