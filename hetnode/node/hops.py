@@ -586,7 +586,11 @@ class HopServer:
                     continue  # the whole hand-off after the step reports it
                 layers, tokens = t.last_layer - t.first_layer, end - start
                 per = codec.packed_size(layers, tokens, cfg.num_kv_heads, cfg.head_dim) / (layers * tokens)
-                choice = self.kv_transfer.choose(tokens, layers, per, self.link_mbps(NodeId(t.peer)))
+                try:
+                    choice = self.kv_transfer.choose(tokens, layers, per, self.link_mbps(NodeId(t.peer)))
+                except ValueError as exc:  # a measured bandwidth the policy cannot use: the hand-off goes whole
+                    log.warning("KV to %s goes whole after the step: %s", t.peer, exc)
+                    continue
                 if choice.mode == "layerwise":
                     parts.append(StreamPart(session.id, t.peer, t.codec, start, end, t.first_layer, t.last_layer,
                                             choice.group_layers))
