@@ -137,6 +137,24 @@ def test_bench_kv_quick() -> None:
     assert abs(quality["fp16"]["ppl_change_pct"]) < 0.1
 
 
+def test_bench_kv_transfer_quick() -> None:
+    r = subprocess.run([sys.executable, str(SCRIPTS / "bench_kv.py"), "--quick", "--json", "--section", "transfer",
+                        "--section", "threshold"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    result = json.loads(r.stdout)
+    assert "codecs" not in result and result["link"]["mbps"] == 100 and result["link"]["layers"] == 30
+    # Whole: one frame after the step; layer-wise: SmolLM2's 30 layers in the policy's 15 groups of 2.
+    assert [row["tokens"] for row in result["transfer"]] == [64, 256]
+    for row in result["transfer"]:
+        whole, layerwise = row["whole"], row["layerwise"]
+        assert whole["frames"] == 1 and layerwise["frames"] == 15
+        assert whole["prefill_s"] > 0 and whole["exposed_s"] > 0 and layerwise["ready_s"] > layerwise["prefill_s"]
+        assert row["hidden"] <= 1
+    rows = result["threshold"]["rows"]
+    assert [(row["tokens"], row["policy"]) for row in rows] == [(4, "whole"), (64, "layerwise")]
+    assert all(row["streamed"] for row in rows) and result["threshold"]["policy_s"] == 0.02
+
+
 def test_bench_planner_progress_quick() -> None:
     r = subprocess.run([sys.executable, str(SCRIPTS / "bench_planner.py"), "--progress", "--quick", "--json",
                         "--clusters", "helix-geo-pruned"], capture_output=True, text=True, timeout=300)

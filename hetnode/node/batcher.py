@@ -7,10 +7,12 @@ budget, one item per session, chunked prefill, and KV admission against a ledger
 Work whose KV does not fit waits in the queue; the engine never sees more than the ledger reserved, so a step
 cannot fail for KV memory. A prompt chunk the policy splits runs as pieces, each delivered as it completes
 (sampling only on the last). The step runs in the device's worker thread (CapacityLimiter(1): the engine is not
-thread-safe). Results go to `deliver`; items that cannot run go to `fail` with a reason: a prompt larger than
-the whole pool, a session the policy preempted (out of KV with nothing else able to run), an `EngineError`.
-`stop` ends the loop without stranding anyone: the step under way completes and delivers, and every item still
-queued goes to `fail`, so its requester hears about it instead of waiting for an answer that never comes.
+thread-safe); an owner's `layer_hook`, asked before each step, may give it a hook the engine calls after each
+layer there (the hop server streams KV from it, layer by layer). Results go to `deliver`; items that cannot run
+go to `fail` with a reason: a prompt larger than the whole pool, a session the policy preempted (out of KV with
+nothing else able to run), an `EngineError`. `stop` ends the loop without stranding anyone: the step under way
+completes and delivers, and every item still queued goes to `fail`, so its requester hears about it instead of
+waiting for an answer that never comes.
 
 The node's hop server and the single-process `LocalGenerator` both drive an engine through this loop.
 """
@@ -29,7 +31,7 @@ import trio
 from hetnode.ids import SessionId
 from hetnode.kv import KVUsage
 from hetnode.kv.blocks import KVCacheFull
-from hetnode.node.engine.base import Engine, EngineError, ItemResult, StepItem
+from hetnode.node.engine.base import Engine, EngineError, ItemResult, LayerDone, StepItem
 from hetnode.policy import MIN_CHUNK, PREEMPTED, BatchConfig, BatchPolicy, Cause, KVLedger, StepRate
 
 log = logging.getLogger(__name__)
@@ -80,16 +82,20 @@ def split_item(item: StepItem, k: int) -> tuple[StepItem, StepItem]:
 Deliver = Callable[[list[tuple[Work, ItemResult]]], Awaitable[None]]
 Fail = Callable[[Work, str, Cause], Awaitable[None]]  # the reason, and its cause for the lifecycle policy
 Pace = Callable[[Sequence[StepItem]], float]
+# Before each step, in the event loop: the step's `layer_done` hook for these works, or None (layer-wise KV).
+LayerHook = Callable[[Sequence[Work]], LayerDone | None]
 
 
 class BatchLoop:
     def __init__(self, engine: Engine, *, deliver: Deliver, fail: Fail, pace: Pace | None = None,
                  queue_size: int = 4096, min_chunk: int = MIN_CHUNK,
-                 policy: Callable[[KVLedger, BatchConfig], BatchPolicy] = BatchPolicy) -> None:
+                 policy: Callable[[KVLedger, BatchConfig], BatchPolicy] = BatchPolicy,
+                 layer_hook: LayerHook | None = None) -> None:
         self.engine = engine
         self._deliver = deliver
         self._fail = fail
         self._pace = pace
+        self._layer_hook = layer_hook
         # None wakes an idle loop so that a release frees KV at once rather than at the next step.
         self._send, self._recv = trio.open_memory_channel[Work | None](queue_size)
         self._limiter = trio.CapacityLimiter(1)
@@ -247,8 +253,9 @@ class BatchLoop:
                 await trio.to_thread.run_sync(self._release_sync, releases, limiter=self._limiter)
             return
         items = [w.item for w in batch]
+        hook = self._layer_hook(batch) if self._layer_hook is not None else None
         t0 = trio.current_time()
-        outcomes = await trio.to_thread.run_sync(self._step_sync, releases, items, limiter=self._limiter)
+        outcomes = await trio.to_thread.run_sync(self._step_sync, releases, items, hook, limiter=self._limiter)
         self.steps += 1
         if self._pace is not None:
             # Device emulation: the step lasts as long as the emulated device's (dilated) step would.
@@ -319,13 +326,16 @@ class BatchLoop:
             self.engine.release(s)
         self.kv = self.engine.kv_usage()
 
-    def _step_sync(self, releases: list[SessionId], items: list[StepItem]) -> list[ItemResult | str]:
+    def _step_sync(self, releases: list[SessionId], items: list[StepItem],
+                   hook: LayerDone | None) -> list[ItemResult | str]:
         """In the worker thread: free released sessions, then one step; isolate bad items if it fails."""
         self._release_sync(releases)
         try:
-            results: list[ItemResult | str] = list(self.engine.step(items))
+            steps = self.engine.step(items) if hook is None else self.engine.step(items, hook)
+            results: list[ItemResult | str] = list(steps)
         except EngineError as exc:
-            # The engine changed nothing; find the items at fault by running each on its own.
+            # The engine changed nothing (it refuses before any layer, so the hook saw none); find the items at
+            # fault by running each on its own, without the hook: what it would have sent goes after the step.
             results = [str(exc)] if len(items) == 1 else [self._step_one(item) for item in items]
         except KVCacheFull as exc:
             # The ledger reserved everything this step allocates, so this is a bookkeeping bug, not a full node.

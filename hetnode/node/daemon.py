@@ -90,6 +90,7 @@ class NodeDaemon:
             # Sessions are installed only by the coordinator this node joined.
             hops.is_coordinator = lambda peer: peer == self.coordinator
             hops.mailbox.wait_allowed = hops.kv_mailbox.wait_allowed = self.wait_member
+            hops.link_mbps = self._link_mbps  # how the KV hand-off to a peer is sent depends on the link
         self.coordinator: NodeId | None = None
         self.coordinator_addrs: list[str] = []
         self.members: dict[NodeId, MemberInfo] = {}
@@ -109,6 +110,10 @@ class NodeDaemon:
 
     def is_member(self, peer: NodeId) -> bool:
         return peer == self.coordinator or peer in self.members
+
+    def _link_mbps(self, peer: NodeId) -> float | None:
+        m = self.links.get(peer)
+        return m.bandwidth_mbps if m is not None and m.bandwidth_mbps > 0 else None
 
     async def wait_member(self, peer: NodeId) -> bool:
         """Whether `peer` becomes a member within `_MEMBER_WAIT_S`: a node that has just joined may open a

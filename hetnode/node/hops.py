@@ -17,6 +17,13 @@ After each step the node sends one Items message per next hop carrying every ite
 per-peer outbox, so the batch loop never waits on the network. The last hop samples, streams the tokens of the
 step to their coordinators (one Tokens message each), and feeds every session that goes on back to the first hop
 of its phase; it stops a session by itself at a stop token or at max_tokens.
+
+A hop of a phase that hands off sends the KV its steps compute to the hops of the next phase that hold those
+layers, on the KV protocol (its own streams and outbox: KV never delays activations or tokens). The transfer
+policy (`hetnode.policy.KVTransferPolicy`) picks per link and step: whole after the step, or layer group by
+layer group from inside it (Splitwise §IV-C, `hetnode.kv.stream`), which hides the transfer behind the rest
+of the forward. The receiving hop takes any number of layer-group frames per token range, each checked on its
+own, and lets the session's items run once every layer has all its positions.
 """
 
 from __future__ import annotations
@@ -33,9 +40,19 @@ from hetnode.errors import HetnodeError, ProtocolError
 from hetnode.ids import NodeId, SessionId
 from hetnode.kv import codec_rates
 from hetnode.kv.codecs import CODECS
+from hetnode.kv.stream import LayerStream, StreamPart
 from hetnode.node.batcher import BatchLoop, Pace, Work
-from hetnode.node.engine import Engine, EngineConfig, EngineError, ItemResult, SamplingParams, StepItem, TorchEngine
-from hetnode.policy import Cause, Lifecycle
+from hetnode.node.engine import (
+    Engine,
+    EngineConfig,
+    EngineError,
+    ItemResult,
+    LayerDone,
+    SamplingParams,
+    StepItem,
+    TorchEngine,
+)
+from hetnode.policy import Cause, KVTransferPolicy, Lifecycle
 from hetnode.protocol.mailbox import Mailbox
 from hetnode.protocol.messages import (
     INFER_PROTOCOL,
@@ -108,19 +125,24 @@ class HopSession:
     generated: int = 0  # last hop: tokens sampled so far (on the route: a decode phase starts at the first)
     span_end: int | None = None  # positions past it belong to the next phase (None: this phase decodes)
     # Hand-off in: for each layer held here, the next position whose KV the previous phase sends (`kv_from`
-    # names the hop that sends it); items wait in `held` until every layer has [0, kv_end).
+    # names the hop that sends it; a frame claims its positions when it is accepted, before its import, which
+    # `kv_importing` counts); items wait in `held` until every layer has [0, kv_end) written.
     kv_end: int = 0
     kv_next: dict[int, int] = field(default_factory=dict)
     kv_from: dict[int, NodeId] = field(default_factory=dict)
+    kv_importing: int = 0
     held: list[tuple[NodeId, Work]] = field(default_factory=list)
     kv_done: trio.Event = field(default_factory=trio.Event)  # set once every layer has [0, kv_end)
-    # Hand-off out: the hops of the next phase that hold this hop's layers, and the next position to send.
+    # Hand-off out: the hops of the next phase that hold this hop's layers, and the next position to send; the
+    # layers of positions [kv_sent, kv_stream_end) already streamed from inside the step, per target peer.
     kv_to: list[KVPeer] = field(default_factory=list)
     kv_sent: int = 0
     # Moving elsewhere with its KV: nothing more of the session leaves this hop (Freeze), positions [0, computed)
     # are in its KV here.
     frozen: bool = False
     computed: int = 0
+    kv_streamed: dict[str, int] = field(default_factory=dict)
+    kv_stream_end: int = 0
 
     @property
     def phase(self) -> Phase:
@@ -133,7 +155,7 @@ class HopSession:
     @property
     def kv_waiting(self) -> bool:
         """Items cannot run yet: some layer's handed-over KV has not all arrived."""
-        return any(pos < self.kv_end for pos in self.kv_next.values())
+        return self.kv_importing > 0 or any(pos < self.kv_end for pos in self.kv_next.values())
 
     @property
     def is_first(self) -> bool:
@@ -174,7 +196,7 @@ class _Parked:
 class HopServer:
     def __init__(self, transport: Transport, is_member: Callable[[NodeId], bool], *, device: str = "cpu",
                  dtype: str = "float32", engine_config: EngineConfig | None = None,
-                 pace_factory: PaceFactory | None = None) -> None:
+                 pace_factory: PaceFactory | None = None, kv_transfer: KVTransferPolicy | None = None) -> None:
         self.transport = transport
         self.device = device
         self.dtype = dtype
@@ -185,8 +207,12 @@ class HopServer:
         # KV hand-offs on their own streams and queues: a large transfer never holds up activations or tokens.
         self.kv_mailbox = Mailbox(transport, KV_PROTOCOL, kv_decoder, self._on_kv, is_member)
         self.kv_outbox = Outbox(self.kv_mailbox, self._send_failed)
+        self.kv_transfer = kv_transfer or KVTransferPolicy()  # whole after the step, or layer-wise within it
+        # The measured bandwidth to a peer in Mbit/s, None where not measured (set by NodeDaemon from its probes).
+        self.link_mbps: Callable[[NodeId], float | None] = lambda peer: None
         self.kv_bytes_sent = 0
         self.kv_bytes_received = 0
+        self.kv_frames_sent = 0
         self.codec_rates: list[CodecRate] = []  # measured when the first shard loads
         # Who may install sessions here: the coordinator the node joined (set by NodeDaemon); nobody until then.
         self.is_coordinator: Callable[[NodeId], bool] = lambda peer: False
@@ -266,7 +292,8 @@ class HopServer:
             old_engine, old_loop, old_scope = self.engine, self.loop, self._loop_scope
             self.assignment, self.engine = a, engine
             self.loop = BatchLoop(engine, deliver=self._deliver, fail=self._fail,
-                                  pace=self.pace_factory(engine) if self.pace_factory else None)
+                                  pace=self.pace_factory(engine) if self.pace_factory else None,
+                                  layer_hook=self._stream_for)
             assert self._nursery is not None
             self._loop_scope = await self._nursery.start(self._run_loop, self.loop)
             log.info("serving layers [%d, %d) of %s (plan %d)", a.first_layer, a.last_layer, a.model,
@@ -564,57 +591,141 @@ class HopServer:
 
     # -- KV hand-offs ------------------------------------------------------------------------------------
 
+    def _stream_for(self, works: Sequence[Work]) -> LayerDone | None:
+        """The step's layer hook (in the event loop, before the step): the KV of the sessions this hop hands off,
+        for each target the transfer policy streams, sent group by group from inside the step."""
+        parts: list[StreamPart] = []
+        engine: Engine | None = None
+        for work in works:
+            session: HopSession = work.ctx
+            if not session.kv_to or self.sessions.get(session.id) is not session:
+                continue
+            start, end = session.kv_sent, _handoff_end(session, work.item.start + work.item.num_tokens)
+            if end <= start:
+                continue
+            engine = session.loop.engine
+            cfg = engine.config
+            for t in session.kv_to:
+                codec = CODECS.get(t.codec)
+                if codec is None:
+                    continue  # the whole hand-off after the step reports it
+                layers, tokens = t.last_layer - t.first_layer, end - start
+                per = codec.packed_size(layers, tokens, cfg.num_kv_heads, cfg.head_dim) / (layers * tokens)
+                try:
+                    choice = self.kv_transfer.choose(tokens, layers, per, self.link_mbps(NodeId(t.peer)))
+                except ValueError as exc:  # a measured bandwidth the policy cannot use: the hand-off goes whole
+                    log.warning("KV to %s goes whole after the step: %s", t.peer, exc)
+                    continue
+                if choice.mode == "layerwise":
+                    parts.append(StreamPart(session.id, t.peer, t.codec, start, end, t.first_layer, t.last_layer,
+                                            choice.group_layers))
+        if not parts:
+            return None
+        assert engine is not None
+        src, token = engine, trio.lowlevel.current_trio_token()
+
+        def export(sid: SessionId, start: int, end: int, layers: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+            return src.export_kv(sid, start, end, layers)
+
+        def send(part: StreamPart, first: int, last: int, data: memoryview) -> bool:
+            # In the step's thread. Handed to the event loop without waiting for it: a wait per group, for a
+            # loop that shares two cores with the step, cost ~0.5 ms a frame here. Callbacks run in order, so a
+            # session's groups are posted in order, and none after one that failed (the session is gone then).
+            try:
+                token.run_sync_soon(self._send_streamed, part, first, last, data)
+            except trio.RunFinishedError:
+                return False
+            return True
+
+        return LayerStream(parts, export, send)
+
+    def _send_streamed(self, part: StreamPart, first: int, last: int, data: memoryview) -> None:
+        """In the event loop: post one group streamed from inside a step (never raises: trio runs it as a
+        callback, where an exception would end the run)."""
+        try:
+            session = self.sessions.get(part.session)
+            if session is None or session.kv_sent != part.start:
+                return  # released or failed while the step ran (or an earlier group failed)
+            if not self._post_kv(session, part.target, part.codec, first, last, part.start, part.end, data):
+                return
+            if session.kv_stream_end != part.end:
+                session.kv_streamed, session.kv_stream_end = {}, part.end
+            session.kv_streamed[part.target] = last
+        except Exception:
+            log.exception("posting streamed KV of session %s failed", part.session)
+
+    def _post_kv(self, session: HopSession, peer: str, codec: str, first: int, last: int, start: int, end: int,
+                 data: memoryview) -> bool:
+        """Queue the KV of layers [first, last) at positions [start, end) for `peer`; False (and the session
+        failed) when its queue is full."""
+        msg = KV(session=session.id, first_layer=first, layers=last - first, start=start, count=end - start,
+                 codec=codec, tensor=TensorMeta("uint8", [len(data)]))  # type: ignore[arg-type]
+        self.kv_bytes_sent += len(data)
+        self.kv_frames_sent += 1
+        if not self.kv_outbox.post(NodeId(peer), msg, data):
+            self._fail_session(session, f"could not queue the KV for {peer}", unreachable=NodeId(peer))
+            return False
+        return True
+
     async def _hand_off(self, handing: list[tuple[HopSession, int]]) -> None:
-        """Send the next phase the KV this step computed, each layer to the hop that holds it, packed with the
-        codec of that link; a session whose whole range has gone is done here and frees its KV."""
+        """Send the next phase the KV this step computed that its layer hook has not streamed already, each layer
+        to the hop that holds it, packed with the codec of that link; a session whose whole range has gone is
+        done here and frees its KV."""
         ends: dict[SessionId, tuple[HopSession, int]] = {}
         for session, end in handing:
-            ends[session.id] = (session, min(end, session.span_end or end))
-        jobs = [(s, s.kv_sent, end) for s, end in ends.values() if end > s.kv_sent]
+            ends[session.id] = (session, _handoff_end(session, end))
+        jobs: list[tuple[HopSession, int, int, list[tuple[KVPeer, int]]]] = []
+        for session, end in ends.values():
+            if end <= session.kv_sent:
+                continue
+            streamed = session.kv_streamed if session.kv_stream_end == end else {}
+            rest = [(t, streamed.get(t.peer, t.first_layer)) for t in session.kv_to]
+            jobs.append((session, session.kv_sent, end, [(t, lo) for t, lo in rest if lo < t.last_layer]))
         if not jobs:
             return
         loop = jobs[0][0].loop
 
-        def export(engine: Engine) -> list[list[tuple[KVPeer, memoryview]]]:
+        def export(engine: Engine) -> list[list[tuple[KVPeer, int, memoryview]]]:
             # In the worker thread: the copies and the packing run beside the event loop, between steps.
             out = []
-            for session, start, end in jobs:
-                keys, values = engine.export_kv(session.id, start, end)
-                base = engine.first_layer
-                out.append([(t, CODECS[t.codec].pack(keys[t.first_layer - base:t.last_layer - base],
-                                                     values[t.first_layer - base:t.last_layer - base]))
-                            for t in session.kv_to])
+            for session, start, end, rest in jobs:
+                parts = []
+                for t, lo in rest:
+                    keys, values = engine.export_kv(session.id, start, end, (lo, t.last_layer))
+                    parts.append((t, lo, CODECS[t.codec].pack(keys, values)))
+                out.append(parts)
             return out
 
-        try:
-            packed = await loop.run_engine(export)
-        except EngineError as exc:
-            for session, _, _ in jobs:
-                self._fail_local(session.id, f"could not export the KV to hand over: {exc}")
-            return
-        for (session, start, end), parts in zip(jobs, packed, strict=True):
+        packed: list[list[tuple[KVPeer, int, memoryview]]] = [[] for _ in jobs]
+        if any(rest for _, _, _, rest in jobs):  # not when the step streamed everything
+            try:
+                packed = await loop.run_engine(export)
+            except (EngineError, ValueError) as exc:
+                for session, _, _, _ in jobs:
+                    self._fail_local(session.id, f"could not export the KV to hand over: {exc}")
+                return
+        for (session, start, end, _), parts in zip(jobs, packed, strict=True):
             if self.sessions.get(session.id) is not session:
                 continue
             session.kv_sent = end
-            for target, data in parts:
-                msg = KV(session=session.id, first_layer=target.first_layer,
-                         layers=target.last_layer - target.first_layer, start=start, count=end - start,
-                         codec=target.codec, tensor=TensorMeta("uint8", [len(data)]))  # type: ignore[arg-type]
-                self.kv_bytes_sent += len(data)
-                if not self.kv_outbox.post(NodeId(target.peer), msg, data):
-                    self._fail_session(session, f"could not queue the KV for {target.peer}",
-                                       unreachable=NodeId(target.peer))
-                    break
-            else:
-                if session.span_end is not None and end >= session.span_end:
-                    # Everything this hop computed for the session is on its way: its KV is not needed here.
-                    # Its coordinator is remembered a while, so a send that fails later is still reported.
-                    self._drop(session.id)
-                    self._handed[session.id] = session.coordinator
-                    if len(self._handed) > _HANDED_MEMORY:
-                        self._handed.popitem(last=False)
+            session.kv_streamed, session.kv_stream_end = {}, 0
+            if not all(self._post_kv(session, t.peer, t.codec, lo, t.last_layer, start, end, data)
+                       for t, lo, data in parts):
+                continue  # the session failed at the first KV it could not queue
+            if session.span_end is not None and end >= session.span_end:
+                # Everything this hop computed for the session is on its way: its KV is not needed here.
+                # Its coordinator is remembered a while, so a send that fails later is still reported.
+                self._drop(session.id)
+                self._handed[session.id] = session.coordinator
+                if len(self._handed) > _HANDED_MEMORY:
+                    self._handed.popitem(last=False)
 
     async def _on_kv(self, peer: NodeId, msg: object, payload: bytes | None) -> None:
+        """One frame of handed-over KV: any layers the sender shares with this hop, the positions that continue
+        each of them. A whole step's transfer is one frame per target; a layer-wise one is a frame per group of
+        layers, each checked on its own. A frame is refused (error reply, reset stream) before it touches
+        anything; one that fails after it was accepted (its import) fails its session, which can no longer be
+        vouched for."""
         if not isinstance(msg, KV):
             raise ProtocolError(f"{type(msg).__name__} is not sent on the KV protocol")
         sid = SessionId(msg.session)
@@ -648,15 +759,23 @@ class HopServer:
                                         e.dtype if isinstance(e, TorchEngine) else torch.float32)
             e.import_kv(sid, msg.start, msg.first_layer, keys, values)
 
+        # Claimed now: a frame for the same positions (a duplicate, on this stream or another) is refused from
+        # here on, and items wait until the import is done.
+        for layer in layers:
+            session.kv_next[layer] = end
+        session.kv_importing += 1
         try:
             await session.loop.run_engine(unpack_and_import)
-        except EngineError as exc:
+        except (EngineError, ProtocolError) as exc:
+            if self.sessions.get(sid) is session:
+                self._fail_session(session, f"handed-over KV of layers [{msg.first_layer}, {layers.stop}) at "
+                                            f"[{msg.start}, {end}) could not be written: {exc}")
             raise ProtocolError(f"KV for session {sid} does not fit it here: {exc}") from exc
+        finally:
+            session.kv_importing -= 1
         if self.sessions.get(sid) is not session:
             return  # released while it was written
         self.kv_bytes_received += len(payload)
-        for layer in layers:
-            session.kv_next[layer] = end
         if not session.kv_waiting:
             session.computed = max(session.computed, session.kv_end)  # what it holds, should it move on
             session.kv_done.set()
@@ -832,6 +951,11 @@ class HopServer:
                 assert parked is not None
                 for peer in {peer for peer, _, _ in parked.items}:
                     self._refuse(peer, "unknown_session", f"session {sid} was never installed here")
+
+
+def _handoff_end(session: HopSession, end: int) -> int:
+    """The end of the positions a hand-off sends after a step that ran up to `end`: this phase's part only."""
+    return end if session.span_end is None else min(end, session.span_end)
 
 
 def _add(onward: dict[NodeId, tuple[list[Item], list[torch.Tensor], list[HopSession]]], peer: NodeId, item: Item,

@@ -2,15 +2,17 @@
 
 Real HopServers with real engines (a tiny random-weight model, three nodes) on the memory transport, and the
 coordinator's real PipelineGenerator with routes given by the test. Greedy output equals the single process's,
-whatever the two phases' layer cuts; the first token comes from the prefill side; the prefill side frees its KV
-once it is handed over; a decode side that cannot reserve the KV refuses before any prefill.
+whatever the two phases' layer cuts and whether the KV goes whole after each step or layer by layer from inside
+it; the first token comes from the prefill side; the prefill side frees its KV once it is handed over; a decode
+side that cannot reserve the KV refuses before any prefill.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,6 +32,7 @@ from hetnode.models.tiny import write_tiny_model
 from hetnode.models.tokenizer import load_tokenizer
 from hetnode.node.engine import EngineConfig, SamplingParams
 from hetnode.node.hops import HopServer
+from hetnode.policy import KVTransferPolicy
 from hetnode.protocol.memory import MemoryNetwork
 from hetnode.protocol.messages import (
     Assignment,
@@ -45,6 +48,10 @@ from hetnode.protocol.routes import pipeline_route
 
 PROMPTS = [[5, 6, 7], list(range(20, 45)), list(range(100, 170))]
 MAX_TOKENS = 12
+WHOLE = KVTransferPolicy(min_layerwise_s=math.inf)
+LAYERWISE = KVTransferPolicy(min_layerwise_s=0, min_group_bytes=0, max_groups=1024)  # a frame per layer
+HALVES = KVTransferPolicy(min_layerwise_s=0, min_group_bytes=0, max_groups=2)  # 3 layers: groups of 2, 1
+TRANSFERS = {"whole": WHOLE, "layerwise": LAYERWISE, "halves": HALVES}
 PROFILE = HardwareProfile(device="cpu", device_type="cpu", memory_bytes=8 << 30, matmul_tflops=0.1,
                           mem_bandwidth_gbps=10.0, dtype="float32")
 
@@ -78,7 +85,7 @@ class Net:
 
 @asynccontextmanager
 async def network(model: Path, shards: dict[str, tuple[int, int]], kv_blocks: dict[str, int] | None = None,
-                  ) -> AsyncIterator[Net]:
+                  kv_transfer: KVTransferPolicy | None = None) -> AsyncIterator[Net]:
     cfg = load_config(model)
     net = MemoryNetwork()
     registry = Registry(token="t", heartbeat_deadline_s=60.0)
@@ -97,21 +104,22 @@ async def network(model: Path, shards: dict[str, tuple[int, int]], kv_blocks: di
                                 tokenizer=load_tokenizer(model), step_timeout_s=30.0, max_reroutes=0)
         await nursery.start(gen.run)
         servers: dict[str, HopServer] = {}
-        async with _nodes(net, nursery, model, list(shards.items()), servers, kv_blocks or {}):
+        async with _nodes(net, nursery, model, list(shards.items()), servers, kv_blocks or {}, kv_transfer):
             yield Net(gen, servers, cfg.num_layers)
         nursery.cancel_scope.cancel()
 
 
 @asynccontextmanager
 async def _nodes(net: MemoryNetwork, nursery: trio.Nursery, model: Path, shards: list[tuple[str, tuple[int, int]]],
-                 out: dict[str, HopServer], kv_blocks: dict[str, int]) -> AsyncIterator[None]:
+                 out: dict[str, HopServer], kv_blocks: dict[str, int],
+                 kv_transfer: KVTransferPolicy | None = None) -> AsyncIterator[None]:
     if not shards:
         yield
         return
     (name, (a, b)), rest = shards[0], shards[1:]
     async with net.transport(name) as t:
         config = EngineConfig(num_kv_blocks=kv_blocks.get(name, 256), block_size=4)
-        hops = HopServer(t, lambda peer: True, engine_config=config)
+        hops = HopServer(t, lambda peer: True, engine_config=config, kv_transfer=kv_transfer)
         hops.is_coordinator = lambda peer: peer == "coord"
         await nursery.start(hops.run)
 
@@ -121,7 +129,7 @@ async def _nodes(net: MemoryNetwork, nursery: trio.Nursery, model: Path, shards:
         await hops.assign(Assignment(plan_version=1, model=str(model), first_layer=a, last_layer=b, role="mixed"),
                           report)
         out[name] = hops
-        async with _nodes(net, nursery, model, rest, out, kv_blocks):
+        async with _nodes(net, nursery, model, rest, out, kv_blocks, kv_transfer):
             yield
 
 
@@ -135,12 +143,14 @@ def split_route(prefill: list[tuple[str, int, int]], decode: list[tuple[str, int
     ])
 
 
+@pytest.mark.parametrize("transfer", list(TRANSFERS))
 @pytest.mark.parametrize("direction", ["two prefill hops, one decode hop", "one prefill hop, two decode hops"])
 async def test_phase_split_greedy_output_equals_the_single_process(tiny_model: Path, reference: list[list[int]],
-                                                                   direction: str) -> None:
+                                                                   direction: str, transfer: str) -> None:
     layers = load_config(tiny_model).num_layers
     cut = layers // 2
-    async with network(tiny_model, {"p0": (0, cut), "p1": (cut, layers), "d": (0, layers)}) as net:
+    async with network(tiny_model, {"p0": (0, cut), "p1": (cut, layers), "d": (0, layers)},
+                       kv_transfer=TRANSFERS[transfer]) as net:
         if direction.startswith("two prefill"):
             route = split_route([("p0", 0, cut), ("p1", cut, layers)], [("d", 0, layers)])
         else:
@@ -168,6 +178,12 @@ async def test_phase_split_greedy_output_equals_the_single_process(tiny_model: P
                 assert hops.kv_bytes_sent > 0 and hops.kv_bytes_received == 0
             else:
                 assert hops.kv_bytes_received > 0 and hops.kv_bytes_sent == 0
+        # Each prompt is one prefill step: one frame per target whole, one per layer group layer-wise.
+        frames = {name: net.nodes[name].kv_frames_sent for name in senders}
+        groups = [TRANSFERS[transfer].choose(1, n, 1.0).groups for n in (cut, layers - cut)]
+        want = {"p0": groups[0], "p1": groups[1]} if direction.startswith("two prefill") else {"d": sum(groups)}
+        assert frames == {name: n * len(PROMPTS) for name, n in want.items()}
+        assert sum(frames.values()) == len(PROMPTS) * {"whole": 2, "layerwise": layers, "halves": 4}[transfer]
 
 
 async def test_a_decode_hop_without_room_for_the_kv_refuses_before_any_prefill(tiny_model: Path) -> None:
@@ -185,13 +201,15 @@ async def test_a_decode_hop_without_room_for_the_kv_refuses_before_any_prefill(t
         assert await collect(net.gen, PROMPTS[0], 4)  # 3 tokens fit in d's 2 blocks ... with room to grow
 
 
+@pytest.mark.parametrize("transfer", ["whole", "layerwise"])
 async def test_a_partial_prefill_hands_its_kv_to_the_phase_that_finishes_the_prompt(
-        tiny_model: Path, reference: list[list[int]]) -> None:
+        tiny_model: Path, reference: list[list[int]], transfer: str) -> None:
     """Cronus: the weak node prefills tokens [0, k), the strong one the rest of the prompt beside its decodes. A
     prompt shorter than k is prefilled whole on the weak node, which then samples the first token."""
     layers = load_config(tiny_model).num_layers
     k = 20
-    async with network(tiny_model, {"weak": (0, layers), "strong": (0, layers)}) as net:
+    async with network(tiny_model, {"weak": (0, layers), "strong": (0, layers)},
+                       kv_transfer=TRANSFERS[transfer]) as net:
         route = Route(phases=[
             Phase(kind="prefill", hops=[Hop(peer="weak", first_layer=0, last_layer=layers)], last_token=k),
             Phase(kind="mixed", hops=[Hop(peer="strong", first_layer=0, last_layer=layers)], first_token=k),
@@ -526,3 +544,179 @@ async def test_freeze_and_export_only_from_the_sessions_coordinator_and_only_in_
                 assert failed.session == "t" and "first of its two phases" in failed.reason
                 assert a.sessions["s"].frozen and a.kv_bytes_sent == 0
         nursery.cancel_scope.cancel()
+
+
+async def test_layer_group_frames_out_of_place_are_refused_and_touch_no_other_session(tiny_model: Path) -> None:
+    """A layer-wise hand-off arrives as a frame per group of layers, each checked on its own: a group sent twice
+    (on the same stream or on two at once), one overlapping a group already taken, one with a layer its sender
+    does not share with this hop, one that skips positions of its layers, and one for a session whose KV is
+    complete are refused with an error and a reset stream. Nothing is written then; another session's KV stays
+    as it was; the right groups, in any layer order, still complete the session. A frame that passes the checks
+    but cannot be written (a non-finite int8 scale) fails its session: it can no longer be vouched for."""
+    import torch
+    from raw_peer import RawPeer
+
+    from hetnode.kv.codecs import CODECS
+    from hetnode.protocol.framing import FramedStream
+    from hetnode.protocol.messages import KV, KV_PROTOCOL, ErrorReply, Failed, Install, Ready, Sampling, TensorMeta
+    from hetnode.protocol.messages import kv_decoder as decoder
+
+    cfg = load_config(tiny_model)
+    layers, cut, n = cfg.num_layers, 2, 8
+    net = MemoryNetwork()
+    async with trio.open_nursery() as nursery, net.transport("coord") as ct, net.transport("p0") as p0, \
+            net.transport("p1") as p1, net.transport("evil") as evil:
+        servers: dict[str, HopServer] = {}
+        async with _nodes(net, nursery, tiny_model, [("d", (0, layers))], servers, {}):
+            d = servers["d"]
+            assert d.loop is not None
+            coord = RawPeer(ct)
+            route = split_route([("p0", 0, cut), ("p1", cut, layers)], [("d", 0, layers)])
+            with trio.fail_after(10):
+                for sid in ("s", "t", "u"):
+                    await coord.send("d", Install(session=sid, route=route, sampling=Sampling(), prefill_end=n,
+                                                  max_tokens=4, lease_s=30))
+                    await coord.next_of(Ready)
+            kv = {sid: (torch.randn(layers, n, cfg.num_kv_heads, cfg.head_dim),
+                        torch.randn(layers, n, cfg.num_kv_heads, cfg.head_dim)) for sid in ("s", "t", "u")}
+
+            def frame(sid: str, first: int, count_layers: int, start: int = 0, count: int = n,
+                      codec: str = "fp16") -> tuple[KV, bytes]:
+                keys, values = kv[sid]
+                part = (slice(first, first + count_layers), slice(start, start + count))
+                data = bytes(CODECS[codec].pack(keys[part], values[part]))
+                return KV(session=sid, first_layer=first, layers=count_layers, start=start, count=count,
+                          codec=codec, tensor=TensorMeta("uint8", [len(data)])), data  # type: ignore[arg-type]
+
+            async def send(transport: Any, *frames: tuple[KV, bytes]) -> FramedStream:
+                framed = FramedStream(await transport.open_stream(NodeId("d"), KV_PROTOCOL))
+                for msg, data in frames:
+                    await framed.send_with_payload(msg, data)
+                return framed
+
+            async def refused(transport: Any, *frames: tuple[KV, bytes]) -> str:
+                """The frames on one stream; the last must be refused (those before it are taken in order)."""
+                framed = await send(transport, *frames)
+                with trio.fail_after(10):
+                    reply = await framed.receive_msg(decoder)
+                assert isinstance(reply, ErrorReply)
+                return reply.code
+
+            async def held(sid: str) -> tuple[torch.Tensor, torch.Tensor]:
+                return await d.loop.run_engine(lambda e: e.export_kv(sid, 0, n))  # type: ignore[arg-type,union-attr]
+
+            # Session t's hand-off completes first, in a frame per layer group from each of its two senders.
+            await send(p0, frame("t", 0, 1), frame("t", 1, 1))
+            await send(p1, frame("t", 2, 2), frame("t", 4, 1))
+            t = d.sessions["t"]
+            with trio.fail_after(10):
+                await t.kv_done.wait()
+            t_before = await held("t")
+            assert torch.allclose(t_before[0], kv["t"][0], atol=1e-2)
+
+            s = d.sessions["s"]
+            # Layer 0's first half is taken; the same group again, on the same stream, is not.
+            assert await refused(p0, frame("s", 0, 1, 0, 4), frame("s", 0, 1, 0, 4)) == "bad_message"
+            assert s.kv_next == {0: 4, 1: 0, 2: 0, 3: 0, 4: 0}
+            assert await refused(p0, frame("s", 0, 2, 0, 4)) == "bad_message"  # overlaps layer 0's [0, 4)
+            assert await refused(p0, frame("s", 1, 2)) == "bad_message"  # layer 2 comes from p1
+            assert await refused(p1, frame("s", 1, 2)) == "bad_message"  # and layer 1 from p0
+            assert await refused(evil, frame("s", 0, 1, 4, 4)) == "bad_message"  # not on the route
+            assert await refused(p0, frame("s", 1, 1, 4, 4)) == "bad_message"  # layer 1 continues at 0
+            assert await refused(p0, frame("t", 0, 1, 0, 4)) == "bad_message"  # t's KV is complete
+            assert s.kv_next == {0: 4, 1: 0, 2: 0, 3: 0, 4: 0} and s.kv_waiting and not s.kv_done.is_set()
+            got = await held("s")
+            assert torch.allclose(got[0][0, :4], kv["s"][0][0, :4], atol=1e-2)
+            assert not got[0][0, 4:].any() and not got[0][1:].any()  # nothing else was written
+            assert all(torch.equal(a, b) for a, b in zip(await held("t"), t_before, strict=True))
+
+            # The same group on two streams at once: one is taken, the other refused.
+            replies, inbox = trio.open_memory_channel[str](2)
+
+            async def reply_on(framed: FramedStream) -> None:
+                reply = await framed.receive_msg(decoder)  # the taken frame's stream stays quiet
+                await replies.send(reply.code if isinstance(reply, ErrorReply) else repr(reply))
+
+            twice = [await send(p0, frame("s", 1, 1)), await send(p0, frame("s", 1, 1))]
+            async with trio.open_nursery() as both:
+                for framed in twice:
+                    both.start_soon(reply_on, framed)
+                with trio.fail_after(10):
+                    assert await inbox.receive() == "bad_message"
+                await trio.testing.wait_all_tasks_blocked()
+                assert inbox.statistics().current_buffer_used == 0  # only one of the two was refused
+                both.cancel_scope.cancel()
+            assert s.kv_next[1] == n
+
+            # The rest, layers last to first: the session is complete and holds exactly what was sent.
+            await send(p1, frame("s", 4, 1), frame("s", 2, 2))
+            await send(p0, frame("s", 0, 1, 4, 4))
+            with trio.fail_after(10):
+                await s.kv_done.wait()
+            got = await held("s")
+            assert torch.allclose(got[0], kv["s"][0], atol=1e-2) and torch.allclose(got[1], kv["s"][1], atol=1e-2)
+            assert all(torch.equal(a, b) for a, b in zip(await held("t"), t_before, strict=True))
+
+            # A well-formed frame whose int8 scales are not finite: refused, and its session fails.
+            msg, data = frame("u", 0, 1, codec="int8")
+            assert await refused(p0, (msg, data[:-2] + b"\xff\x7f")) == "bad_message"
+            _, failed = await coord.next_of(Failed)
+            assert failed.session == "u" and "could not be written" in failed.reason
+            assert "u" not in d.sessions and {"s", "t"} <= set(d.sessions)
+        nursery.cancel_scope.cancel()
+
+
+async def test_the_first_token_never_waits_for_kv_streamed_from_inside_the_step(tiny_model: Path) -> None:
+    """Layer-wise, the KV frames are queued while the step runs, on their own outbox and stream: a decode hop that
+    never reads its KV stream holds up neither the prefill step nor the first token, which reaches the
+    coordinator all the same (the decode waits, as it must, for KV that never comes)."""
+    from hetnode.protocol.messages import KV_PROTOCOL
+
+    layers = load_config(tiny_model).num_layers
+    async with network(tiny_model, {"p": (0, layers), "d": (0, layers)}, kv_transfer=LAYERWISE) as net:
+        stuck = trio.Event()
+
+        async def never_read(stream: Any) -> None:
+            stuck.set()
+            await trio.sleep_forever()
+
+        net.nodes["d"].transport.set_handler(KV_PROTOCOL, never_read)
+
+        async def fixed(exclude: set[NodeId]) -> Route:
+            return split_route([("p", 0, layers)], [("d", 0, layers)])
+
+        net.gen.route_for = fixed
+        params = GenerationParams(max_tokens=4, sampling=SamplingParams())
+        with trio.fail_after(20):
+            async with net.gen.generate(PROMPTS[2], params) as events, aclosing(aiter(events)) as tokens:
+                first = await anext(tokens)
+                assert first.token is not None
+                await stuck.wait()  # the KV went out while the first token did
+        p = net.nodes["p"]
+        assert p.kv_frames_sent == layers and p.loop is not None and p.loop.steps == 1
+
+
+@pytest.mark.parametrize("mbps", [1.0, 10_000.0, None])
+async def test_a_hop_streams_its_kv_over_a_slow_link_and_sends_it_whole_over_a_fast_one(
+        tiny_model: Path, reference: list[list[int]], mbps: float | None) -> None:
+    """The transfer policy reads the link's measured bandwidth (the node's probes; None: not measured, taken as
+    100 Mbit/s): the 70-token prompt's 50 KB take 400 ms at 1 Mbit/s and stream, 4 ms at 100 Mbit/s and go
+    whole."""
+    layers = load_config(tiny_model).num_layers
+    policy = KVTransferPolicy(min_group_bytes=0, max_groups=1024)  # the default threshold; a frame per layer
+    async with network(tiny_model, {"p": (0, layers), "d": (0, layers)}, kv_transfer=policy) as net:
+        asked: list[NodeId] = []
+
+        def link_mbps(peer: NodeId) -> float | None:
+            asked.append(peer)
+            return mbps
+
+        net.nodes["p"].link_mbps = link_mbps
+
+        async def fixed(exclude: set[NodeId]) -> Route:
+            return split_route([("p", 0, layers)], [("d", 0, layers)])
+
+        net.gen.route_for = fixed
+        assert await collect(net.gen, PROMPTS[2]) == reference[2]
+        assert asked == ["d"]
+        assert net.nodes["p"].kv_frames_sent == (layers if mbps == 1.0 else 1)

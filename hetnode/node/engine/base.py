@@ -15,7 +15,7 @@ Each stage keeps the KV of its own layers for every session it has seen, in page
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +25,12 @@ from hetnode.ids import SessionId
 from hetnode.kv import KVUsage
 from hetnode.models.config import ModelConfig, bounded, check_bounds
 from hetnode.node.engine.sampling import SamplingParams
+
+LayerDone = Callable[[int], None]
+"""A step's per-layer hook: called with a layer's index in the model (not in the shard) once the step has run that
+layer, so its keys and values (and every earlier layer's here) are in the cache, readable with `export_kv`. It
+runs in the step's thread between two layers (keep it short) and must not change the engine. Layer-wise KV
+streaming (Splitwise §IV-C) sends each layer to the next phase from here while the forward goes on."""
 
 
 class EngineError(HetnodeError):
@@ -100,11 +106,12 @@ class Engine(ABC):
         return self.last_layer == self.config.num_layers
 
     @abstractmethod
-    def step(self, items: Sequence[StepItem]) -> list[ItemResult]:
-        """Run every item through this stage's layers in one batch.
+    def step(self, items: Sequence[StepItem], layer_done: LayerDone | None = None) -> list[ItemResult]:
+        """Run every item through this stage's layers in one batch, calling `layer_done` after each layer.
 
-        Raises `EngineError` for malformed input and `hetnode.kv.KVCacheFull` when the new tokens do not fit;
-        either way (and on any other exception) no session's KV changes.
+        Raises `EngineError` for malformed input and `hetnode.kv.KVCacheFull` when the new tokens do not fit,
+        both before any layer runs; either way (and on any other exception, the hook's included) no session's KV
+        changes. What the hook already did with the KV it read (sent it) is the hook's to undo.
         """
 
     @abstractmethod
@@ -122,8 +129,11 @@ class Engine(ABC):
     # -- KV hand-offs between nodes: keys and values as [layers, tokens, KV heads, head_dim] tensors ----------
 
     @abstractmethod
-    def export_kv(self, session: SessionId, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copies of the session's keys and values at positions [start, end) in every layer this engine holds."""
+    def export_kv(self, session: SessionId, start: int, end: int,
+                  layers: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of the session's keys and values at positions [start, end) in layers [a, b) of the model
+        (`layers`; every layer this engine holds by default). Inside a step (from its `layer_done` hook) the
+        step's own positions are readable in every layer it has run."""
 
     @abstractmethod
     def reserve_kv(self, session: SessionId, tokens: int) -> None:

@@ -7,6 +7,8 @@ batch. Norms and the rotation follow transformers' operation order so that float
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -48,8 +50,10 @@ class DecoderStack:
         sin: torch.Tensor,
         slots: torch.Tensor,
         plan: AttentionPlan,
+        layer_done: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
-        """x: [T, H] -> [T, H] after every layer; cos, sin: [T, D]; slots: [T], where each token's K, V go."""
+        """x: [T, H] -> [T, H] after every layer; cos, sin: [T, D]; slots: [T], where each token's K, V go.
+        `layer_done(first_layer + i)` after layer i (`hetnode.node.engine.base.LayerDone`)."""
         cfg = self.config
         t = x.shape[0]
         heads, kv_heads, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -69,4 +73,6 @@ class DecoderStack:
             h = rms_norm(x, w.post_norm, eps)
             gate, up = w.gate_up(h).chunk(2, dim=-1)  # 2 x [T, I]
             x = x + w.down(F.silu(gate) * up)
+            if layer_done is not None:
+                layer_done(self.first_layer + i)
         return x

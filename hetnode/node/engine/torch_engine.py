@@ -13,7 +13,7 @@ from hetnode.ids import SessionId
 from hetnode.kv import KVPool, KVUsage, Span
 from hetnode.models.config import ModelConfig
 from hetnode.node.engine.attention import AttentionPlan
-from hetnode.node.engine.base import Engine, EngineConfig, EngineError, ItemResult, StepItem
+from hetnode.node.engine.base import Engine, EngineConfig, EngineError, ItemResult, LayerDone, StepItem
 from hetnode.node.engine.kv_cache import PagedKVCache, bytes_per_block
 from hetnode.node.engine.model import DecoderStack, rms_norm
 from hetnode.node.engine.rope import Rotary
@@ -90,7 +90,7 @@ class TorchEngine(Engine):
 
     # -- the step ---------------------------------------------------------------------------------------
 
-    def step(self, items: Sequence[StepItem]) -> list[ItemResult]:
+    def step(self, items: Sequence[StepItem], layer_done: LayerDone | None = None) -> list[ItemResult]:
         self.validate(items)
         # Decode items first: the attention plan then treats them as one contiguous block of rows.
         order = sorted(range(len(items)), key=lambda i: not _is_decode(items[i]))
@@ -105,7 +105,7 @@ class TorchEngine(Engine):
                 # A rewind writes over tokens its session still holds until the step commits: keep them.
                 if growth.overwritten:
                     saved = self.kv.save(growth.overwritten)
-                results = self._run(ordered, growth.slots)
+                results = self._run(ordered, growth.slots, layer_done)
         except BaseException:
             try:
                 if saved is not None:
@@ -120,7 +120,7 @@ class TorchEngine(Engine):
             out[i] = results[pos]
         return out
 
-    def _run(self, items: list[StepItem], slots: list[list[int]]) -> list[ItemResult]:
+    def _run(self, items: list[StepItem], slots: list[list[int]], layer_done: LayerDone | None) -> list[ItemResult]:
         dev = self.device
         decode: list[tuple[int, Sequence[int]]] = []
         prefill: list[tuple[int, int, Sequence[int]]] = []
@@ -144,7 +144,7 @@ class TorchEngine(Engine):
             x = F.embedding(ids, self.weights.embed)  # [T, H]
         else:
             x = torch.cat([it.hidden for it in items if it.hidden is not None]).to(device=dev, dtype=self.dtype)
-        x = self.stack.forward(x, cos, sin, slot_ids, plan)  # [T, H]
+        x = self.stack.forward(x, cos, sin, slot_ids, plan, layer_done)  # [T, H]
 
         if not self.is_last:
             rows = _row_offsets(items)
@@ -199,11 +199,17 @@ class TorchEngine(Engine):
     def kv_usage(self) -> KVUsage:
         return self.pool.usage()
 
-    def export_kv(self, session: SessionId, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def export_kv(self, session: SessionId, start: int, end: int,
+                  layers: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        a, b = layers if layers is not None else (self.first_layer, self.last_layer)
+        if not self.first_layer <= a < b <= self.last_layer:
+            raise EngineError(f"session {session}: KV of layers [{a}, {b}) asked of a node holding "
+                              f"[{self.first_layer}, {self.last_layer})")
         index = self._kv_slots(session, start, end - start)
+        lo, hi = a - self.first_layer, b - self.first_layer
         with torch.no_grad():  # not inference mode: the copies are the caller's, to pack or change in place
-            return (PagedKVCache.flat(self.kv.keys).index_select(1, index),
-                    PagedKVCache.flat(self.kv.values).index_select(1, index))
+            return (PagedKVCache.flat(self.kv.keys)[lo:hi].index_select(1, index),
+                    PagedKVCache.flat(self.kv.values)[lo:hi].index_select(1, index))
 
     def reserve_kv(self, session: SessionId, tokens: int) -> None:
         if session in self.pool:
