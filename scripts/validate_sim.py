@@ -57,8 +57,8 @@ a check against a 10% target (Helix reports under 5% for its simulator):
 8. Phase-split (`--placement split`): the coordinator plans prefill and decode replicas (`split_placement`) and
    routes by CLS; the simulator runs the same plan with a fresh CLS scheduler (the nodes' regions), the KV
    hand-offs at the codec rates the profile worker measures (`hetnode.kv.codec_rates.measure`, as each node
-   does when it loads its shard), the runtime's codec choice (`--kv-codec`, default auto) and, by default, whole
-   transfers after each prefill step, as the runtime sends them (`--kv-transfer`). The report adds the KV the
+   does when it loads its shard), the runtime's codec choice (`--kv-codec`, default auto) and, by default, the
+   runtime's whole-or-layer-wise choice per link (`KVTransferPolicy`; `--kv-transfer`). The report adds the KV the
    coordinator logged per codec (its "hands over the KV" lines) beside the simulator's.
 
     .venv/bin/python scripts/validate_sim.py                 # full run, ~9 minutes
@@ -775,7 +775,7 @@ def simulate_all(result: dict[str, Any], args: argparse.Namespace) -> None:
         options = SimOptions(kv_capacity=inputs["kv_pool"], drain_s=args.drain, mixed_steps=mixed,
                              coordinator_request_s=request_s, coordinator_token_s=token_s,
                              kv_codec=getattr(args, "kv_codec", "auto"),
-                             kv_transfer=getattr(args, "kv_transfer", "whole"), kv_codec_rates=codec_rates)
+                             kv_transfer=getattr(args, "kv_transfer", "policy"), kv_codec_rates=codec_rates)
         return simulate(clusters[links], sim_spec, profiles, placement, workload=workload, scheduler=scheduler,
                         duration_s=duration, warmup_s=warmup, options=options)
 
@@ -817,7 +817,7 @@ def simulate_all(result: dict[str, Any], args: argparse.Namespace) -> None:
     key = (link_modes[0], mixed, "measured")
     primary = sims[key]
     result["primary"] = {"links": key[0], "mixed_steps": key[1], "coordinator_time": key[2],
-                         "kv_transfer": getattr(args, "kv_transfer", "whole")}
+                         "kv_transfer": getattr(args, "kv_transfer", "policy")}
     result["sim"] = {"summary": primary.summary, "nodes": [asdict(n) for n in primary.nodes]}
     if "kv_handoff" in primary.summary:
         result["sim"]["kv_handoff"] = primary.summary["kv_handoff"]
@@ -910,7 +910,7 @@ def _kv_report(r: dict[str, Any]) -> None:
     print(f"KV handed over (all requests; transfers in brackets): testnet {_per_codec(kv_net, 'links_by_codec')} "
           f"in {kv_net['sessions'] if kv_net else 0} sessions, {kv_net['reprefilled'] if kv_net else 0} "
           f"re-prefilled; simulator {_per_codec(kv_sim, 'transfers_by_codec')} "
-          f"({r['primary'].get('kv_transfer', 'whole')})")
+          f"({r['primary'].get('kv_transfer', 'policy')})")
     gap = kv_sim["prefill_end_to_decode_s"] if kv_sim else {"count": 0}
     if gap["count"]:
         rates = ", ".join(f"{c} {pk / 1e9:.2f}/{up / 1e9:.2f}" for c, (pk, up) in kv_sim["codec_rates"].items())
@@ -997,8 +997,8 @@ def main() -> None:
                         help="the coordinator's placement method (default: helix; split: phase-split replicas)")
     parser.add_argument("--kv-codec", default="auto", choices=["auto", "fp16", "int8", "int4"],
                         help="split: the coordinator's and the simulator's KV codec choice (default: auto)")
-    parser.add_argument("--kv-transfer", default="whole", choices=["whole", "layerwise"],
-                        help="split: how the simulator sends KV (default: whole after each step, as the runtime)")
+    parser.add_argument("--kv-transfer", default="policy", choices=["policy", "whole", "layerwise"],
+                        help="split: how the simulator sends KV (default: policy, as the runtime's hops choose)")
     parser.add_argument("--dilation", type=float, default=1000.0, help="nodes' --compute-dilation (default 1000)")
     parser.add_argument("--rate", type=float, default=None, help="requests/s (default 1.5; quick 1.0)")
     parser.add_argument("--duration", type=float, default=None, help="seconds of arrivals (default 240; quick 40)")

@@ -220,3 +220,17 @@ def test_split_runs_under_load_are_deterministic_and_free_every_block(monkeypatc
     assert layerwise["kv_handoff"]["bytes_by_codec"] == whole["kv_handoff"]["bytes_by_codec"]
     gap = "prefill_end_to_decode_s"
     assert layerwise["kv_handoff"][gap]["mean"] < whole["kv_handoff"][gap]["mean"]
+
+
+def test_the_default_transfer_mode_is_the_hops_policy() -> None:
+    """The simulator's default asks KVTransferPolicy what a prefill hop asks it: whole for a short transfer,
+    layer by layer for a long one, from the wire bytes per token and layer and the link's bandwidth."""
+    from hetnode.policy.kv_transfer import KVTransferPolicy
+    from hetnode.testnet.sim.handoff import transfer_mode
+
+    mode = transfer_mode(SimOptions().kv_transfer)
+    for tokens, bps in ((16, 1.25e7), (2048, 1.25e7), (2048, 1.25e9)):
+        t = KVTransfer("p", "d", "fp16", 4, tokens, tokens * 4 * 256, tokens * 4 * 256, bps, 0.001)
+        assert mode(t) == KVTransferPolicy().choose(tokens, 4, 256, bps * 8 / 1e6).mode
+    assert {mode(KVTransfer("p", "d", "fp16", 4, n, n * 1024, n * 1024, 1.25e7, 0.001)) for n in (16, 4096)} == {
+        "whole", "layerwise"}

@@ -58,9 +58,10 @@ def add_arguments(p: argparse.ArgumentParser, *, clusters: Sequence[str] = ()) -
     p.add_argument("--kv-codec", default="auto", choices=["auto", "fp16", "int8", "int4"],
                    help="split plans: the codec of KV hand-offs (default: auto, the cheapest per link, as the "
                         "coordinator picks it)")
-    p.add_argument("--kv-transfer", default="layerwise", choices=["layerwise", "whole"],
-                   help="split plans: KV leaves layer by layer during the prefill step (default), or whole after it "
-                        "(as the runtime sends it today)")
+    p.add_argument("--kv-transfer", default="policy", choices=["policy", "layerwise", "whole"],
+                   help="split plans: as the runtime's hops choose per link (default: KVTransferPolicy, layer by "
+                        "layer during the prefill step when the transfer is long enough), or always layer-wise, or "
+                        "always whole after the step")
     p.add_argument("--trace", default="conv", metavar="conv|code|FILE",
                    help="Azure trace: conv, code (the full trace from ../shared/data or $HETNODE_TRACE_DIR when "
                         "found, else the shipped sample) or a CSV file (default: conv)")

@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any
 
 from hetnode.planner.model import ModelSpec
 from hetnode.policy.kv_codec import AUTO, HandoffLink, KVCodecPolicy, LinkEstimate, choose_handoff, reprefill_seconds
+from hetnode.policy.kv_transfer import KVTransferPolicy
 from hetnode.protocol.kv_wire import packed_size
 from hetnode.protocol.messages import Route
 from hetnode.protocol.routes import kv_targets
@@ -57,7 +58,8 @@ if TYPE_CHECKING:
 
 WHOLE = "whole"
 LAYERWISE = "layerwise"
-TRANSFER_MODES = (WHOLE, LAYERWISE)
+POLICY = "policy"  # what the runtime's hops do: KVTransferPolicy picks per link from its size and bandwidth
+TRANSFER_MODES = (POLICY, WHOLE, LAYERWISE)
 # A link this fast is, to the codec policy, as good as unlimited (its estimate needs a finite bandwidth).
 _UNLIMITED_BPS = 1e15
 
@@ -83,12 +85,24 @@ TransferMode = Callable[[KVTransfer], str]
 
 
 def transfer_mode(choice: str | TransferMode) -> TransferMode:
-    """A fixed mode by name ("whole", "layerwise"), or the callable itself."""
+    """The runtime's policy ("policy"), a fixed mode by name ("whole", "layerwise"), or the callable itself."""
     if callable(choice):
         return choice
     if choice not in TRANSFER_MODES:
         raise ValueError(f"kv transfer must be one of {', '.join(TRANSFER_MODES)} or a callable, not {choice!r}")
+    if choice == POLICY:
+        return policy_mode(KVTransferPolicy())
     return (lambda _: WHOLE) if choice == WHOLE else (lambda _: LAYERWISE)
+
+
+def policy_mode(policy: KVTransferPolicy) -> TransferMode:
+    """The hops' choice (`KVTransferPolicy`), from the transfer's wire bytes per token and layer and the link's
+    bandwidth, as a prefill hop asks it for a step's hand-off to one target."""
+    def choose(t: KVTransfer) -> str:
+        mbps = t.bandwidth * 8 / 1e6 if math.isfinite(t.bandwidth) else None
+        return policy.choose(t.tokens, t.layers, t.wire_bytes / (t.tokens * t.layers), mbps).mode
+
+    return choose
 
 
 class RouteHandoff:

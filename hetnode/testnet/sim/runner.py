@@ -29,7 +29,7 @@ from hetnode.policy import MIN_CHUNK
 from hetnode.policy.kv_codec import AUTO, OPERATOR_CHOICES
 from hetnode.testnet.sim.coordinator import Scheduler, SimCoordinator, SimRequest
 from hetnode.testnet.sim.core import Network, Simulation
-from hetnode.testnet.sim.handoff import LAYERWISE, TRANSFER_MODES, SimHandoff, TransferMode
+from hetnode.testnet.sim.handoff import POLICY, TRANSFER_MODES, SimHandoff, TransferMode
 from hetnode.testnet.sim.metrics import (
     LATENCY_METRICS,
     LinkStats,
@@ -77,7 +77,7 @@ class SimOptions:
     # how each link sends ("layerwise" or "whole", or a callable of the link's `KVTransfer` that says which),
     # and the codecs' pack and unpack rates in fp16 bytes/s (None: measured on this machine, as nodes do).
     kv_codec: str = AUTO
-    kv_transfer: str | TransferMode = field(default=LAYERWISE, hash=False)
+    kv_transfer: str | TransferMode = field(default=POLICY, hash=False)
     kv_codec_rates: Mapping[str, tuple[float, float]] | None = field(default=None, hash=False)
 
     def __post_init__(self) -> None:
