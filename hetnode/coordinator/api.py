@@ -137,7 +137,10 @@ def build_app(coordinator: Coordinator, *, api_key: str | None = None,
     async def plan(request: Request) -> Response:
         if coordinator.deployment is None:
             return error_response(404, "this coordinator serves no model", type_="not_found_error")
-        return JSONResponse(coordinator.deployment.to_json())
+        view = coordinator.deployment.to_json()
+        if coordinator.generator is not None:
+            view["handoffs"] = list(coordinator.generator.handoffs)  # the latest KV hand-offs, oldest first
+        return JSONResponse(view)
 
     async def replan(request: Request) -> Response:
         """Re-plan now, optionally with another method: {"method": "helix"|"petals"|..., "reason": "..."}."""

@@ -24,6 +24,8 @@ from __future__ import annotations
 import itertools
 import logging
 import secrets
+import time
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass
@@ -187,6 +189,8 @@ class PipelineGenerator:
         self.migrations = 0  # moves that took the request's KV along (its nodes left gracefully)
         self.recomputed_tokens = 0  # positions such moves computed again (those past the KV the hops had)
         self._progress = trio.Event()  # set when a session gets its first token or ends
+        # The latest hand-offs, for GET /v1/plan: each session's links, codecs and bytes (or its re-prefill).
+        self.handoffs: deque[dict[str, object]] = deque(maxlen=64)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
@@ -237,6 +241,8 @@ class PipelineGenerator:
             if reprefill:
                 log.info("re-prefilling %d tokens on the decode side (about %.3f s) is cheaper than handing over "
                          "the KV", prefill_end, reprefill_s)
+                self.handoffs.append({"at": time.time(), "tokens": prefill_end, "reprefill_s": reprefill_s,
+                                      "links": []})
                 return pipeline_route(route.phases[1].hops)
             phases[p] = msgspec.structs.replace(phase, kv_links=[
                 KVLink(src=hop.peer, dst=t.peer, codec=c)  # type: ignore[arg-type]
@@ -557,17 +563,18 @@ class PipelineGenerator:
         context = request.prompt + request.generated
         left = self.lifecycle.restart(len(request.prompt), len(request.generated), request.params.max_tokens)
         session.set_route(self.with_codecs(session.route, left.prefill_end))
-        for p, phase in enumerate(session.route.phases[:-1] if log.isEnabledFor(logging.INFO) else []):
+        for p, phase in enumerate(session.route.phases[:-1]):
             _, end = phase_span(session.route, p, left.prefill_end)
             assert end is not None
-            moves = []
-            for hop in phase.hops:
-                for t in kv_targets(session.route, p, hop):
-                    size = packed_size(t.codec, t.last_layer - t.first_layer, end, self.model_config.num_kv_heads,
-                                       self.model_config.head_dim)
-                    moves.append(f"{self._name(NodeId(hop.peer))}>{self._name(NodeId(t.peer))} layers "
-                                 f"[{t.first_layer},{t.last_layer}) {t.codec} {size} bytes")
-            log.info("session %s hands over the KV of %d tokens: %s", session.id, end, ", ".join(moves))
+            links = [{"from": self._name(NodeId(hop.peer)), "to": self._name(NodeId(t.peer)),
+                      "layers": [t.first_layer, t.last_layer], "codec": t.codec,
+                      "bytes": packed_size(t.codec, t.last_layer - t.first_layer, end, self.model_config.num_kv_heads,
+                                           self.model_config.head_dim)}
+                     for hop in phase.hops for t in kv_targets(session.route, p, hop)]
+            self.handoffs.append({"at": time.time(), "session": session.id, "tokens": end, "links": links})
+            log.info("session %s hands over the KV of %d tokens: %s", session.id, end, ", ".join(
+                f"{k['from']}>{k['to']} layers [{k['layers'][0]},{k['layers'][1]}) {k['codec']} {k['bytes']} bytes"
+                for k in links))
         install = Install(session=session.id, route=session.route, sampling=wire_sampling(request.params.sampling),
                           prefill_end=left.prefill_end, max_tokens=left.max_tokens, lease_s=self.lease_s,
                           adopts=adopts.id if adopts is not None else None)

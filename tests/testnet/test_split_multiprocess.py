@@ -66,6 +66,9 @@ def serve_and_check(tmp_path: Path, model: str, nodes: Nodes, shape: tuple[list[
     try:
         check_against_transformers(state["api"], model, hf, tok, prompts, max_tokens)  # waits for a ready plan
         assert split_shape(state["api"]) == shape
+        handoffs = httpx.get(f"{state['api']}/v1/plan", timeout=10).json()["handoffs"]  # per request, visible
+        assert len(handoffs) >= len(prompts) and all(
+            k["codec"] == "fp16" and k["bytes"] > 0 for h in handoffs for k in h["links"])
         log = (state_dir / "logs" / "coordinator.log").read_text()
         assert "hands over the KV" in log and " fp16 " in log
         assert "moved to" not in log  # no request was re-routed (and so none re-prefilled)
