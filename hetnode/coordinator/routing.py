@@ -20,7 +20,7 @@ import math
 from collections.abc import Callable
 from typing import Any, Unpack
 
-from hetnode.coordinator.scheduler import EdgeSet, IwrrScheduler, PipelineScheduler, SchedulerOptions
+from hetnode.coordinator.scheduler import EdgeSet, IwrrScheduler, PipelineScheduler, QueuedScheduler, SchedulerOptions
 from hetnode.coordinator.split_scheduler import SplitScheduler
 from hetnode.errors import ConfigError
 from hetnode.planner.plan import PlacementPlan
@@ -112,7 +112,7 @@ def scheduler_names() -> list[str]:
     return list(SCHEDULERS)
 
 
-Scheduler = PipelineScheduler | SplitScheduler
+Scheduler = QueuedScheduler
 
 
 def scheduler_for(plan: PlacementPlan, name: str) -> str:

@@ -32,7 +32,7 @@ from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import ClassVar, Literal, TypedDict
+from typing import Any, ClassVar, Literal, TypedDict
 
 from hetnode.errors import ConfigError
 from hetnode.planner.plan import SINK, SOURCE, PlacementPlan
@@ -221,79 +221,36 @@ def plan_edges(plan: PlacementPlan, edges: EdgeSet = "flows") -> dict[tuple[str,
             and (named is None or a == SOURCE or b == SINK or (a, b) in named)}
 
 
-class PipelineScheduler(ABC):
-    """Shared machinery of the routing policies; see the module docstring.
+class QueuedScheduler(ABC):
+    """What every routing policy shares, whatever a route is: the requests running and their release, a bounded
+    strict-FIFO queue of requests waiting for KV room, and the running mean output length.
 
-    kv_capacity: tokens of KV each node holds for its layers; a node missing from it is not limited.
-    high_water: share of a node's capacity the estimate may reach before the node is masked, in (0, 1].
-    avg_output_len: the output length assumed before any request finished (then a running mean).
-    queue_limit: the most requests that wait for KV room; one more is rejected ("queue full (N waiting)").
-    seed: for the policies that draw at random.
-    edges: "flows" walks only edges with flow in the plan; "topology" every valid connection.
-
-    The queue is strict FIFO: while anyone waits, new requests queue behind them, and `finish`/`cancel`
-    start waiting requests from the head until one does not fit (so a long prompt is not starved by a
-    stream of short ones). A request that could not fit even on an idle cluster is rejected, not queued.
+    While anyone waits, new requests queue behind them, and `finish`/`cancel` start waiting requests from the
+    head until one does not fit (so a long prompt is not starved by a stream of short ones). A request that could
+    not fit even on an idle cluster is rejected, not queued. Subclasses say how a request is placed (`_assign`),
+    freed (`_release`), and why it could never be (`_unservable`, `largest_kv`).
     """
 
-    name: ClassVar[str] = ""
+    # What a subclass routes over, for reasons: "route" (a pipeline), "replica pair".
+    _unit: ClassVar[str] = "route"
+    _full: ClassVar[str] = "waiting: no route has KV room under its high-water mark"
 
-    def __init__(self, plan: PlacementPlan, *, kv_capacity: Mapping[str, int] | None = None,
-                 high_water: float = 0.9, avg_output_len: float = 240.0, queue_limit: int = 1024, seed: int = 0,
-                 edges: EdgeSet = "flows") -> None:
+    def __init__(self, *, high_water: float, avg_output_len: float, queue_limit: int) -> None:
         if not 0 < high_water <= 1:
             raise ValueError(f"high_water must be in (0, 1], not {high_water}")
         if not 0 <= avg_output_len < math.inf:
             raise ValueError(f"avg_output_len must be finite and >= 0, not {avg_output_len}")
         if queue_limit < 0:
             raise ValueError(f"queue_limit must be >= 0, not {queue_limit}")
-        capacity = dict(kv_capacity or {})
-        for node, cap in capacity.items():
-            if cap < 0:
-                raise ValueError(f"kv_capacity of {node} must be >= 0, not {cap}")
-        self.plan = plan
         self.high_water = high_water
         self.queue_limit = queue_limit
-        self.edges = edges
-        self._rng = random.Random(seed)
         self._now = 0.0
-
-        weighted = plan_edges(plan, edges)
-        ranges = plan.ranges()
-        self._names: list[str] = sorted(ranges)
-        n = len(self._names)
-        self._sink, self._source = n, n + 1
-        index = {name: i for i, name in enumerate(self._names)} | {SINK: self._sink, SOURCE: self._source}
-        self._index = index
-        self._end = [ranges[name][1] for name in self._names] + [plan.num_layers, 0]
-        # Per vertex, aligned lists: candidate vertices, their weights (edge flows), and the stage each one
-        # runs when reached from this vertex (an empty one for SINK). Sorted by name: ties always break alike.
-        self._cands: list[list[int]] = [[] for _ in range(n + 2)]
-        self._weights: list[list[float]] = [[] for _ in range(n + 2)]
-        self._stages: list[list[PipelineHop]] = [[] for _ in range(n + 2)]
-        for (a, b), w in sorted(weighted.items(), key=lambda e: (index[e[0][0]], index[e[0][1]])):
-            u, v = index[a], index[b]
-            self._cands[u].append(v)
-            self._weights[u].append(w)
-            self._stages[u].append(PipelineHop(b, self._end[u], self._end[v] if v != self._sink else self._end[u]))
-
-        self._order = sorted(range(n), key=lambda u: -self._end[u])  # an edge always leads to an earlier one here
-        self._capacity: list[int | None] = [capacity.get(name) for name in self._names] + [None, None]
-        self._cap_limit = [math.inf if c is None else high_water * c for c in self._capacity]
-        self._limit = list(self._cap_limit)  # -inf once a node is down: masked for good
-        self._down: set[int] = set()
-        self._kv_prompt = [0] * (n + 2)  # prompt tokens of the running requests through each vertex
-        self._kv_requests = [0] * (n + 2)  # running requests through each vertex
-        self._running: dict[str, _Running] = {}
+        self._running: dict[str, Any] = {}
         self._queue: dict[str, _Waiting] = {}  # insertion order is FIFO order
         self._output = OutputLength(avg_output_len)
-        self._has_path = self._bottleneck(capacity_limits=False, down=False) > -math.inf
-        self._refresh_bottlenecks()
-
-    # -- public API ---------------------------------------------------------------------------------------------
 
     def submit(self, request_id: str, input_len: int, now: float) -> Decision:
-        """Route a new request: a pipeline, a place in the queue, or a rejection with its reason."""
+        """Route a new request: a route, a place in the queue, or a rejection with its reason."""
         if request_id in self._running or request_id in self._queue:
             state = "running" if request_id in self._running else "queued"
             raise ValueError(f"request {request_id!r} is already {state}")
@@ -301,9 +258,9 @@ class PipelineScheduler(ABC):
             raise ValueError(f"input_len must be >= 0, not {input_len}")
         self._now = max(self._now, now)
         largest = self.largest_kv
-        if self._alive_path and input_len > largest:
+        if largest > -math.inf and input_len > largest:
             return Decision(request_id, too_large=True, reason=f"prompt of {input_len} tokens needs more KV than "
-                            f"any route holds (largest: {largest:.0f} tokens)")
+                            f"any {self._unit} holds (largest: {largest:.0f} tokens)")
         unservable = self._unservable(input_len)
         if unservable:
             return Decision(request_id, reason=unservable)
@@ -315,13 +272,12 @@ class PipelineScheduler(ABC):
             return Decision(request_id, reason=f"queue full ({len(self._queue)} waiting)")
         ahead = len(self._queue)
         self._queue[request_id] = _Waiting(input_len, now)
-        why = (f"waiting behind {ahead} queued request{'s' if ahead != 1 else ''}" if ahead else
-               "waiting: every pipeline has a node whose KV estimate would pass its high-water mark")
+        why = f"waiting behind {ahead} queued request{'s' if ahead != 1 else ''}" if ahead else self._full
         return Decision(request_id, queued=True, reason=why)
 
     def prefilled(self, request_id: str, now: float) -> list[Decision]:
-        """The request's prompt is prefilled. A pipeline keeps its KV where it is, so nothing changes here (the
-        phase-split scheduler frees the prefill replica); both executors call it at every first token."""
+        """The request's prompt is prefilled; both executors call it at every first token. Nothing changes here
+        unless the policy charges a prefill apart (the phase-split scheduler frees the prefill replica)."""
         return []
 
     def finish(self, request_id: str, output_len: int, now: float) -> list[Decision]:
@@ -351,6 +307,125 @@ class PipelineScheduler(ABC):
         self._release(running)
         return self._drain(now)
 
+    def _reject_unservable(self) -> tuple[Decision, ...]:
+        """Queued requests that nothing can serve any more (after a node went down) leave the queue, rejected."""
+        rejected = []
+        for rid, waiting in list(self._queue.items()):
+            reason = self._unservable(waiting.input_len)
+            if reason:
+                del self._queue[rid]
+                rejected.append(Decision(rid, reason=reason, waited_s=max(0.0, self._now - waiting.since)))
+        return tuple(rejected)
+
+    @property
+    def queue_len(self) -> int:
+        return len(self._queue)
+
+    @property
+    def running(self) -> int:
+        return len(self._running)
+
+    @property
+    def avg_output_len(self) -> float:
+        return self._output.mean
+
+    @property
+    @abstractmethod
+    def largest_kv(self) -> float:
+        """The largest prompt (tokens) that could ever run: inf when nothing is limited, -inf when nothing is up."""
+
+    @abstractmethod
+    def _assign(self, request_id: str, input_len: int, waited: float) -> Decision | None:
+        """Place the request now and charge it, or None when nothing has room."""
+
+    @abstractmethod
+    def _release(self, running: Any) -> None:
+        """Take a running request's charges off."""
+
+    @abstractmethod
+    def _unservable(self, input_len: int) -> str:
+        """Why nothing could ever take this request, even with nothing else running ('' if something could)."""
+
+    def _drain(self, now: float) -> list[Decision]:
+        out: list[Decision] = []
+        while self._queue:
+            rid, waiting = next(iter(self._queue.items()))
+            waited = max(0.0, now - waiting.since)
+            decision = self._assign(rid, waiting.input_len, waited)
+            if decision is None:
+                # The average output may have grown since it queued: if it cannot fit even on an idle
+                # cluster it would wait forever (and block everyone behind it).
+                reason = self._unservable(waiting.input_len)
+                if not reason:
+                    break
+                decision = Decision(rid, reason=reason, waited_s=waited)
+            del self._queue[rid]
+            out.append(decision)
+        return out
+
+
+class PipelineScheduler(QueuedScheduler):
+    """Shared machinery of the routing policies; see the module docstring.
+
+    kv_capacity: tokens of KV each node holds for its layers; a node missing from it is not limited.
+    high_water: share of a node's capacity the estimate may reach before the node is masked, in (0, 1].
+    avg_output_len: the output length assumed before any request finished (then a running mean).
+    queue_limit: the most requests that wait for KV room; one more is rejected ("queue full (N waiting)").
+    seed: for the policies that draw at random.
+    edges: "flows" walks only edges with flow in the plan; "topology" every valid connection.
+
+    The queue is strict FIFO: while anyone waits, new requests queue behind them, and `finish`/`cancel`
+    start waiting requests from the head until one does not fit (so a long prompt is not starved by a
+    stream of short ones). A request that could not fit even on an idle cluster is rejected, not queued.
+    """
+
+    name: ClassVar[str] = ""
+    _full = "waiting: every pipeline has a node whose KV estimate would pass its high-water mark"
+
+    def __init__(self, plan: PlacementPlan, *, kv_capacity: Mapping[str, int] | None = None,
+                 high_water: float = 0.9, avg_output_len: float = 240.0, queue_limit: int = 1024, seed: int = 0,
+                 edges: EdgeSet = "flows") -> None:
+        super().__init__(high_water=high_water, avg_output_len=avg_output_len, queue_limit=queue_limit)
+        capacity = dict(kv_capacity or {})
+        for node, cap in capacity.items():
+            if cap < 0:
+                raise ValueError(f"kv_capacity of {node} must be >= 0, not {cap}")
+        self.plan = plan
+        self.edges = edges
+        self._rng = random.Random(seed)
+
+        weighted = plan_edges(plan, edges)
+        ranges = plan.ranges()
+        self._names: list[str] = sorted(ranges)
+        n = len(self._names)
+        self._sink, self._source = n, n + 1
+        index = {name: i for i, name in enumerate(self._names)} | {SINK: self._sink, SOURCE: self._source}
+        self._index = index
+        self._end = [ranges[name][1] for name in self._names] + [plan.num_layers, 0]
+        # Per vertex, aligned lists: candidate vertices, their weights (edge flows), and the stage each one
+        # runs when reached from this vertex (an empty one for SINK). Sorted by name: ties always break alike.
+        self._cands: list[list[int]] = [[] for _ in range(n + 2)]
+        self._weights: list[list[float]] = [[] for _ in range(n + 2)]
+        self._stages: list[list[PipelineHop]] = [[] for _ in range(n + 2)]
+        for (a, b), w in sorted(weighted.items(), key=lambda e: (index[e[0][0]], index[e[0][1]])):
+            u, v = index[a], index[b]
+            self._cands[u].append(v)
+            self._weights[u].append(w)
+            self._stages[u].append(PipelineHop(b, self._end[u], self._end[v] if v != self._sink else self._end[u]))
+
+        self._order = sorted(range(n), key=lambda u: -self._end[u])  # an edge always leads to an earlier one here
+        self._capacity: list[int | None] = [capacity.get(name) for name in self._names] + [None, None]
+        self._cap_limit = [math.inf if c is None else high_water * c for c in self._capacity]
+        self._limit = list(self._cap_limit)  # -inf once a node is down: masked for good
+        self._down: set[int] = set()
+        self._kv_prompt = [0] * (n + 2)  # prompt tokens of the running requests through each vertex
+        self._kv_requests = [0] * (n + 2)  # running requests through each vertex
+        self._running: dict[str, _Running] = {}
+        self._has_path = self._bottleneck(capacity_limits=False, down=False) > -math.inf
+        self._refresh_bottlenecks()
+
+    # -- public API ---------------------------------------------------------------------------------------------
+
     def node_down(self, node: str, now: float | None = None) -> NodeDown:
         """Mask a node for good: no new pipeline goes through it.
 
@@ -367,13 +442,7 @@ class PipelineScheduler(ABC):
         self._limit[v] = -math.inf
         self._refresh_bottlenecks()
         affected = tuple(rid for rid, r in self._running.items() if v in r.vertices)
-        rejected = []
-        for rid, waiting in list(self._queue.items()):
-            reason = self._unservable(waiting.input_len)
-            if reason:
-                del self._queue[rid]
-                rejected.append(Decision(rid, reason=reason, waited_s=max(0.0, self._now - waiting.since)))
-        return NodeDown(node, affected, tuple(rejected))
+        return NodeDown(node, affected, self._reject_unservable())
 
     def set_capacity(self, node: str, tokens: int, now: float | None = None) -> list[Decision]:
         """The node's KV pool holds `tokens` (as it reports it), replacing the capacity given at construction.
@@ -410,18 +479,6 @@ class PipelineScheduler(ABC):
     def pipeline_of(self, request_id: str) -> tuple[PipelineHop, ...] | None:
         running = self._running.get(request_id)
         return None if running is None else running.pipeline
-
-    @property
-    def queue_len(self) -> int:
-        return len(self._queue)
-
-    @property
-    def running(self) -> int:
-        return len(self._running)
-
-    @property
-    def avg_output_len(self) -> float:
-        return self._output.mean
 
     @property
     def down(self) -> frozenset[str]:
@@ -510,23 +567,6 @@ class PipelineScheduler(ABC):
         for c in running.vertices:
             self._kv_prompt[c] -= running.input_len
             self._kv_requests[c] -= 1
-
-    def _drain(self, now: float) -> list[Decision]:
-        out: list[Decision] = []
-        while self._queue:
-            rid, waiting = next(iter(self._queue.items()))
-            waited = max(0.0, now - waiting.since)
-            decision = self._assign(rid, waiting.input_len, waited)
-            if decision is None:
-                # The average output may have grown since it queued: if it cannot fit even on an idle
-                # cluster it would wait forever (and block everyone behind it).
-                reason = self._unservable(waiting.input_len)
-                if not reason:
-                    break
-                decision = Decision(rid, reason=reason, waited_s=waited)
-            del self._queue[rid]
-            out.append(decision)
-        return out
 
     # -- static feasibility: could the request fit if nothing else were running? ---------------------------------
 

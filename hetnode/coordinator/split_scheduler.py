@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import ClassVar
 
-from hetnode.coordinator.scheduler import Decision, NodeDown, NodeKV, OutputLength, PipelineHop
+from hetnode.coordinator.scheduler import Decision, NodeDown, NodeKV, PipelineHop, QueuedScheduler
 from hetnode.errors import ConfigError
 from hetnode.planner.plan import PlacementPlan
 
@@ -47,13 +47,7 @@ class _Running:
     prefilling: bool = True
 
 
-@dataclass(slots=True)
-class _Waiting:
-    input_len: int
-    since: float
-
-
-class SplitScheduler:
+class SplitScheduler(QueuedScheduler):
     """Join-the-shortest-queue over a phase-split plan's replicas; see the module docstring.
 
     regions: each node's region (a node missing from it is in region ""). The other options are those of every
@@ -62,22 +56,19 @@ class SplitScheduler:
     """
 
     name: ClassVar[str] = "cls"
+    _unit = "replica pair"
+    _full = "waiting: no prefill and decode replica pair has KV room under its high-water mark"
 
     def __init__(self, plan: PlacementPlan, *, kv_capacity: Mapping[str, int] | None = None,
                  high_water: float = 0.9, avg_output_len: float = 240.0, queue_limit: int = 1024, seed: int = 0,
                  regions: Mapping[str, str] | None = None) -> None:
-        if not 0 < high_water <= 1:
-            raise ValueError(f"high_water must be in (0, 1], not {high_water}")
-        if queue_limit < 0:
-            raise ValueError(f"queue_limit must be >= 0, not {queue_limit}")
+        super().__init__(high_water=high_water, avg_output_len=avg_output_len, queue_limit=queue_limit)
         roles = {r.role for r in plan.replicas}
         if not {"prefill", "decode"} <= roles or not roles <= {"prefill", "decode"}:
             raise ConfigError(f"plan {plan.cluster}/{plan.model} is not a phase-split plan: its replicas' roles "
                               f"are {sorted(roles) or 'none'}, it needs prefill and decode ones")
         ranges = plan.ranges()
         self.plan = plan
-        self.high_water = high_water
-        self.queue_limit = queue_limit
         self._names = sorted(ranges)
         index = {n: i for i, n in enumerate(self._names)}
         self._index = index
@@ -102,37 +93,8 @@ class SplitScheduler:
             self._replicas.append(_Replica(r.role, tuple(hops), tuple(index[n] for n in r.nodes),
                                            (regions or {}).get(r.nodes[0], "")))
         self._running: dict[str, _Running] = {}
-        self._queue: dict[str, _Waiting] = {}
-        self._output = OutputLength(avg_output_len)
-        self._now = 0.0
 
     # -- public API (PipelineScheduler's) -------------------------------------------------------------------------
-
-    def submit(self, request_id: str, input_len: int, now: float) -> Decision:
-        if request_id in self._running or request_id in self._queue:
-            state = "running" if request_id in self._running else "queued"
-            raise ValueError(f"request {request_id!r} is already {state}")
-        if input_len < 0:
-            raise ValueError(f"input_len must be >= 0, not {input_len}")
-        self._now = max(self._now, now)
-        largest = self.largest_kv
-        if largest > -math.inf and input_len > largest:
-            return Decision(request_id, too_large=True, reason=f"prompt of {input_len} tokens needs more KV than "
-                            f"any replica pair holds (largest: {largest:.0f} tokens)")
-        unservable = self._unservable(input_len)
-        if unservable:
-            return Decision(request_id, reason=unservable)
-        if not self._queue:
-            decision = self._assign(request_id, input_len, 0.0)
-            if decision is not None:
-                return decision
-        if len(self._queue) >= self.queue_limit:
-            return Decision(request_id, reason=f"queue full ({len(self._queue)} waiting)")
-        ahead = len(self._queue)
-        self._queue[request_id] = _Waiting(input_len, now)
-        why = (f"waiting behind {ahead} queued request{'s' if ahead != 1 else ''}" if ahead else
-               "waiting: no prefill and decode replica pair has KV room under its high-water mark")
-        return Decision(request_id, queued=True, reason=why)
 
     def prefilled(self, request_id: str, now: float) -> list[Decision]:
         """The request's prompt is prefilled (its first token is out): its prefill replica is free of it."""
@@ -142,27 +104,6 @@ class SplitScheduler:
         self._now = max(self._now, now)
         self._release_prefill(running)
         return self._drain(self._now)
-
-    def finish(self, request_id: str, output_len: int, now: float) -> list[Decision]:
-        running = self._running.pop(request_id, None)
-        if running is None:
-            raise KeyError(f"request {request_id!r} is not running"
-                           + (" (it is queued: cancel it instead)" if request_id in self._queue else ""))
-        self._now = max(self._now, now)
-        self._release(running)
-        self._output.add(max(0, output_len))
-        return self._drain(self._now)
-
-    def cancel(self, request_id: str, now: float | None = None) -> list[Decision]:
-        now = self._now if now is None else max(self._now, now)
-        self._now = now
-        if self._queue.pop(request_id, None) is not None:
-            return self._drain(now)
-        running = self._running.pop(request_id, None)
-        if running is None:
-            return []
-        self._release(running)
-        return self._drain(now)
 
     def node_down(self, node: str, now: float | None = None) -> NodeDown:
         """Mask every replica the node is part of; requests whose remaining phases pass through it are affected."""
@@ -178,13 +119,7 @@ class SplitScheduler:
         affected = tuple(rid for rid, r in self._running.items()
                          if v in self._replicas[r.decode].nodes
                          or (r.prefilling and v in self._replicas[r.prefill].nodes))
-        rejected = []
-        for rid, waiting in list(self._queue.items()):
-            reason = self._unservable(waiting.input_len)
-            if reason:
-                del self._queue[rid]
-                rejected.append(Decision(rid, reason=reason, waited_s=max(0.0, self._now - waiting.since)))
-        return NodeDown(node, affected, tuple(rejected))
+        return NodeDown(node, affected, self._reject_unservable())
 
     def set_capacity(self, node: str, tokens: int, now: float | None = None) -> list[Decision]:
         v = self._index.get(node)
@@ -212,18 +147,6 @@ class SplitScheduler:
         if running is None:
             return None
         return self._replicas[running.prefill if running.prefilling else running.decode].hops
-
-    @property
-    def queue_len(self) -> int:
-        return len(self._queue)
-
-    @property
-    def running(self) -> int:
-        return len(self._running)
-
-    @property
-    def avg_output_len(self) -> float:
-        return self._output.mean
 
     @property
     def down(self) -> frozenset[str]:
@@ -294,21 +217,6 @@ class SplitScheduler:
         for v in d.nodes:
             self._load[v] -= running.input_len
             self._requests[v] -= 1
-
-    def _drain(self, now: float) -> list[Decision]:
-        out: list[Decision] = []
-        while self._queue:
-            rid, waiting = next(iter(self._queue.items()))
-            waited = max(0.0, now - waiting.since)
-            decision = self._assign(rid, waiting.input_len, waited)
-            if decision is None:
-                reason = self._unservable(waiting.input_len)
-                if not reason:
-                    break
-                decision = Decision(rid, reason=reason, waited_s=waited)
-            del self._queue[rid]
-            out.append(decision)
-        return out
 
     def _largest(self, role: str) -> float:
         """The most KV tokens one up replica of `role` holds (its smallest node's pool)."""
