@@ -106,8 +106,8 @@ def test_a_prefill_node_killed_mid_prompt_the_request_moves_and_completes(testne
 
 
 def test_a_decode_node_killed_mid_transfer_the_request_moves_and_completes(testnet: Any) -> None:
-    """The prompt is prefilled in 512-token chunks, each chunk's KV sent as it is done: the decode node is killed
-    once the route is installed, while the prefill node is computing and sending to it."""
+    """The decode node is killed once the route is installed: while the prefill node computes the prompt (seconds
+    here) and sends it its KV."""
     state, log = testnet
     api = state["api"]
     prompt = "Once upon a time, in a land far away, " * 150
