@@ -25,7 +25,7 @@ so that the benchmark need not re-run it (a case without one says so). --write-r
 SECONDS runs one such reference and adds it to that file.
 
     .venv/bin/python scripts/bench_planner.py --progress [--runs 3] [--time-limit 60]
-    nice -n 10 .venv/bin/python scripts/bench_planner.py --write-reference helix-geo-pruned on 1800
+    nice -n 15 .venv/bin/python scripts/bench_planner.py --write-reference helix-geo-pruned on 1800
 """
 
 from __future__ import annotations
@@ -187,7 +187,8 @@ def write_reference(cluster_name: str, partial: bool, seconds: float, seed: int)
     entry = {"max_flow": run["max_flow"], "upper_bound": run["upper_bound"], "time_limit_s": seconds, "seed": seed,
              "status": run["status"], "events": run["events"], "ranges": run["ranges"],
              "machine": f"{len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count()} "
-                        "cores, shared, nice 10; hetnode helix search, max flow recomputed by validate_plan"}
+                        f"cores, shared, nice {os.nice(0)}, load {os.getloadavg()[0]:.2f} at the end; hetnode "
+                        "helix search, max flow recomputed by validate_plan"}
     old = references.get(key)
     if old is None or entry["max_flow"] > old["max_flow"]:
         references[key] = entry
