@@ -74,6 +74,14 @@ def stage_placement(infos: Sequence[NodeInfo], num_layers: int, level: float, *,
     classes = _classes(infos, region_links is not None)
     count = len(classes)
     rates = [c.best_rate for c in classes]
+    # The most layers one node of a class can cover at `level`: holding z layers it covers z of them if it
+    # serves `level` alone, else the share t(z) / level of them (the rest of its stage's group covers the
+    # rest). Every stage's group covers its z layers this way, so the nodes left must reach the layers left.
+    # Tighter than throughput x layers where a node serves more than `level` (an A100 does not cover 22
+    # layers at 5000 tokens/s when it holds at most 12): on helix-geo-pruned the search spent most of its
+    # states tiling the middle region in ways that could never leave enough of the A100s' 12-layer reach.
+    reach = [max((z * min(1.0, c.t(z) / level) if level > 0 else float(z)
+                  for z in range(1, len(c.throughput) + 1)), default=0.0) for c in classes]
     failed: set[tuple[int, tuple[int, ...], str, int]] = set()
 
     crossing = region_links is not None and len({c.region for c in classes}) > 1
@@ -148,7 +156,7 @@ def stage_placement(infos: Sequence[NodeInfo], num_layers: int, level: float, *,
         key = (layer, left, prev[0], prev[1])
         if key in failed:
             return None
-        if sum(n * r for n, r in zip(left, rates, strict=True)) < level * (num_layers - layer) * (1 - 1e-12):
+        if sum(n * r for n, r in zip(left, reach, strict=True)) < (num_layers - layer) * (1 - 1e-12):
             failed.add(key)
             return None
         options: list[tuple[float, int, int, Group, str]] = []
