@@ -121,19 +121,22 @@ def stage_placement(infos: Sequence[NodeInfo], num_layers: int, level: float, *,
     regions = sorted({c.region for c in classes}) if region_links is not None else [""]
     sizes = range(1, MAX_GROUP + 1) if crossing else range(1, 2)
     in_region = {r: [c for c in range(count) if region_links is None or classes[c].region == r] for r in regions}
-    known: dict[tuple[str, int, tuple[int, ...], bool, bool], dict[Group, float]] = {}
+    longest = {r: max((len(classes[c].throughput) for c in in_region[r]), default=0) for r in regions}
+    known: dict[tuple[str, int, tuple[int, ...], bool, bool], list[tuple[Group, float, int, float]]] = {}
 
-    def candidates(layer: int, z: int, left: tuple[int, ...], region: str) -> dict[Group, float]:
-        """Every size's minimal groups for a stage of z layers in `region`, with their costs. They depend on
-        `left` only through the region's classes and on `layer` only through whether the stage is the first
-        or the last, so they are remembered by that key: most states of the search share them, and building
-        them was 80% of its time (profiled on helix-geo-pruned)."""
-        key = (region, z, tuple(left[c] for c in in_region[region]), layer == 0, layer + z == num_layers)
+    def candidates(layer: int, z: int, left: tuple[int, ...], mine: tuple[int, ...],
+                   region: str) -> list[tuple[Group, float, int, float]]:
+        """Every size's minimal groups for a stage of z layers in `region` (group, cost, size, throughput).
+        They depend on `left` only through the region's classes (`mine`) and on `layer` only through whether
+        the stage is the first or the last, so they are remembered by that key: most states of the search
+        share them, and building them was 80% of its time (profiled on helix-geo-pruned)."""
+        key = (region, z, mine, layer == 0, layer + z == num_layers)
         found = known.get(key)
         if found is None:
-            found = known[key] = {group: cost for m in sizes
-                                  for cost, group in groups(layer, z, left,
-                                                            region if region_links is not None else None, m)}
+            unique = {group: cost for m in sizes
+                      for cost, group in groups(layer, z, left, region if region_links is not None else None, m)}
+            found = known[key] = [(group, cost, sum(n for _, n in group),
+                                   sum(n * classes[c].t(z) for c, n in group)) for group, cost in unique.items()]
         return found
 
     def transfer(prev: tuple[str, int, float], region: str, size: int, serves: float) -> float:
@@ -161,10 +164,12 @@ def stage_placement(infos: Sequence[NodeInfo], num_layers: int, level: float, *,
             return None
         options: list[tuple[float, int, int, Group, str]] = []
         for region in regions:
-            for z in range(1, num_layers - layer + 1):
-                for group, cost in candidates(layer, z, left, region).items():
-                    size = sum(n for _, n in group)
-                    serves = sum(n * classes[c].t(z) for c, n in group)
+            mine = tuple(left[c] for c in in_region[region])
+            if not any(mine):
+                continue
+            # No node of the region holds more than its longest range.
+            for z in range(1, min(num_layers - layer, longest[region]) + 1):
+                for group, cost, size, serves in candidates(layer, z, left, mine, region):
                     if transfer(prev, region, size, serves) < level:
                         continue
                     options.append((cost, -z, z, group, region))
