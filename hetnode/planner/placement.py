@@ -242,13 +242,13 @@ class Techniques:
 # Shares of the time limit: stage placements (device classes, then regions), local search (per start),
 # coverage bound. The neighbourhood search and the §4.4 model get what is left. With a work limit they are
 # not used: every step runs to its limit in WORK.
-SHARES = {"stages": 0.1, "stages_with_regions": 0.05, "regional": 0.2, "local": 0.08, "coverage": 0.1}
+SHARES = {"stages": 0.1, "stages_with_regions": 0.05, "regional": 0.3, "local": 0.08, "coverage": 0.1}
 # Deterministic limits of each step (search states, branch-and-bound nodes, flow evaluations per node of the
 # cluster), so that what a step returns depends on its inputs only: the clock decides how many steps run
 # (without a work limit), never what one of them finds. Sized so that on one core of this project's machine
 # each step usually ends on its own limit well inside its time share (a step the clock does cut short is
 # the exception, and its note says so).
-WORK = {"stage_states": 1_000_000, "coverage_nodes": 50, "coverage_steps": 4, "local_per_node": 250,
+WORK = {"stage_states": 2_000_000, "coverage_nodes": 50, "coverage_steps": 4, "local_per_node": 250,
         "round_local_per_node": 150, "neighbourhood_nodes": 100, "milp_nodes_per_round": 1000}
 
 
