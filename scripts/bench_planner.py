@@ -143,7 +143,7 @@ def progress_svg(runs: list[dict[str, Any]], references: dict[str, Any], path: s
     """Best flow against seconds, one step line per run (as a share of its reference where there is one, of
     its upper bound otherwise), as a self-contained SVG."""
     width, height, pad = 720, 400, 50
-    limit = max(r["time_limit_s"] for r in runs)
+    limit = float(max(r["time_limit_s"] for r in runs))
     colours = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf"]
 
     def x(t: float) -> float:
