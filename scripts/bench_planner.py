@@ -186,17 +186,19 @@ def write_reference(cluster_name: str, partial: bool, seconds: float, seed: int)
     return keep_best(run, f"a {seconds:g} s reference run")
 
 
-def keep_best(run: dict[str, Any], source: str) -> dict[str, Any]:
+def keep_best(run: dict[str, Any], source: str, machine: str | None = None) -> dict[str, Any]:
     """Store `run` as its case's reference if it beats the stored one (or there is none); the reference is
-    the best placement known, whichever run found it. Returns the entry made from `run`."""
+    the best placement known, whichever run found it. Returns the entry made from `run`. `machine`: what it
+    ran on (by default this process's cores, nice level and load now)."""
     references = load_references()
     key = reference_key(run["cluster"], run["model"], run["partial"])
     entry = {"max_flow": run["max_flow"], "upper_bound": run["upper_bound"], "time_limit_s": run["time_limit_s"],
              "seed": run["seed"], "status": run["status"], "events": run["events"], "ranges": run["ranges"],
              "source": source,
-             "machine": f"{len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count()} "
-                        f"cores, shared, nice {os.nice(0)}, load {os.getloadavg()[0]:.2f} at the end; hetnode "
-                        "helix search, max flow recomputed by validate_plan"}
+             "machine": machine or
+             f"{len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count()} cores, "
+             f"shared, nice {os.nice(0)}, load {os.getloadavg()[0]:.2f} at the end; hetnode helix search, max flow "
+             "recomputed by validate_plan"}
     old = references.get(key)
     if run["valid"] and (old is None or entry["max_flow"] > old["max_flow"] * (1 + 1e-9)):
         references[key] = entry
