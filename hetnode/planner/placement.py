@@ -242,7 +242,7 @@ class Techniques:
 # Shares of the time limit: stage placements (device classes, then regions), local search (per start),
 # coverage bound. The neighbourhood search and the §4.4 model get what is left. With a work limit they are
 # not used: every step runs to its limit in WORK.
-SHARES = {"stages": 0.1, "stages_with_regions": 0.05, "regional": 0.3, "local": 0.08, "coverage": 0.1}
+SHARES = {"stages": 0.1, "stages_with_regions": 0.05, "regional": 0.4, "local": 0.08, "coverage": 0.1}
 # Deterministic limits of each step (search states, branch-and-bound nodes, flow evaluations per node of the
 # cluster), so that what a step returns depends on its inputs only: the clock decides how many steps run
 # (without a work limit), never what one of them finds. Sized so that on one core of this project's machine

@@ -218,7 +218,7 @@ def best_stage_placement(infos: Sequence[NodeInfo], num_layers: int, *, low: flo
                          step_limit: int | None = None) -> StageResult:
     """Bisect on the level between `low` and `high` (tokens/s) for the best stage placement.
 
-    With `step_limit`, each level gets 3/4 of the search states left (as it gets 3/4 of the time left), so the
+    With `step_limit`, each level gets half the search states left (as it gets half the time left), so the
     outcome does not depend on the machine's speed unless `time_limit` cuts in first."""
     began = time.perf_counter()
     result = StageResult(None, 0.0, math.inf, [])
@@ -239,11 +239,10 @@ def best_stage_placement(infos: Sequence[NodeInfo], num_layers: int, *, low: flo
         level = above if above is not None else min((low + look) / 2, max(low, result.value) * (1 + STEP)) \
             if low > 0 else (low + look) / 2
         above = None
-        # A level gets 3/4 of what is left: with the cautious steps most levels are feasible, and a feasible
-        # one can take most of the states (helix-geo-pruned: 250k-370k of them, a dead subtree first).
-        share = budget * 3 // 4 if budget is not None else 0
+        # A level gets half of what is left (3/4 lost helix-hetero-pruned's levels below its first "unknown").
+        share = budget // 2 if budget is not None else 0
         steps = None if budget is None else [share]
-        outcome, ranges = stage_placement(infos, num_layers, level, deadline=time.perf_counter() + left * 3 / 4,
+        outcome, ranges = stage_placement(infos, num_layers, level, deadline=time.perf_counter() + left / 2,
                                           region_links=region_links, steps=steps)
         if budget is not None and steps is not None:
             budget -= share - max(0, steps[0])
@@ -261,7 +260,7 @@ def best_stage_placement(infos: Sequence[NodeInfo], num_layers: int, *, low: flo
             if outcome == "unknown" and not tried_above:
                 tried_above = True
                 above = min((level + min(high, result.below)) / 2, level * (1 + STEP))
-            look = level
+            look = min(look, level)  # an unknown "above" try does not raise where to look
             if outcome == "infeasible":
                 result.below = min(result.below, level)
     return result
