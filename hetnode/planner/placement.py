@@ -409,7 +409,10 @@ class _Helix:
         if tech.local_search and large and not done():
             starts = [best_ranges]
             if heuristic is not None and complete(heuristic[1], infos, layers) != best_ranges:
-                starts.append(complete(heuristic[1], infos, layers))
+                # The best heuristic's placement for variety, unless the stage placements left it far behind
+                # (helix-geo-pruned: 2289 against 6104): then a second try from the best, with its own seed.
+                far = heuristic[2].value < 0.9 * best_value
+                starts.append(best_ranges if far else complete(heuristic[1], infos, layers))
             for n, start in enumerate(starts):
                 ranges, _ = local_search(inst, start, seed=opts.seed + n,
                                          max_evaluations=WORK["local_per_node"] * len(infos),
