@@ -124,8 +124,8 @@ def best_at(events: list[tuple[float, int, float]], seconds: float) -> float | N
 def print_progress(runs: list[dict[str, Any]], references: dict[str, Any]) -> None:
     limit = max(r["time_limit_s"] for r in runs)
     marks = [c for c in CHECKPOINTS if c < limit] + [limit]
-    print("\nbest flow (tokens/s) against seconds; ref: the best a 30-minute run found "
-          "(scripts/fixtures/planner_references.json)")
+    print("\nbest flow (tokens/s) against seconds; ref: the best placement known, from a 30-minute run or a "
+          "shorter one that found more (scripts/fixtures/planner_references.json, 'source')")
     print(f"{'case':50} " + " ".join(f"{m:>7g}s" for m in marks) + f" {'bound':>8} {'ref':>8} {'/ref':>6}")
     for r in runs:
         key = reference_key(r["cluster"], r["model"], r["partial"])
