@@ -242,13 +242,13 @@ class Techniques:
 # Shares of the time limit: stage placements (device classes, then regions), local search (per start),
 # coverage bound. The neighbourhood search and the §4.4 model get what is left. With a work limit they are
 # not used: every step runs to its limit in WORK.
-SHARES = {"stages": 0.1, "stages_with_regions": 0.05, "regional": 0.2, "local": 0.08, "coverage": 0.1}
+SHARES = {"stages": 0.1, "stages_with_regions": 0.05, "regional": 0.4, "local": 0.08, "coverage": 0.1}
 # Deterministic limits of each step (search states, branch-and-bound nodes, flow evaluations per node of the
 # cluster), so that what a step returns depends on its inputs only: the clock decides how many steps run
 # (without a work limit), never what one of them finds. Sized so that on one core of this project's machine
 # each step usually ends on its own limit well inside its time share (a step the clock does cut short is
 # the exception, and its note says so).
-WORK = {"stage_states": 1_000_000, "coverage_nodes": 50, "coverage_steps": 4, "local_per_node": 250,
+WORK = {"stage_states": 2_000_000, "coverage_nodes": 50, "coverage_steps": 4, "local_per_node": 250,
         "round_local_per_node": 150, "neighbourhood_nodes": 100, "milp_nodes_per_round": 1000}
 
 
@@ -409,7 +409,10 @@ class _Helix:
         if tech.local_search and large and not done():
             starts = [best_ranges]
             if heuristic is not None and complete(heuristic[1], infos, layers) != best_ranges:
-                starts.append(complete(heuristic[1], infos, layers))
+                # The best heuristic's placement for variety, unless the stage placements left it far behind
+                # (helix-geo-pruned: 2289 against 6104): then a second try from the best, with its own seed.
+                far = heuristic[2].value < 0.9 * best_value
+                starts.append(best_ranges if far else complete(heuristic[1], infos, layers))
             for n, start in enumerate(starts):
                 ranges, _ = local_search(inst, start, seed=opts.seed + n,
                                          max_evaluations=WORK["local_per_node"] * len(infos),
@@ -454,11 +457,17 @@ class _Helix:
                 cut += lns.log.last_status.startswith("time_limit")
                 offer(lns.best, "neighbourhood search")
                 if tech.local_search and not done():
-                    k = self.rounds % len(population)
-                    ranges, _ = local_search(inst, population[k], seed=opts.seed + 100 + self.rounds,
+                    # Every other round from the best placement (each time with a new seed: one seed's moves
+                    # found helix-geo-pruned's 6104 -> 6312 in three), the others in turn from the population
+                    # (the best as it was and the heuristics', for variety). With one in four from the best,
+                    # a 60 s run got two tries from it.
+                    k = 0 if self.rounds % 2 == 0 else (self.rounds // 2) % len(population)
+                    start = best_ranges if self.rounds % 2 == 0 else population[k]
+                    ranges, _ = local_search(inst, start, seed=opts.seed + 100 + self.rounds,
                                              max_evaluations=WORK["round_local_per_node"] * len(infos),
                                              time_limit=self.step_time(max(2.0, opts.time_limit_s / 20)))
-                    population[k] = ranges
+                    if self.rounds % 2 == 1:
+                        population[k] = ranges
                     offer(ranges, "local search")
                     lns.offer(best_ranges)
                 self.rounds += 1

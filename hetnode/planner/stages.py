@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from hetnode.planner.heuristics import NodeInfo, Ranges
 
 Group = tuple[tuple[int, int], ...]  # (class index, how many nodes) for one stage
+STEP = 0.05  # best_stage_placement's largest step above the best level so far
 MAX_GROUP = 6  # with regions: groups of up to this many nodes are tried, so that boundaries have enough links
 
 
@@ -74,6 +75,14 @@ def stage_placement(infos: Sequence[NodeInfo], num_layers: int, level: float, *,
     classes = _classes(infos, region_links is not None)
     count = len(classes)
     rates = [c.best_rate for c in classes]
+    # The most layers one node of a class can cover at `level`: holding z layers it covers z of them if it
+    # serves `level` alone, else the share t(z) / level of them (the rest of its stage's group covers the
+    # rest). Every stage's group covers its z layers this way, so the nodes left must reach the layers left.
+    # Tighter than throughput x layers where a node serves more than `level` (an A100 does not cover 22
+    # layers at 5000 tokens/s when it holds at most 12): on helix-geo-pruned the search spent most of its
+    # states tiling the middle region in ways that could never leave enough of the A100s' 12-layer reach.
+    reach = [max((z * min(1.0, c.t(z) / level) if level > 0 else float(z)
+                  for z in range(1, len(c.throughput) + 1)), default=0.0) for c in classes]
     failed: set[tuple[int, tuple[int, ...], str, int]] = set()
 
     crossing = region_links is not None and len({c.region for c in classes}) > 1
@@ -110,6 +119,27 @@ def stage_placement(infos: Sequence[NodeInfo], num_layers: int, level: float, *,
         extend(0, 0.0, 0, [])
         return out
 
+    regions = sorted({c.region for c in classes}) if region_links is not None else [""]
+    sizes = range(1, MAX_GROUP + 1) if crossing else range(1, 2)
+    in_region = {r: [c for c in range(count) if region_links is None or classes[c].region == r] for r in regions}
+    longest = {r: max((len(classes[c].throughput) for c in in_region[r]), default=0) for r in regions}
+    known: dict[tuple[str, int, tuple[int, ...], bool, bool], list[tuple[Group, float, int, float]]] = {}
+
+    def candidates(layer: int, z: int, left: tuple[int, ...], mine: tuple[int, ...],
+                   region: str) -> list[tuple[Group, float, int, float]]:
+        """Every size's minimal groups for a stage of z layers in `region` (group, cost, size, throughput).
+        They depend on `left` only through the region's classes (`mine`) and on `layer` only through whether
+        the stage is the first or the last, so they are remembered by that key: most states of the search
+        share them, and building them was 80% of its time (profiled on helix-geo-pruned)."""
+        key = (region, z, mine, layer == 0, layer + z == num_layers)
+        found = known.get(key)
+        if found is None:
+            unique = {group: cost for m in sizes
+                      for cost, group in groups(layer, z, left, region if region_links is not None else None, m)}
+            found = known[key] = [(group, cost, sum(n for _, n in group),
+                                   sum(n * classes[c].t(z) for c, n in group)) for group, cost in unique.items()]
+        return found
+
     def transfer(prev: tuple[str, int, float], region: str, size: int, serves: float) -> float:
         """What the boundary between the previous group and this one carries."""
         prev_region, prev_size, prev_serves = prev
@@ -130,20 +160,17 @@ def stage_placement(infos: Sequence[NodeInfo], num_layers: int, level: float, *,
         key = (layer, left, prev[0], prev[1])
         if key in failed:
             return None
-        if sum(n * r for n, r in zip(left, rates, strict=True)) < level * (num_layers - layer) * (1 - 1e-12):
+        if sum(n * r for n, r in zip(left, reach, strict=True)) < (num_layers - layer) * (1 - 1e-12):
             failed.add(key)
             return None
         options: list[tuple[float, int, int, Group, str]] = []
-        regions = sorted({c.region for c in classes}) if region_links is not None else [""]
-        sizes = range(1, MAX_GROUP + 1) if crossing else range(1, 2)
         for region in regions:
-            for z in range(1, num_layers - layer + 1):
-                found = {group: cost for m in sizes
-                         for cost, group in groups(layer, z, left, region if region_links is not None else None,
-                                                   m)}
-                for group, cost in found.items():
-                    size = sum(n for _, n in group)
-                    serves = sum(n * classes[c].t(z) for c, n in group)
+            mine = tuple(left[c] for c in in_region[region])
+            if not any(mine):
+                continue
+            # No node of the region holds more than its longest range.
+            for z in range(1, min(num_layers - layer, longest[region]) + 1):
+                for group, cost, size, serves in candidates(layer, z, left, mine, region):
                     if transfer(prev, region, size, serves) < level:
                         continue
                     options.append((cost, -z, z, group, region))
@@ -206,13 +233,19 @@ def best_stage_placement(infos: Sequence[NodeInfo], num_layers: int, *, low: flo
         left = time_limit - (time.perf_counter() - began)
         if left <= 0.01 or (budget is not None and budget < 2):
             break
-        level = above if above is not None else (low + look) / 2
+        # Never more than STEP above the best level found: the bound above is often loose (helix-geo-pruned:
+        # 9877 against a best of about 6300), levels far above the best end "unknown" after the whole of
+        # their budget, while a feasible answer usually lands well above the level asked (5000 -> 5523).
+        level = above if above is not None else min((low + look) / 2, max(low, result.value) * (1 + STEP)) \
+            if low > 0 else (low + look) / 2
         above = None
-        steps = None if budget is None else [budget // 2]
+        # A level gets half of what is left (3/4 lost helix-hetero-pruned's levels below its first "unknown").
+        share = budget // 2 if budget is not None else 0
+        steps = None if budget is None else [share]
         outcome, ranges = stage_placement(infos, num_layers, level, deadline=time.perf_counter() + left / 2,
                                           region_links=region_links, steps=steps)
         if budget is not None and steps is not None:
-            budget -= budget // 2 - max(0, steps[0])
+            budget -= share - max(0, steps[0])
         result.steps.append((level, outcome, time.perf_counter() - began))
         if outcome == "feasible" and ranges is not None:
             value = _least(infos, ranges, num_layers)
@@ -226,8 +259,8 @@ def best_stage_placement(infos: Sequence[NodeInfo], num_layers: int, *, low: flo
         else:
             if outcome == "unknown" and not tried_above:
                 tried_above = True
-                above = (level + min(high, result.below)) / 2
-            look = level
+                above = min((level + min(high, result.below)) / 2, level * (1 + STEP))
+            look = min(look, level)  # an unknown "above" try does not raise where to look
             if outcome == "infeasible":
                 result.below = min(result.below, level)
     return result
