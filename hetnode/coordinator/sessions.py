@@ -79,6 +79,7 @@ from hetnode.protocol.transport import Transport
 from hetnode.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
+_EARLY_TOKENS = 16  # tokens that may wait for an earlier one (a phase hand-off overtaken by the next phase)
 
 @dataclass(frozen=True)
 class _Leaving:
@@ -115,6 +116,9 @@ class _Session:
         self.prefilled = False  # its first token came: the prefill phase is done
         self.leaving: set[NodeId] = set()  # hops of its last phase that are draining: move it, KV and all
         self.frozen: dict[NodeId, int] = {}  # answers to Freeze: each hop's computed positions
+        # Tokens that came before an earlier one: a decode phase's second token may overtake the prefill phase's
+        # first (they come from different hops, over different streams).
+        self.early: dict[int, Token] = {}
         # Room for every token the session may produce and a few failure notices: a node never waits for a
         # slow HTTP client, and a token is never dropped.
         self.send, self.recv = trio.open_memory_channel[_Inbound](capacity + 16)
@@ -453,17 +457,18 @@ class PipelineGenerator:
                 if isinstance(msg, _Lost):
                     lost = msg
                     break
-                yield self._accept(request, msg)
-                if self.lifecycle.ends(len(request.generated), params.max_tokens, msg.stopped):
-                    return
+                for tok in self._in_order(request, msg):
+                    yield self._accept(request, tok)
+                    if self.lifecycle.ends(len(request.generated), params.max_tokens, tok.stopped):
+                        return
                 if request.session.leaving:
                     lost = self._leaving(request.session)
             if lost.code == "leaving":
                 # A graceful leave: the session moves with its KV; only when that cannot be done, re-prefilled.
                 late, frozen = await self._freeze(request.session, lost)
-                for msg in late:
-                    yield self._accept(request, msg)
-                    if self.lifecycle.ends(len(request.generated), params.max_tokens, msg.stopped):
+                for tok in (t for msg in late for t in self._in_order(request, msg)):
+                    yield self._accept(request, tok)
+                    if self.lifecycle.ends(len(request.generated), params.max_tokens, tok.stopped):
                         return
                 lost = await self._move_with_kv(request, lost) if frozen is None else frozen
                 if lost is None:
@@ -476,6 +481,22 @@ class PipelineGenerator:
             moves += 1
             await self._move(request, lost, moves)
             lost = await self._start(request)
+
+    def _in_order(self, request: _Request, msg: Token) -> list[Token]:
+        """The tokens that now continue the context, in order: `msg` and any that came early and follow it; a
+        token ahead of the next one waits (a bounded few), one already had is a protocol error (in `_accept`)."""
+        expected = len(request.prompt) + len(request.generated)
+        early = request.session.early
+        if msg.position > expected:
+            if len(early) >= _EARLY_TOKENS:
+                raise GenerationError(f"out-of-order token (position {msg.position}, expected {expected})",
+                                      status=502, code="protocol_error")
+            early[msg.position] = msg
+            return []
+        out = [msg]
+        while (nxt := early.pop(out[-1].position + 1, None)) is not None:
+            out.append(nxt)
+        return out
 
     def _accept(self, request: _Request, msg: Token) -> TokenEvent:
         """The request's next token, checked to continue its context."""
