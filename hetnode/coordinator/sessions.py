@@ -618,7 +618,7 @@ class PipelineGenerator:
                                                           for h in ph.hops}
         unreachable: list[tuple[NodeId, str]] = []
 
-        async def send_to(peer: NodeId, msg: Install | None, context_part: bool) -> None:
+        async def send_to(peer: NodeId, msg: Install | Export | None, context_part: bool) -> None:
             try:
                 if msg is not None:
                     await self.mailbox.send(peer, msg)
@@ -645,7 +645,7 @@ class PipelineGenerator:
                     export = Export(session=adopts.id, to=session.id, route=session.route)
                     async with trio.open_nursery() as nursery:
                         for hop in session.route.phases[0].hops:
-                            nursery.start_soon(self._send_or_note, NodeId(hop.peer), export, unreachable)
+                            nursery.start_soon(send_to, NodeId(hop.peer), export, False)
                 async with trio.open_nursery() as nursery:
                     for peer in parts:
                         nursery.start_soon(send_to, peer, None, True)
@@ -656,12 +656,6 @@ class PipelineGenerator:
         if scope.cancelled_caught:
             return _Lost(f"installing the route took over {self.step_timeout_s:g} s", "timeout")
         return None
-
-    async def _send_or_note(self, peer: NodeId, msg: Export, unreachable: list[tuple[NodeId, str]]) -> None:
-        try:
-            await self.mailbox.send(peer, msg)
-        except HetnodeError as exc:
-            unreachable.append((peer, str(exc)))
 
     async def _wait_ready(self, session: _Session) -> _Lost | None:
         """Until every hop that starts from handed-over KV has reserved it (the caller bounds the wait)."""
