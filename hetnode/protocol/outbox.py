@@ -38,13 +38,15 @@ class Outbox:
         self._flushed = trio.Event()
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        try:
-            async with trio.open_nursery() as nursery:
-                self._nursery = nursery
-                task_status.started()
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            task_status.started()
+            try:
                 await trio.sleep_forever()
-        finally:
-            self._closed = True
+            finally:
+                # Closed as soon as the body ends, not when the senders have finished: from then on the nursery
+                # refuses new tasks, and a batch step finishing during shutdown must get False, not an error.
+                self._closed = True
 
     def post(self, peer: NodeId, msg: msgspec.Struct, payload: bytes | memoryview | None = None) -> bool:
         """Queue `msg` for `peer` behind everything posted to it before; False when its queue is full or the
