@@ -22,6 +22,7 @@ import trio
 from hetnode.argtypes import non_negative as _non_negative
 from hetnode.argtypes import positive as _positive
 from hetnode.errors import ConfigError, HetnodeError, PeerUnreachable, Refused
+from hetnode.policy.kv_codec import OPERATOR_CHOICES
 
 if TYPE_CHECKING:
     from hetnode.planner.cluster import ClusterSpec
@@ -45,7 +46,7 @@ def _planning_args(p: argparse.ArgumentParser) -> None:
                    help="how each request's pipeline is chosen (default: iwrr, Helix's)")
     p.add_argument("--plan-time-limit", type=_positive, default=10.0, metavar="S",
                    help="seconds the helix search may take per re-plan (default: 10)")
-    p.add_argument("--kv-codec", default="auto", choices=["auto", "fp16", "int8", "int4"],
+    p.add_argument("--kv-codec", default="auto", choices=list(OPERATOR_CHOICES),
                    help="how KV travels between the phases of a phase-split route (default: auto, the cheapest "
                         "of packing, sending and unpacking at each link's measured bandwidth)")
 

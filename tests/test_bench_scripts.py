@@ -119,12 +119,13 @@ def test_bench_kv_quick() -> None:
         shapes.setdefault(row["shape"], set()).add(row["codec"])
     # SmolLM2's KV (its shape from the GGUF) and one LLaMA-2 70B layer, each through every codec.
     assert len(shapes) == 2 and any("70B" in shape for shape in shapes)
-    assert all(codecs == {"fp16", "bf16", "int8", "int4", "int2"} for codecs in shapes.values())
+    assert all(codecs == {"fp16", "bf16", "fp32", "int8", "int4", "int2"} for codecs in shapes.values())
     assert [30, 64, 3, 64] in [row["dims"] for row in rows]
     for row in rows:
         assert row["pack_gbps"] > 0 and row["unpack_gbps"] > 0 and row["bytes"] > 0
         # Sizes are arithmetic, not timing: int4 with its scales is 128/36 of fp16 at the default group.
-        expected = {"fp16": 1, "bf16": 1, "int8": 128 / 68, "int4": 128 / 36, "int2": 128 / 20}[row["codec"]]
+        expected = {"fp16": 1, "bf16": 1, "fp32": 0.5, "int8": 128 / 68, "int4": 128 / 36,
+                    "int2": 128 / 20}[row["codec"]]
         assert abs(row["ratio"] - expected) < 1e-9
     quality = result["quality"]
     assert set(quality) == {"unquantized", "fp16", "int8", "int4", "int2"}

@@ -103,11 +103,12 @@ def _check_pair(k: torch.Tensor, v: torch.Tensor) -> tuple[int, int, int, int]:
 
 
 class CastCodec(KVCodec):
-    """K and V cast to a 16-bit float type, one after the other in C order.
+    """K and V cast to a float type, one after the other in C order.
 
     Error: exact for input already of `wire_dtype`; otherwise the cast's rounding, at most half a unit in the
     last place of `wire_dtype` (relative 2^-11 for fp16, 2^-8 for bf16). fp16 turns |x| > 65504 into inf: a
-    cache whose values can exceed that should travel as bf16.
+    cache whose values can exceed that should travel as bf16. fp32 is "as is" for nodes that compute in fp32
+    (CPU nodes): twice fp16's bytes, and exact there.
     """
 
     def __init__(self, name: str, wire_dtype: torch.dtype) -> None:
@@ -365,6 +366,7 @@ CODECS: dict[str, KVCodec] = {
     codec.name: codec
     for codec in (
         CastCodec("fp16", torch.float16),
+        CastCodec("fp32", torch.float32),
         CastCodec("bf16", torch.bfloat16),
         GroupQuantCodec(8),
         GroupQuantCodec(4),

@@ -23,13 +23,13 @@ from dataclasses import dataclass
 
 REPREFILL = "reprefill"
 AUTO = "auto"
-# `--kv-codec`: what an operator may ask for. `auto` picks among the same three: bf16 is as large as fp16 and
-# less precise for KV, and int2 loses too much quality on small models (see scripts/bench_kv.py) to be
-# chosen without being asked for by name.
-OPERATOR_CHOICES = (AUTO, "fp16", "int8", "int4")
+# `--kv-codec`: what an operator may ask for. `auto` picks among fp16, int8 and int4: bf16 is as large as fp16
+# and less precise for KV, int2 loses too much quality on small models (see scripts/bench_kv.py) to be chosen
+# without being asked for by name, and fp32 (exact on nodes that compute in fp32) doubles fp16's bytes.
+OPERATOR_CHOICES = (AUTO, "fp16", "fp32", "int8", "int4")
 AUTO_CODECS = ("fp16", "int8", "int4")
 # Most precise first: the order in which ties are broken.
-PRECISION = ("fp16", "bf16", "int8", "int4", "int2")
+PRECISION = ("fp32", "fp16", "bf16", "int8", "int4", "int2")
 
 
 @dataclass(frozen=True, slots=True)

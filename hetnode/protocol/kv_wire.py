@@ -6,14 +6,14 @@ from __future__ import annotations
 
 KV_GROUP = 64  # tokens (keys) or channels (values) per quantization group; `hetnode.kv.codecs` says why 64
 _BITS = {"int8": 8, "int4": 4, "int2": 2}
-_CASTS = ("fp16", "bf16")
+_CASTS = {"fp16": 2, "bf16": 2, "fp32": 4}  # bytes per element
 
 
 def packed_size(codec: str, layers: int, tokens: int, kv_heads: int, head_dim: int, group: int = KV_GROUP) -> int:
     """Bytes of keys and values of this shape in `codec`, scales and zero points included."""
     n = layers * tokens * kv_heads * head_dim
     if codec in _CASTS:
-        return 2 * 2 * n
+        return 2 * _CASTS[codec] * n
     bits = _BITS.get(codec)
     if bits is None:
         raise ValueError(f"unknown KV codec {codec!r}")

@@ -247,7 +247,7 @@ MAX_PHASES = 4
 MAX_ITEMS = 4096  # items in one Items or Tokens message (a step's batch for one peer)
 MAX_TOKENS_PER_SESSION = 1 << 20
 PhaseKind = Literal["prefill", "decode", "mixed"]
-CodecName = Literal["fp16", "bf16", "int8", "int4", "int2"]  # how KV travels (`hetnode.kv.codecs`)
+CodecName = Literal["fp16", "bf16", "fp32", "int8", "int4", "int2"]  # how KV travels (`hetnode.kv.codecs`)
 
 
 class Hop(msgspec.Struct, frozen=True, kw_only=True):

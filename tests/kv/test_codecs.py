@@ -118,6 +118,16 @@ def test_fp16_round_trip_of_fp16_input_is_exact(shape: tuple[int, int, int, int]
         assert torch.equal(k2, k) and torch.equal(v2, v)
 
 
+@settings(max_examples=40, deadline=None)
+@given(shape=shapes, seed=st.integers(0, 2**31 - 1))
+def test_fp32_round_trip_of_fp32_input_is_exact(shape: tuple[int, int, int, int], seed: int) -> None:
+    k, v = kv_pair(shape, seed, 10.0, torch.float32, outliers=1)
+    data = CODECS["fp32"].pack(k, v)
+    assert data.nbytes == CODECS["fp32"].packed_size(*shape) == 8 * math.prod(shape)
+    k2, v2 = CODECS["fp32"].unpack(bytes(data), *shape, dtype=torch.float32)
+    assert torch.equal(k2, k) and torch.equal(v2, v)
+
+
 def test_cast_codecs_round_float32_by_half_an_ulp() -> None:
     shape = (2, 33, 2, 16)
     k, v = kv_pair(shape, seed=3, magnitude=5.0, dtype=torch.float32)
@@ -212,7 +222,7 @@ def test_unpacked_tensors_do_not_alias_the_receive_buffer() -> None:
 
 
 def test_codec_registry_and_arguments() -> None:
-    assert set(CODECS) == {"fp16", "bf16", "int8", "int4", "int2"}
+    assert set(CODECS) == {"fp16", "bf16", "fp32", "int8", "int4", "int2"}
     assert all(codec.name == name for name, codec in CODECS.items())
     assert isinstance(CODECS["bf16"], CastCodec)
     with pytest.raises(ValueError, match="bits"):

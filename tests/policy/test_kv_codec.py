@@ -61,7 +61,7 @@ def test_a_tie_goes_to_the_more_precise_codec() -> None:
 
 
 def test_bad_input_is_refused() -> None:
-    with pytest.raises(ValueError, match="one of auto, fp16, int8, int4"):
+    with pytest.raises(ValueError, match="one of auto, fp16, fp32, int8, int4"):
         KVCodecPolicy("int3")
     with pytest.raises(ValueError, match="int2"):
         KVCodecPolicy("int2")  # a codec on the wire, but not one an operator may ask for

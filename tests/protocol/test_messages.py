@@ -42,7 +42,7 @@ addrs = st.lists(st.text(max_size=80), max_size=4)
 profile = st.builds(m.HardwareProfile, device=short_text, device_type=short_text,
                     num_devices=st.integers(1, 64), memory_bytes=count, matmul_tflops=unit,
                     mem_bandwidth_gbps=unit, dtype=short_text, emulated=st.booleans(), host=short_text)
-codec = st.sampled_from(["fp16", "bf16", "int8", "int4", "int2"])
+codec = st.sampled_from(["fp16", "bf16", "fp32", "int8", "int4", "int2"])
 rate = st.builds(m.CodecRate, codec, st.floats(1e-3, 1e12), st.floats(1e-3, 1e12))
 load = st.builds(m.Load, queued_tokens=count, active_sessions=count, kv_blocks_used=count, kv_blocks_free=count,
                  leases_expired=count, kv_codec_rates=st.lists(rate, max_size=3))

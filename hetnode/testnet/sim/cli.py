@@ -21,6 +21,7 @@ from typing import Any
 
 from hetnode.argtypes import positive as _positive
 from hetnode.errors import ConfigError
+from hetnode.policy.kv_codec import OPERATOR_CHOICES
 
 log = logging.getLogger("hetnode.sim")
 
@@ -55,7 +56,7 @@ def add_arguments(p: argparse.ArgumentParser, *, clusters: Sequence[str] = ()) -
     p.add_argument("--scheduler", default="iwrr", choices=SCHEDULER_NAMES,
                    help="the runtime's request scheduler (default: iwrr, Helix's; a split plan is always routed by "
                         "cls, Splitwise's, as the coordinator routes it)")
-    p.add_argument("--kv-codec", default="auto", choices=["auto", "fp16", "int8", "int4"],
+    p.add_argument("--kv-codec", default="auto", choices=list(OPERATOR_CHOICES),
                    help="split plans: the codec of KV hand-offs (default: auto, the cheapest per link, as the "
                         "coordinator picks it)")
     p.add_argument("--kv-transfer", default="policy", choices=["policy", "layerwise", "whole"],
