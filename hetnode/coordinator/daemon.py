@@ -231,8 +231,12 @@ class Coordinator:
                 self._poke()
             elif isinstance(msg, AssignmentStatus):
                 record = self.registry.nodes[peer]
-                if record.assignment and record.assignment.plan_version == msg.plan_version:
+                a = record.assignment
+                if a and a.plan_version == msg.plan_version:
                     record.assignment_state = msg.state
+                    if msg.state == "ready" and self.generator is not None:
+                        # Its old shard stays until the sessions on it have moved away with their KV.
+                        self.generator.node_replaced(peer, a.first_layer, a.last_layer)
                 if self.deployment is not None:
                     self.deployment.on_status(peer, msg)
             elif isinstance(msg, Leave) and msg.drain_s > 0:

@@ -83,9 +83,11 @@ _EARLY_TOKENS = 16  # tokens that may wait for an earlier one (a phase hand-off 
 
 @dataclass(frozen=True)
 class _Leaving:
-    """The coordinator's word that a hop of the session's last phase is draining."""
+    """The coordinator's word that a hop of the session's last phase is draining (it leaves), or that its layers
+    changed in a re-plan (`replaced`: it stays, and may serve the moved session with its new layers)."""
 
     peer: NodeId
+    replaced: bool = False
 
 
 _Inbound = Token | Failed | Ready | Frozen | _Leaving | str  # str: the coordinator's own verdict (a node went down)
@@ -115,6 +117,7 @@ class _Session:
         self.ready: set[NodeId] = set()
         self.prefilled = False  # its first token came: the prefill phase is done
         self.leaving: set[NodeId] = set()  # hops of its last phase that are draining: move it, KV and all
+        self.replaced: set[NodeId] = set()  # those of them that stay, with other layers after a re-plan
         self.frozen: dict[NodeId, int] = {}  # answers to Freeze: each hop's computed positions
         # Tokens that came before an earlier one: a decode phase's second token may overtake the prefill phase's
         # first (they come from different hops, over different streams).
@@ -317,9 +320,23 @@ class PipelineGenerator:
         finishes sending their KV before it goes."""
         for session in self._sessions.values():
             if peer in {NodeId(h.peer) for h in session.route.phases[-1].hops}:
-                session.leaving.add(peer)
-                with suppress(trio.WouldBlock):
-                    session.send.send_nowait(_Leaving(peer))
+                self._tell_leaving(session, _Leaving(peer))
+
+    def node_replaced(self, peer: NodeId, first_layer: int, last_layer: int) -> None:
+        """`peer` serves layers [first_layer, last_layer) now (none when they are equal) and keeps its old shard
+        only until the sessions on it have gone: each session whose last phase has it on other layers moves
+        with its KV, as from a node that leaves, but `peer` itself stays eligible for the new route."""
+        for session in self._sessions.values():
+            if any(NodeId(h.peer) == peer and (h.first_layer, h.last_layer) != (first_layer, last_layer)
+                   for h in session.route.phases[-1].hops):
+                session.replaced.add(peer)
+                self._tell_leaving(session, _Leaving(peer, replaced=True))
+
+    @staticmethod
+    def _tell_leaving(session: _Session, word: _Leaving) -> None:
+        session.leaving.add(word.peer)
+        with suppress(trio.WouldBlock):
+            session.send.send_nowait(word)
 
     def _progressed(self) -> None:
         self._progress.set()
@@ -518,20 +535,25 @@ class PipelineGenerator:
         keeps them), and None, or why the session cannot move with its KV."""
         holders = [NodeId(h.peer) for h in old.route.phases[-1].hops]
         late: list[Token] = []
+        answers = 0
         with trio.move_on_after(self.step_timeout_s):
             try:
                 for peer in holders:
                     await self.mailbox.send(peer, Freeze(session=old.id))
             except HetnodeError as exc:
                 return late, self._no_kv_move(old, lost, f"freezing it failed: {exc}")
-            while len(old.frozen) < len(holders):
+            # Counted as they come out of the inbox, not as they arrive: the tokens a hop sampled before it froze
+            # are ahead of its answer there (a slow client leaves many queued), and all of them must be had.
+            while answers < len(holders):
                 msg = await old.recv.receive()
                 if isinstance(msg, Token):
                     late.append(msg)
+                elif isinstance(msg, Frozen):
+                    answers += 1
                 elif isinstance(msg, Failed | str):
                     why = msg if isinstance(msg, str) else msg.reason
                     return late, self._no_kv_move(old, lost, f"a hop failed while it froze: {why}")
-        if len(old.frozen) < len(holders):
+        if answers < len(holders):
             return late, self._no_kv_move(old, lost, f"its hops did not freeze within {self.step_timeout_s:g} s")
         return late, None
 
@@ -680,9 +702,16 @@ class PipelineGenerator:
         return _Lost(f"no token from the route within {self.step_timeout_s:g} s", "timeout")
 
     def _leaving(self, session: _Session) -> _Lost:
-        names = ", ".join(sorted(self._name(p) for p in session.leaving))
-        return _Lost(f"{names} {'is' if len(session.leaving) == 1 else 'are'} leaving", "leaving",
-                     frozenset(session.leaving))
+        """Why the session moves with its KV: nodes that leave are avoided by its next route, nodes whose
+        layers a re-plan changed are not (the new plan routes through them)."""
+        gone = session.leaving - session.replaced
+        why = []
+        if gone:
+            why.append(f"{', '.join(sorted(self._name(p) for p in gone))} {'is' if len(gone) == 1 else 'are'} "
+                       "leaving")
+        if session.replaced:
+            why.append(f"a re-plan changed the layers of {', '.join(sorted(self._name(p) for p in session.replaced))}")
+        return _Lost("; ".join(why), "leaving", frozenset(gone))
 
     def _lost(self, msg: Failed | str) -> _Lost:
         if isinstance(msg, str):

@@ -26,6 +26,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import torch
 import trio
 
 from hetnode.ids import SessionId
@@ -39,6 +40,7 @@ T = TypeVar("T")
 
 # Sessions released recently: work for them that is still in flight is dropped, not run.
 _RELEASED_MEMORY = 65536
+PREFILL_PROBE_TOKENS = 128  # the prompt a new shard is timed on: a typical chunk, and short next to a load
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,6 +184,34 @@ class BatchLoop:
         self._release_sync(releases)
         self.engine.reserve_kv(session, tokens)
         self.kv = self.engine.kv_usage()
+
+    async def measure_prefill(self, tokens: int = PREFILL_PROBE_TOKENS) -> float:
+        """Time one prompt of `tokens` positions through this shard, paced like any step, and start the prefill
+        rate from it; tokens/s, or 0 when the shard cannot hold it. A node that only decodes never runs a
+        prompt, yet the coordinator weighs re-prefilling there against moving a prompt's KV to it. Call it
+        before the loop takes work: a throwaway session that is freed at once."""
+        engine = self.engine
+        item = StepItem(session=SessionId("prefill-probe"), start=0,
+                        token_ids=[0] * tokens if engine.is_first else None,
+                        hidden=None if engine.is_first else torch.zeros(tokens, engine.config.hidden_size))
+
+        def run(engine: Engine) -> None:
+            try:
+                engine.step([item])
+            finally:
+                engine.release(item.session)
+
+        t0 = trio.current_time()
+        try:
+            await self.run_engine(run)
+        except (EngineError, KVCacheFull) as exc:
+            log.info("no prefill probe on this shard (%s): its prefill rate comes from its first prompts", exc)
+            return 0.0
+        if self._pace is not None:
+            await trio.sleep_until(t0 + self._pace([item]))
+        rate = tokens / max(trio.current_time() - t0, 1e-9)
+        self.prefill_rate = StepRate(initial=rate, weight=self.prefill_rate.weight)
+        return rate
 
     async def run_engine(self, fn: Callable[[Engine], T]) -> T:
         """`fn(engine)` in the worker thread, between steps (KV hand-offs read and write the engine's cache)."""

@@ -92,6 +92,7 @@ log = logging.getLogger(__name__)
 ReportStatus = Callable[[AssignmentStatus], Awaitable[None]]
 PaceFactory = Callable[[TorchEngine], Pace | None]
 _RETIRE_TIMEOUT_S = 30.0
+_RETIRE_DRAIN_S = 30.0  # a replaced shard's sessions move with their KV within this, or re-prefill
 _PARK_SESSIONS = 1024  # sessions whose items may wait for their Install at once
 _PARK_ITEMS = 64  # items one such session may have waiting
 _PARK_S = 10.0  # how long they wait before they are refused
@@ -228,7 +229,7 @@ class HopServer:
         self._loop_scope: trio.CancelScope | None = None
         self._nursery: trio.Nursery | None = None
         self._assign_lock = trio.Lock()
-        self._emptied = trio.Event()  # set whenever the last session goes (a draining node waits for it)
+        self._gone = trio.Event()  # set whenever a session goes (a draining node or a retiring shard waits)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
@@ -268,9 +269,11 @@ class HopServer:
                     and (current.first_layer, current.last_layer) == (a.first_layer, a.last_layer))
             if same or a.role == "idle":
                 self.assignment = a
+                # Ready first: that is the coordinator's cue to move the sessions still on the old shard away
+                # with their KV, which the shard keeps until they have gone.
+                await report(AssignmentStatus(plan_version=a.plan_version, state="ready"))
                 if a.role == "idle":
                     await self._unload(f"this node is idle under plan {a.plan_version}")
-                await report(AssignmentStatus(plan_version=a.plan_version, state="ready"))
                 return
             await report(AssignmentStatus(plan_version=a.plan_version, state="loading"))
             reason = f"shard replaced by layers [{a.first_layer}, {a.last_layer}) for plan {a.plan_version}"
@@ -282,18 +285,19 @@ class HopServer:
                         raise
                     log.info("layers [%d, %d) do not fit beside the old shard; dropping it first",
                              a.first_layer, a.last_layer)
-                    await self._unload(reason)
+                    await self._unload(reason, drain=False)
                     engine = await trio.to_thread.run_sync(self._load_engine, a)
             except (HetnodeError, OSError, ValueError, RuntimeError, MemoryError) as exc:
                 # The old shard (if any) stays: the sessions on it can still finish.
                 log.error("loading layers [%d, %d) of %s failed: %s", a.first_layer, a.last_layer, a.model, exc)
                 await report(AssignmentStatus(plan_version=a.plan_version, state="failed", detail=str(exc)))
                 return
+            loop = BatchLoop(engine, deliver=self._deliver, fail=self._fail,
+                             pace=self.pace_factory(engine) if self.pace_factory else None,
+                             layer_hook=self._stream_for)
+            await loop.measure_prefill()
             old_engine, old_loop, old_scope = self.engine, self.loop, self._loop_scope
-            self.assignment, self.engine = a, engine
-            self.loop = BatchLoop(engine, deliver=self._deliver, fail=self._fail,
-                                  pace=self.pace_factory(engine) if self.pace_factory else None,
-                                  layer_hook=self._stream_for)
+            self.assignment, self.engine, self.loop = a, engine, loop
             assert self._nursery is not None
             self._loop_scope = await self._nursery.start(self._run_loop, self.loop)
             log.info("serving layers [%d, %d) of %s (plan %d)", a.first_layer, a.last_layer, a.model,
@@ -314,14 +318,21 @@ class HopServer:
             task_status.started(scope)
             await loop.run()
 
-    async def _unload(self, reason: str) -> None:
+    async def _unload(self, reason: str, *, drain: bool = True) -> None:
         engine, loop, scope = self.engine, self.loop, self._loop_scope
         self.engine, self.loop, self._loop_scope = None, None, None
-        await self._retire(engine, loop, scope, reason)
+        await self._retire(engine, loop, scope, reason, drain=drain)
 
     async def _retire(self, engine: TorchEngine | None, loop: BatchLoop | None, scope: trio.CancelScope | None,
-                      reason: str) -> None:
-        """Stop a shard that is no longer current: its step under way finishes, its sessions fail."""
+                      reason: str, *, drain: bool = True) -> None:
+        """Stop a shard that is no longer current. With `drain`, it first serves on until its sessions have gone
+        (the coordinator moves them with their KV once this node reports ready for the new plan; a prefill
+        phase's sessions finish sending theirs), for a bounded time; its step under way finishes, and the
+        sessions still on it then fail (their requests re-prefill elsewhere)."""
+        if loop is not None and drain:
+            with trio.move_on_after(_RETIRE_DRAIN_S):
+                while any(s.loop is loop for s in self.sessions.values()):
+                    await self._gone.wait()
         if loop is not None:
             # Bounded: a step is seconds at most; a loop stuck past that is cancelled, its work lost.
             with trio.move_on_after(_RETIRE_TIMEOUT_S):
@@ -831,15 +842,14 @@ class HopServer:
             self._released.popitem(last=False)
         if session is not None:
             session.loop.release(sid)
-        if not self.sessions:
-            self._emptied.set()
-            self._emptied = trio.Event()
+        self._gone.set()
+        self._gone = trio.Event()
 
     async def drain(self, timeout_s: float) -> bool:
         """Until this hop serves no session (they moved away or ended), at most `timeout_s`; True if none is left."""
         with trio.move_on_after(timeout_s):
             while self.sessions:
-                await self._emptied.wait()
+                await self._gone.wait()
         return not self.sessions
 
     # -- moves that keep the KV ----------------------------------------------------------------------------
@@ -875,11 +885,11 @@ class HopServer:
         if session is None or session.coordinator != peer:
             self._refuse(peer, "not_yours", f"session {sid} is not the sender's to export here")
             return
-        engine = self.engine
+        engine = session.loop.engine  # (after a re-plan, the old shard's: it holds this session's KV)
         places = places_of(msg.route, self.transport.peer_id)
         first = msg.route.phases[0]
         end = first.last_token
-        problem = route_problem(msg.route, engine.config.num_layers) if engine is not None else "no layers here"
+        problem = route_problem(msg.route, engine.config.num_layers)
         if not problem:
             if not session.frozen:
                 problem = f"session {sid} is not frozen"
@@ -887,9 +897,8 @@ class HopServer:
                 problem = "the export's route must name this hop in the first of its two phases"
             elif end is None or not 0 < end <= session.computed:
                 problem = f"the first phase ends at {end}, but this hop has computed [0, {session.computed})"
-            elif engine is not None and (first.hops[places[0].hop].first_layer,
-                                         first.hops[places[0].hop].last_layer) != (engine.first_layer,
-                                                                                   engine.last_layer):
+            elif (first.hops[places[0].hop].first_layer, first.hops[places[0].hop].last_layer) != (
+                    engine.first_layer, engine.last_layer):
                 problem = "the export's route gives this hop other layers than it holds"
         if problem:
             self._report(peer, to, f"cannot hand over session {sid}'s KV: {problem}")

@@ -113,3 +113,21 @@ async def test_a_split_chunk_runs_in_pieces_and_samples_what_the_whole_chunk_sam
         assert [w.item.num_tokens for w, _ in got] == [8, 8, 4] and results[-1].token == expected.token
         assert all(torch.equal(w.item.hidden, h.hidden[w.item.start:w.item.start + 8])  # type: ignore[index]
                    for w, _ in got)
+
+
+@pytest.mark.parametrize("first", [0, 1])
+async def test_a_new_shard_times_one_prompt_and_frees_it(model_dir: Path, first: int) -> None:
+    """A node that only decodes still knows its prefill rate (the coordinator weighs re-prefilling there against
+    moving KV): the loop times one probe prompt through the shard, paced like any step, and keeps no KV of it."""
+    for e in engine(model_dir, first=first):
+        out = Outcomes()
+        unpaced = BatchLoop(e, deliver=out.deliver, fail=out.fail)
+        assert unpaced.prefill_rate.value == 0
+        rate = await unpaced.measure_prefill(32)
+        assert rate > 0 and unpaced.prefill_rate.value == rate
+        assert e.kv_usage().used_blocks == 0
+        paced = BatchLoop(e, deliver=out.deliver, fail=out.fail, pace=lambda items: 0.2 * items[0].num_tokens / 32)
+        assert 0 < await paced.measure_prefill(32) <= 32 / 0.2
+        too_long = BatchLoop(e, deliver=out.deliver, fail=out.fail)
+        assert await too_long.measure_prefill(64 * 4 + 1) == 0  # more than its 64 blocks of 4: no rate, no harm
+        assert too_long.prefill_rate.value == 0 and e.kv_usage().used_blocks == 0
