@@ -23,6 +23,7 @@ from hetnode.argtypes import non_negative as _non_negative
 from hetnode.argtypes import positive as _positive
 from hetnode.errors import ConfigError, HetnodeError, PeerUnreachable, Refused
 from hetnode.policy.kv_codec import OPERATOR_CHOICES
+from hetnode.policy.kv_transfer import TRANSFER_CHOICES, transfer_policy
 
 if TYPE_CHECKING:
     from hetnode.planner.cluster import ClusterSpec
@@ -117,6 +118,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="serving dtype (default: float32)")
     j.add_argument("--kv-cache-mb", type=_positive, default=256.0, metavar="MB",
                    help="memory for this node's KV cache blocks (default: 256)")
+    j.add_argument("--kv-transfer", default="policy", choices=list(TRANSFER_CHOICES),
+                   help="how this node sends a prefill step's KV to the decode phase: layer by layer while the step "
+                        "runs when the transfer is long enough to gain by it (policy, the default), always "
+                        "layer-wise, or always whole after the step (the last two to compare them)")
     j.add_argument("--compute-dilation", type=_positive, default=100.0, metavar="X",
                    help="with --emulate: a step lasts X times the emulated device's modelled step time "
                         "(or the real time, if longer), so emulated devices keep their relative speeds "
@@ -157,6 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--compute-dilation", type=_positive, default=None, metavar="X",
                     help="emulated nodes' --compute-dilation: a step lasts X times the emulated device's "
                          "modelled step time, or the real time if longer (default: the node's, 100)")
+    up.add_argument("--kv-transfer", default="policy", choices=list(TRANSFER_CHOICES),
+                    help="every node's --kv-transfer (default: policy)")
     _planning_args(up)
     for name, help_ in (("down", "stop a detached testnet"), ("status", "show a detached testnet")):
         p = tsub.add_parser(name, help=help_, description=help_.capitalize() + ".")
@@ -474,7 +481,8 @@ async def _run_node(args: argparse.Namespace) -> None:
 
         hops = HopServer(transport, lambda peer: daemon.is_member(peer), device=args.device, dtype=args.dtype,
                          engine_config=EngineConfig(kv_cache_bytes=int(args.kv_cache_mb * (1 << 20))),
-                         pace_factory=pace_factory(args.emulate, args.compute_dilation) if args.emulate else None)
+                         pace_factory=pace_factory(args.emulate, args.compute_dilation) if args.emulate else None,
+                         kv_transfer=transfer_policy(args.kv_transfer))
         daemon = NodeDaemon(config, transport, hops)
         async with trio.open_nursery() as nursery:
             # SIGTERM or Ctrl-C: the sessions here move to other nodes with their KV before the node goes.

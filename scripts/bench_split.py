@@ -6,9 +6,10 @@
 Two emulated nodes in two regions (an L4 in "us", where the coordinator is, and an A100 in "eu"), joined by
 the issue's cross-region link (100 Mbit/s, 50 ms one way). Under `--placement split` the L4 prefills (the most
 compute per byte of memory bandwidth) and the A100 decodes, so every request's KV crosses the link; under
-`--placement helix` each node serves requests whole. For each mode (mixed; split with the fp16, int8 and int4
-codecs; split with `--kv-codec auto`, which may re-prefill on the decode side instead) and each prompt length,
-greedy streaming requests one at a time measure:
+`--placement helix` each node serves requests whole. The modes: mixed; split with the fp16, int8 and int4
+codecs; split fp16 with every transfer sent whole after the prefill step (`--kv-transfer whole`), beside the
+hops' own choice, which streams long ones layer by layer; and split with `--kv-codec auto`, which may re-prefill
+on the decode side instead. For each mode and prompt length, greedy streaming requests one at a time measure:
 
 - TTFT, and the gap from the first token (the end of the prefill) to the second (the first decode step after
   it): under split it holds the KV transfer (pack, send, unpack), under mixed one decode step;
@@ -67,6 +68,7 @@ latency_ms = 50
 MODES = {  # name: testnet up arguments
     "mixed": ["--placement", "helix"],
     "split fp16": ["--placement", "split", "--kv-codec", "fp16"],
+    "split fp16 whole": ["--placement", "split", "--kv-codec", "fp16", "--kv-transfer", "whole"],
     "split int8": ["--placement", "split", "--kv-codec", "int8"],
     "split int4": ["--placement", "split", "--kv-codec", "int4"],
     "split auto": ["--placement", "split", "--kv-codec", "auto"],
@@ -150,6 +152,17 @@ def report(results: list[dict[str, Any]]) -> None:
             print(f"{res['mode']:12s} {row['tokens']:6d} {row['ttft'] / b['ttft']:6.2f} {row['gap'] / b['gap']:8.2f} "
                   f"{row['tpot'] / b['tpot']:6.2f} {row['kv_bytes'] / 1e6:7.2f}")
     by = {r["mode"]: {row["length"]: row for row in r["rows"]} for r in results}
+    if "split fp16" in by and "split fp16 whole" in by:
+        # What streaming hides of the serialized transfer: the first gap beyond mixed serving's (one decode step)
+        # layer-wise, against the same whole after the prefill step.
+        mixed, layerwise, whole = by["mixed"], by["split fp16"], by["split fp16 whole"]
+        print("\nfirst gap beyond mixed's, layer-wise (the hops' policy) / whole after the step, fp16 KV:")
+        for n in layerwise:
+            extra_lw = layerwise[n]["gap"] - mixed[n]["gap"]
+            extra_whole = whole[n]["gap"] - mixed[n]["gap"]
+            hidden = 1 - extra_lw / extra_whole if extra_whole > 0 else float("nan")
+            print(f"  {layerwise[n]['tokens']:5d} tokens: {extra_lw * 1e3:6.0f} ms / {extra_whole * 1e3:6.0f} ms, "
+                  f"{hidden:.0%} hidden")
     if "split fp16" in by and "split int4" in by:
         fp16, int4 = by["split fp16"], by["split int4"]
         print("\nKV bytes, fp16 / int4 per prompt length:", ", ".join(

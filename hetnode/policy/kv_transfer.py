@@ -42,6 +42,22 @@ MIN_GROUP_BYTES = 64 << 10  # one chunk of the link shaper, about what one TCP w
 MAX_GROUPS = 16
 
 
+TRANSFER_CHOICES = ("policy", "layerwise", "whole")  # a node's `--kv-transfer`
+
+
+def transfer_policy(choice: str) -> KVTransferPolicy:
+    """The policy a node's `--kv-transfer` names: this module's choice by size ("policy"), every transfer that
+    splits into groups streamed ("layerwise"), or every one sent after the step ("whole"); the last two exist to
+    measure one against the other on the same cluster."""
+    if choice == "policy":
+        return KVTransferPolicy()
+    if choice == "layerwise":
+        return KVTransferPolicy(min_layerwise_s=0.0)
+    if choice == "whole":
+        return KVTransferPolicy(min_layerwise_s=math.inf)
+    raise ValueError(f"kv transfer must be one of {', '.join(TRANSFER_CHOICES)}, not {choice!r}")
+
+
 @dataclass(frozen=True, slots=True)
 class KVTransferChoice:
     mode: Mode

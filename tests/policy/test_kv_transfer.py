@@ -7,7 +7,7 @@ import math
 import pytest
 
 from hetnode.policy import KVTransferPolicy
-from hetnode.policy.kv_transfer import DEFAULT_MBPS, MAX_GROUPS, MIN_GROUP_BYTES, MIN_LAYERWISE_S
+from hetnode.policy.kv_transfer import DEFAULT_MBPS, MAX_GROUPS, MIN_GROUP_BYTES, MIN_LAYERWISE_S, transfer_policy
 
 FP16 = 768.0  # bytes per token-layer of SmolLM2-135M's KV in fp16 (3 KV heads x 64 x K and V x 2 bytes)
 
@@ -68,3 +68,16 @@ def test_thresholds_are_configurable_and_checked() -> None:
     for mbps in (0.0, -5.0, math.nan):
         with pytest.raises(ValueError):
             KVTransferPolicy().choose(8, 30, FP16, link_mbps=mbps)
+
+
+def test_a_node_may_be_told_to_send_every_transfer_whole_or_layer_wise() -> None:
+    """`--kv-transfer`: the policy by size, or one mode for every transfer (to measure them side by side)."""
+    big = (2048, 30, 384.0, 100.0)  # SmolLM2's fp16 KV of 2,048 tokens over 100 Mbit/s: seconds on the wire
+    small = (16, 30, 384.0, 100_000.0)  # a short prompt over a fast link: well under the threshold
+    assert transfer_policy("policy").choose(*big).mode == "layerwise"
+    assert transfer_policy("policy").choose(*small).mode == "whole"
+    assert transfer_policy("whole").choose(*big).mode == "whole"
+    assert transfer_policy("layerwise").choose(*big).mode == "layerwise"
+    assert transfer_policy("layerwise").choose(*small).mode == "layerwise"
+    with pytest.raises(ValueError, match="policy, layerwise, whole"):
+        transfer_policy("sometimes")
