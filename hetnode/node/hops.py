@@ -2,9 +2,9 @@
 
 An Assignment names a model and a layer range; the node loads only that shard (in the worker thread) and
 reports ready. A new layer range is loaded beside the old shard, which goes on serving the sessions installed on
-it meanwhile (many finish there); then the new shard takes over for new sessions and the old one retires: its
-sessions get Failed ("shard replaced"), so their requests move at once instead of waiting out a timeout. Only
-when both shards do not fit is the old one dropped first.
+it meanwhile: the ready report is the coordinator's cue to move them to the new plan with their KV, and the old
+shard retires once they have gone (or, after a bounded wait, fails those left, whose requests then re-prefill
+elsewhere). Only when both shards do not fit is the old one dropped first.
 
 A session exists here only once its coordinator has installed its route (Install), and from then on its items are
 accepted only from the peers the route names: from the previous hop, or at a phase's first hop from the
@@ -18,12 +18,7 @@ per-peer outbox, so the batch loop never waits on the network. The last hop samp
 step to their coordinators (one Tokens message each), and feeds every session that goes on back to the first hop
 of its phase; it stops a session by itself at a stop token or at max_tokens.
 
-A hop of a phase that hands off sends the KV its steps compute to the hops of the next phase that hold those
-layers, on the KV protocol (its own streams and outbox: KV never delays activations or tokens). The transfer
-policy (`hetnode.policy.KVTransferPolicy`) picks per link and step: whole after the step, or layer group by
-layer group from inside it (Splitwise §IV-C, `hetnode.kv.stream`), which hides the transfer behind the rest
-of the forward. The receiving hop takes any number of layer-group frames per token range, each checked on its
-own, and lets the session's items run once every layer has all its positions.
+KV hand-offs between phases, and the moves that keep a session's KV, are in kv_handoff.py.
 """
 
 from __future__ import annotations
@@ -39,19 +34,15 @@ import trio
 from hetnode.errors import HetnodeError, ProtocolError
 from hetnode.ids import NodeId, SessionId
 from hetnode.kv import codec_rates
-from hetnode.kv.codecs import CODECS
-from hetnode.kv.stream import LayerStream, StreamPart
 from hetnode.node.batcher import BatchLoop, Pace, Work
 from hetnode.node.engine import (
-    Engine,
     EngineConfig,
-    EngineError,
     ItemResult,
-    LayerDone,
-    SamplingParams,
     StepItem,
     TorchEngine,
 )
+from hetnode.node.hop_session import HopSession, sampling_params
+from hetnode.node.kv_handoff import KVHandoffs
 from hetnode.policy import Cause, KVTransferPolicy, Lifecycle
 from hetnode.protocol.mailbox import Mailbox
 from hetnode.protocol.messages import (
@@ -65,25 +56,20 @@ from hetnode.protocol.messages import (
     Export,
     Failed,
     Freeze,
-    Frozen,
     Install,
     Item,
     Items,
     Load,
-    Phase,
     Ready,
     Release,
     Renew,
-    Route,
-    Sampling,
-    TensorMeta,
     Token,
     Tokens,
     infer_decoder,
     kv_decoder,
 )
 from hetnode.protocol.outbox import Outbox
-from hetnode.protocol.routes import KVPeer, Place, kv_sources, kv_targets, phase_span, places_of, route_problem
+from hetnode.protocol.routes import kv_sources, kv_targets, phase_span, places_of, route_problem
 from hetnode.protocol.tensors import from_wire, to_wire
 from hetnode.protocol.transport import Transport
 
@@ -98,94 +84,6 @@ _PARK_ITEMS = 64  # items one such session may have waiting
 _PARK_S = 10.0  # how long they wait before they are refused
 _PARK_BYTES = 256 << 20  # the tensors they hold, all sessions together (a hostile member cannot fill memory)
 _RELEASED_MEMORY = 65536  # sessions released recently: late items for them are dropped quietly
-_HANDED_MEMORY = 4096  # sessions handed to the next phase recently: a send that fails still reaches their coordinator
-_KV_WAIT_S = 10.0  # how long a frozen hop waits for handed-over KV still on its way before it answers
-_EXPORT_CHUNK = 512  # positions per KV message of a move (the prefill path sends one per chunk of that size too)
-
-
-def sampling_params(s: Sampling) -> SamplingParams:
-    return SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=s.seed,
-                          stop_token_ids=tuple(s.stop_token_ids), logprobs=s.logprobs)
-
-
-@dataclass(eq=False)
-class HopSession:
-    """One session as this hop serves it."""
-
-    id: SessionId
-    coordinator: NodeId
-    route: Route
-    place: Place  # this node's phase and hop in the route
-    sampling: SamplingParams
-    prefill_end: int
-    max_tokens: int
-    lease_s: float
-    loop: BatchLoop
-    deadline: float
-    next_start: int = 0  # the next position this hop expects (items are submitted in order)
-    generated: int = 0  # last hop: tokens sampled so far (on the route: a decode phase starts at the first)
-    span_end: int | None = None  # positions past it belong to the next phase (None: this phase decodes)
-    # Hand-off in: for each layer held here, the next position whose KV the previous phase sends (`kv_from`
-    # names the hop that sends it; a frame claims its positions when it is accepted, before its import, which
-    # `kv_importing` counts); items wait in `held` until every layer has [0, kv_end) written.
-    kv_end: int = 0
-    kv_next: dict[int, int] = field(default_factory=dict)
-    kv_from: dict[int, NodeId] = field(default_factory=dict)
-    kv_importing: int = 0
-    held: list[tuple[NodeId, Work]] = field(default_factory=list)
-    kv_done: trio.Event = field(default_factory=trio.Event)  # set once every layer has [0, kv_end)
-    # Hand-off out: the hops of the next phase that hold this hop's layers, and the next position to send; the
-    # layers of positions [kv_sent, kv_stream_end) already streamed from inside the step, per target peer.
-    kv_to: list[KVPeer] = field(default_factory=list)
-    kv_sent: int = 0
-    # Moving elsewhere with its KV: nothing more of the session leaves this hop (Freeze), positions [0, computed)
-    # are in its KV here.
-    frozen: bool = False
-    computed: int = 0
-    kv_streamed: dict[str, int] = field(default_factory=dict)
-    kv_stream_end: int = 0
-
-    @property
-    def phase(self) -> Phase:
-        return self.route.phases[self.place.phase]
-
-    @property
-    def hop(self) -> int:
-        return self.place.hop
-
-    @property
-    def kv_waiting(self) -> bool:
-        """Items cannot run yet: some layer's handed-over KV has not all arrived."""
-        return self.kv_importing > 0 or any(pos < self.kv_end for pos in self.kv_next.values())
-
-    @property
-    def is_first(self) -> bool:
-        return self.hop == 0
-
-    @property
-    def is_last(self) -> bool:
-        return self.hop == len(self.phase.hops) - 1
-
-    def sender_problem(self, peer: NodeId, item: Item) -> str:
-        """Why `peer` may not send `item` of this session here ('' when it may)."""
-        hops = self.phase.hops
-        if self.span_end is not None and item.start + item.count > self.span_end:
-            return f"this phase runs positions up to {self.span_end}; the next phase runs the rest"
-        if not self.is_first:
-            prev = NodeId(hops[self.hop - 1].peer)
-            return "" if peer == prev else f"only the previous hop {prev} sends this session's items here"
-        if item.start < self.prefill_end:
-            if peer != self.coordinator:
-                return "only the installing coordinator sends a session's context"
-            if item.start + item.count > self.prefill_end:
-                return f"context items end at position {self.prefill_end}"
-            return ""
-        if item.count != 1:
-            return "a decode item carries one token"
-        if self.place.phase > 0 and item.start == self.kv_end == self.prefill_end:
-            handing = NodeId(self.route.phases[self.place.phase - 1].hops[-1].peer)
-            return "" if peer == handing else "only the previous phase's last hop hands over the first token"
-        return "" if peer == NodeId(hops[-1].peer) else "only the phase's last hop feeds decode tokens back"
 
 
 @dataclass
@@ -194,7 +92,7 @@ class _Parked:
     items: list[tuple[NodeId, Item, torch.Tensor]] = field(default_factory=list)
 
 
-class HopServer:
+class HopServer(KVHandoffs):
     def __init__(self, transport: Transport, is_member: Callable[[NodeId], bool], *, device: str = "cpu",
                  dtype: str = "float32", engine_config: EngineConfig | None = None,
                  pace_factory: PaceFactory | None = None, kv_transfer: KVTransferPolicy | None = None) -> None:
@@ -600,204 +498,6 @@ class HopServer:
         if handing:  # after the tokens and activations: the first token never waits for the KV
             await self._hand_off(handing)
 
-    # -- KV hand-offs ------------------------------------------------------------------------------------
-
-    def _stream_for(self, works: Sequence[Work]) -> LayerDone | None:
-        """The step's layer hook (in the event loop, before the step): the KV of the sessions this hop hands off,
-        for each target the transfer policy streams, sent group by group from inside the step."""
-        parts: list[StreamPart] = []
-        engine: Engine | None = None
-        for work in works:
-            session: HopSession = work.ctx
-            if not session.kv_to or self.sessions.get(session.id) is not session:
-                continue
-            start, end = session.kv_sent, _handoff_end(session, work.item.start + work.item.num_tokens)
-            if end <= start:
-                continue
-            engine = session.loop.engine
-            cfg = engine.config
-            for t in session.kv_to:
-                codec = CODECS.get(t.codec)
-                if codec is None:
-                    continue  # the whole hand-off after the step reports it
-                layers, tokens = t.last_layer - t.first_layer, end - start
-                per = codec.packed_size(layers, tokens, cfg.num_kv_heads, cfg.head_dim) / (layers * tokens)
-                try:
-                    choice = self.kv_transfer.choose(tokens, layers, per, self.link_mbps(NodeId(t.peer)))
-                except ValueError as exc:  # a measured bandwidth the policy cannot use: the hand-off goes whole
-                    log.warning("KV to %s goes whole after the step: %s", t.peer, exc)
-                    continue
-                if choice.mode == "layerwise":
-                    parts.append(StreamPart(session.id, t.peer, t.codec, start, end, t.first_layer, t.last_layer,
-                                            choice.group_layers))
-        if not parts:
-            return None
-        assert engine is not None
-        src, token = engine, trio.lowlevel.current_trio_token()
-
-        def export(sid: SessionId, start: int, end: int, layers: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-            return src.export_kv(sid, start, end, layers)
-
-        def send(part: StreamPart, first: int, last: int, data: memoryview) -> bool:
-            # In the step's thread. Handed to the event loop without waiting for it: a wait per group, for a
-            # loop that shares two cores with the step, cost ~0.5 ms a frame here. Callbacks run in order, so a
-            # session's groups are posted in order, and none after one that failed (the session is gone then).
-            try:
-                token.run_sync_soon(self._send_streamed, part, first, last, data)
-            except trio.RunFinishedError:
-                return False
-            return True
-
-        return LayerStream(parts, export, send)
-
-    def _send_streamed(self, part: StreamPart, first: int, last: int, data: memoryview) -> None:
-        """In the event loop: post one group streamed from inside a step (never raises: trio runs it as a
-        callback, where an exception would end the run)."""
-        try:
-            session = self.sessions.get(part.session)
-            if session is None or session.kv_sent != part.start:
-                return  # released or failed while the step ran (or an earlier group failed)
-            if not self._post_kv(session, part.target, part.codec, first, last, part.start, part.end, data):
-                return
-            if session.kv_stream_end != part.end:
-                session.kv_streamed, session.kv_stream_end = {}, part.end
-            session.kv_streamed[part.target] = last
-        except Exception:
-            log.exception("posting streamed KV of session %s failed", part.session)
-
-    def _post_kv(self, session: HopSession, peer: str, codec: str, first: int, last: int, start: int, end: int,
-                 data: memoryview) -> bool:
-        """Queue the KV of layers [first, last) at positions [start, end) for `peer`; False (and the session
-        failed) when its queue is full."""
-        msg = KV(session=session.id, first_layer=first, layers=last - first, start=start, count=end - start,
-                 codec=codec, tensor=TensorMeta("uint8", [len(data)]))  # type: ignore[arg-type]
-        self.kv_bytes_sent += len(data)
-        self.kv_frames_sent += 1
-        if not self.kv_outbox.post(NodeId(peer), msg, data):
-            self._fail_session(session, f"could not queue the KV for {peer}", unreachable=NodeId(peer))
-            return False
-        return True
-
-    async def _hand_off(self, handing: list[tuple[HopSession, int]]) -> None:
-        """Send the next phase the KV this step computed that its layer hook has not streamed already, each layer
-        to the hop that holds it, packed with the codec of that link; a session whose whole range has gone is
-        done here and frees its KV."""
-        ends: dict[SessionId, tuple[HopSession, int]] = {}
-        for session, end in handing:
-            ends[session.id] = (session, _handoff_end(session, end))
-        jobs: list[tuple[HopSession, int, int, list[tuple[KVPeer, int]]]] = []
-        for session, end in ends.values():
-            if end <= session.kv_sent:
-                continue
-            streamed = session.kv_streamed if session.kv_stream_end == end else {}
-            rest = [(t, streamed.get(t.peer, t.first_layer)) for t in session.kv_to]
-            jobs.append((session, session.kv_sent, end, [(t, lo) for t, lo in rest if lo < t.last_layer]))
-        if not jobs:
-            return
-        loop = jobs[0][0].loop
-
-        def export(engine: Engine) -> list[list[tuple[KVPeer, int, memoryview]]]:
-            # In the worker thread: the copies and the packing run beside the event loop, between steps.
-            out = []
-            for session, start, end, rest in jobs:
-                parts = []
-                for t, lo in rest:
-                    keys, values = engine.export_kv(session.id, start, end, (lo, t.last_layer))
-                    parts.append((t, lo, CODECS[t.codec].pack(keys, values)))
-                out.append(parts)
-            return out
-
-        packed: list[list[tuple[KVPeer, int, memoryview]]] = [[] for _ in jobs]
-        if any(rest for _, _, _, rest in jobs):  # not when the step streamed everything
-            try:
-                packed = await loop.run_engine(export)
-            except (EngineError, ValueError) as exc:
-                for session, _, _, _ in jobs:
-                    self._fail_local(session.id, f"could not export the KV to hand over: {exc}")
-                return
-        for (session, start, end, _), parts in zip(jobs, packed, strict=True):
-            if self.sessions.get(session.id) is not session:
-                continue
-            session.kv_sent = end
-            session.kv_streamed, session.kv_stream_end = {}, 0
-            if not all(self._post_kv(session, t.peer, t.codec, lo, t.last_layer, start, end, data)
-                       for t, lo, data in parts):
-                continue  # the session failed at the first KV it could not queue
-            if session.span_end is not None and end >= session.span_end:
-                # Everything this hop computed for the session is on its way: its KV is not needed here.
-                # Its coordinator is remembered a while, so a send that fails later is still reported.
-                self._drop(session.id)
-                self._handed[session.id] = session.coordinator
-                if len(self._handed) > _HANDED_MEMORY:
-                    self._handed.popitem(last=False)
-
-    async def _on_kv(self, peer: NodeId, msg: object, payload: bytes | None) -> None:
-        """One frame of handed-over KV: any layers the sender shares with this hop, the positions that continue
-        each of them. A whole step's transfer is one frame per target; a layer-wise one is a frame per group of
-        layers, each checked on its own. A frame is refused (error reply, reset stream) before it touches
-        anything; one that fails after it was accepted (its import) fails its session, which can no longer be
-        vouched for."""
-        if not isinstance(msg, KV):
-            raise ProtocolError(f"{type(msg).__name__} is not sent on the KV protocol")
-        sid = SessionId(msg.session)
-        session = self.sessions.get(sid)
-        if session is None:
-            if sid in self._released:  # a hand-off still in flight when the session ended: nothing to fix
-                self.kv_outbox.post(peer, ErrorReply(code="released", message=f"session {sid} was released"))
-                return
-            raise ProtocolError(f"KV for session {sid}, which is not installed here")
-        layers = range(msg.first_layer, msg.first_layer + msg.layers)
-        for layer in layers:
-            if session.kv_from.get(layer) != peer:
-                raise ProtocolError(f"session {sid} takes no KV of layer {layer} from {peer} here")
-            if session.kv_next[layer] != msg.start:
-                raise ProtocolError(f"session {sid}: KV of layer {layer} continues at position "
-                                    f"{session.kv_next[layer]}, not {msg.start}")
-        end = msg.start + msg.count
-        if end > session.kv_end:
-            raise ProtocolError(f"session {sid} is handed KV of positions [0, {session.kv_end}), not up to {end}")
-        codec = CODECS.get(msg.codec)
-        engine = session.loop.engine
-        cfg = engine.config
-        size = codec.packed_size(msg.layers, msg.count, cfg.num_kv_heads, cfg.head_dim) if codec else -1
-        if payload is None or len(payload) != size:
-            raise ProtocolError(f"KV of {msg.layers} layers x {msg.count} tokens in {msg.codec} is {size} bytes, "
-                                f"not {0 if payload is None else len(payload)}")
-        assert codec is not None
-
-        def unpack_and_import(e: Engine) -> None:
-            keys, values = codec.unpack(payload, msg.layers, msg.count, cfg.num_kv_heads, cfg.head_dim,
-                                        e.dtype if isinstance(e, TorchEngine) else torch.float32)
-            e.import_kv(sid, msg.start, msg.first_layer, keys, values)
-
-        # Claimed now: a frame for the same positions (a duplicate, on this stream or another) is refused from
-        # here on, and items wait until the import is done.
-        for layer in layers:
-            session.kv_next[layer] = end
-        session.kv_importing += 1
-        try:
-            await session.loop.run_engine(unpack_and_import)
-        except (EngineError, ProtocolError) as exc:
-            if self.sessions.get(sid) is session:
-                self._fail_session(session, f"handed-over KV of layers [{msg.first_layer}, {layers.stop}) at "
-                                            f"[{msg.start}, {end}) could not be written: {exc}")
-            raise ProtocolError(f"KV for session {sid} does not fit it here: {exc}") from exc
-        finally:
-            session.kv_importing -= 1
-        if self.sessions.get(sid) is not session:
-            return  # released while it was written
-        self.kv_bytes_received += len(payload)
-        if not session.kv_waiting:
-            session.computed = max(session.computed, session.kv_end)  # what it holds, should it move on
-            session.kv_done.set()
-        if session.held and not session.kv_waiting:
-            held, session.held = session.held, []
-            by_sender: dict[NodeId, list[Work]] = {}
-            for sender, work in held:
-                by_sender.setdefault(sender, []).append(work)
-            for sender, works in by_sender.items():
-                await self._submit(sender, works)
-
     async def _fail(self, work: Work, reason: str, cause: Cause) -> None:
         session: HopSession = work.ctx
         if self.sessions.get(session.id) is session:
@@ -852,97 +552,6 @@ class HopServer:
                 await self._gone.wait()
         return not self.sessions
 
-    # -- moves that keep the KV ----------------------------------------------------------------------------
-
-    def _on_freeze(self, peer: NodeId, msg: Freeze) -> None:
-        sid = SessionId(msg.session)
-        session = self.sessions.get(sid)
-        if session is None or session.coordinator != peer:
-            self._refuse(peer, "not_yours", f"session {sid} is not the sender's to freeze here")
-            return
-        if session.place.phase != len(session.route.phases) - 1:
-            self._refuse(peer, "refused", f"session {sid}: only the phase that decodes holds its whole KV")
-            return
-        session.frozen = True
-        if session.kv_waiting and self._nursery is not None:
-            # Its handed-over KV is still arriving: what it holds is known once it is all here.
-            self._nursery.start_soon(self._frozen_when_whole, peer, session)
-            return
-        # After the tokens this hop already queued for the coordinator: the answer says what they covered.
-        self.outbox.post(peer, Frozen(session=sid, end=session.computed))
-
-    async def _frozen_when_whole(self, peer: NodeId, session: HopSession) -> None:
-        with trio.move_on_after(_KV_WAIT_S):
-            await session.kv_done.wait()
-        if self.sessions.get(session.id) is session:
-            self.outbox.post(peer, Frozen(session=session.id, end=session.computed))
-
-    async def _on_export(self, peer: NodeId, msg: Export) -> None:
-        """Send the frozen session's KV to the hops of its new session that hold the same layers, in chunks of
-        positions, each packed with its link's codec; then free it here."""
-        sid, to = SessionId(msg.session), SessionId(msg.to)
-        session = self.sessions.get(sid)
-        if session is None or session.coordinator != peer:
-            self._refuse(peer, "not_yours", f"session {sid} is not the sender's to export here")
-            return
-        engine = session.loop.engine  # (after a re-plan, the old shard's: it holds this session's KV)
-        places = places_of(msg.route, self.transport.peer_id)
-        first = msg.route.phases[0]
-        end = first.last_token
-        problem = route_problem(msg.route, engine.config.num_layers)
-        if not problem:
-            if not session.frozen:
-                problem = f"session {sid} is not frozen"
-            elif len(msg.route.phases) != 2 or not places or places[0].phase != 0:
-                problem = "the export's route must name this hop in the first of its two phases"
-            elif end is None or not 0 < end <= session.computed:
-                problem = f"the first phase ends at {end}, but this hop has computed [0, {session.computed})"
-            elif (first.hops[places[0].hop].first_layer, first.hops[places[0].hop].last_layer) != (
-                    engine.first_layer, engine.last_layer):
-                problem = "the export's route gives this hop other layers than it holds"
-        if problem:
-            self._report(peer, to, f"cannot hand over session {sid}'s KV: {problem}")
-            return
-        assert end is not None
-        targets = kv_targets(msg.route, 0, first.hops[places[0].hop])
-        loop = session.loop
-        me = self.transport.peer_id
-        for start in range(0, end, _EXPORT_CHUNK):
-            stop = min(end, start + _EXPORT_CHUNK)
-
-            def export(engine: Engine, start: int = start, stop: int = stop) -> list[tuple[KVPeer, memoryview]]:
-                keys, values = engine.export_kv(sid, start, stop)
-                base = engine.first_layer
-                return [(t, CODECS[t.codec].pack(keys[t.first_layer - base:t.last_layer - base],
-                                                 values[t.first_layer - base:t.last_layer - base]))
-                        for t in targets]
-
-            try:
-                packed = await loop.run_engine(export)
-            except EngineError as exc:
-                self._report(peer, to, f"could not export session {sid}'s KV: {exc}")
-                return
-            for target, data in packed:
-                kv = KV(session=to, first_layer=target.first_layer, layers=target.last_layer - target.first_layer,
-                        start=start, count=stop - start, codec=target.codec,  # type: ignore[arg-type]
-                        tensor=TensorMeta("uint8", [len(data)]))
-                self.kv_bytes_sent += len(data)
-                if NodeId(target.peer) == me:  # this hop holds the same layers in the new session: no network
-                    try:
-                        await self._on_kv(me, kv, bytes(data))
-                    except ProtocolError as exc:
-                        self._report(peer, to, f"could not hand session {sid}'s KV over here: {exc}")
-                        return
-                elif not self.kv_outbox.post(NodeId(target.peer), kv, data):
-                    self._report(peer, to, f"could not queue session {sid}'s KV for {target.peer}",
-                                 unreachable=NodeId(target.peer))
-                    return
-        self._handed[to] = peer  # a send that fails later is still reported, for the new session
-        if len(self._handed) > _HANDED_MEMORY:
-            self._handed.popitem(last=False)
-        log.info("session %s: handed the KV of %d positions over to session %s", sid, end, to)
-        self._drop(sid)
-
     # -- leases ------------------------------------------------------------------------------------------
 
     async def _expire(self) -> None:
@@ -960,11 +569,6 @@ class HopServer:
                 assert parked is not None
                 for peer in {peer for peer, _, _ in parked.items}:
                     self._refuse(peer, "unknown_session", f"session {sid} was never installed here")
-
-
-def _handoff_end(session: HopSession, end: int) -> int:
-    """The end of the positions a hand-off sends after a step that ran up to `end`: this phase's part only."""
-    return end if session.span_end is None else min(end, session.span_end)
 
 
 def _add(onward: dict[NodeId, tuple[list[Item], list[torch.Tensor], list[HopSession]]], peer: NodeId, item: Item,
