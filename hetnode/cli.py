@@ -43,8 +43,11 @@ def _planning_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--split-workload", type=_workload, default=(750, 240), metavar="IN,OUT",
                    help="prompt and output tokens of a typical request, which size a split plan's prefill and "
                         "decode pools (default: 750,240)")
-    p.add_argument("--scheduler", default="iwrr", choices=["iwrr", "random", "shortest-queue", "swarm"],
-                   help="how each request's pipeline is chosen (default: iwrr, Helix's)")
+    p.add_argument("--scheduler", default="iwrr",
+                   choices=["iwrr", "random", "shortest-queue", "swarm", "splitwise"],
+                   help="how each request's pipeline is chosen (default: iwrr, Helix's). A split plan is routed by "
+                        "CLS's join-the-shortest-queue, or with `splitwise` by Splitwise's prefill, decode and mixed "
+                        "pools (other plans then by iwrr)")
     p.add_argument("--plan-time-limit", type=_positive, default=10.0, metavar="S",
                    help="seconds the helix search may take per re-plan (default: 10)")
     p.add_argument("--kv-codec", default="auto", choices=list(OPERATOR_CHOICES),

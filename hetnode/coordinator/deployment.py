@@ -29,6 +29,7 @@ import trio
 
 from hetnode.coordinator.generation import GenerationError
 from hetnode.coordinator.planning import live_cluster, live_profiles
+from hetnode.coordinator.pool_scheduler import PoolScheduler
 from hetnode.coordinator.registry import NodeRecord, Registry
 from hetnode.coordinator.routing import Scheduler, make_scheduler, scheduler_for, scheduler_names
 from hetnode.coordinator.scheduler import Decision
@@ -127,10 +128,19 @@ class Plan:
             "status": self.placement.status, "solve_time_s": self.placement.solve_time_s,
             "flows": [{"from": _short(a, names), "to": _short(b, names), "flow": f}
                       for (a, b), f in sorted(self.placement.flows.items()) if f > 0],
-            "scheduler": {"queued": self.scheduler.queue_len, "running": self.scheduler.running},
-            "replicas": [{"role": r.role, "nodes": [_short(n, names) for n in r.nodes]}
-                         for r in self.placement.replicas],
+            "scheduler": {"name": type(self.scheduler).name, "queued": self.scheduler.queue_len,
+                          "running": self.scheduler.running},
+            "replicas": self._replicas_json(names),
         }
+
+    def _replicas_json(self, names: dict[str, str]) -> list[dict[str, object]]:
+        """Each replica's role, and under Splitwise's pools its home role and the pool it is in now."""
+        out: list[dict[str, object]] = [{"role": r.role, "nodes": [_short(n, names) for n in r.nodes]}
+                                        for r in self.placement.replicas]
+        if isinstance(self.scheduler, PoolScheduler):
+            for entry, (home, pool, _) in zip(out, self.scheduler.pools(), strict=True):
+                entry["home"], entry["pool"] = home, pool
+        return out
 
 
 def _short(node: str, names: dict[str, str]) -> str:

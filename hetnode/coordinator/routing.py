@@ -20,6 +20,7 @@ import math
 from collections.abc import Callable
 from typing import Any, Unpack
 
+from hetnode.coordinator.pool_scheduler import PoolScheduler
 from hetnode.coordinator.scheduler import EdgeSet, IwrrScheduler, PipelineScheduler, QueuedScheduler, SchedulerOptions
 from hetnode.coordinator.split_scheduler import SplitScheduler
 from hetnode.errors import ConfigError
@@ -115,25 +116,34 @@ def scheduler_names() -> list[str]:
 Scheduler = QueuedScheduler
 
 
+# The policies of a phase-split plan: CLS's pairs, or Splitwise's pools (which lend replicas across roles).
+SPLIT_SCHEDULERS: dict[str, type[SplitScheduler]] = {cls.name: cls for cls in (SplitScheduler, PoolScheduler)}
+
+
 def scheduler_for(plan: PlacementPlan, name: str) -> str:
-    """The policy a plan is routed by: a phase-split plan's replicas always by CLS, any other plan by `name`."""
-    return SplitScheduler.name if plan.replicas else name
+    """The policy a plan is routed by, for the operator's `--scheduler name`: a phase-split plan's replicas by
+    `name` when that is a phase-split policy, else by CLS; any other plan by `name`, or by Helix's IWRR when
+    `name` is a phase-split policy (a re-plan may change the method, and the operator's choice then applies to
+    the plans it fits)."""
+    if plan.replicas:
+        return name if name in SPLIT_SCHEDULERS else SplitScheduler.name
+    return IwrrScheduler.name if name in SPLIT_SCHEDULERS else name
 
 
 def make_scheduler(name: str, plan: PlacementPlan, **kwargs: Any) -> Scheduler:
-    """A policy by name ("iwrr", "random", "shortest-queue", "swarm"; "cls" for a phase-split plan) with its
-    keyword options.
+    """A policy by name ("iwrr", "random", "shortest-queue", "swarm"; "cls" or "splitwise" for a phase-split
+    plan) with its keyword options.
 
     Common options: kv_capacity, high_water, avg_output_len, queue_limit, seed; the baselines also take
     edges, shortest-queue queue_len, swarm throughput; cls takes regions. Raises ConfigError for an unknown
     name, or a policy that does not fit the plan's shape.
     """
     key = name.strip().lower()
-    if key == SplitScheduler.name or plan.replicas:
-        if key != SplitScheduler.name or not plan.replicas:
+    if key in SPLIT_SCHEDULERS or plan.replicas:
+        if key not in SPLIT_SCHEDULERS or not plan.replicas:
             raise ConfigError(f"scheduler {name!r} cannot route plan {plan.method!r}: a phase-split plan is routed "
-                              f"by {SplitScheduler.name!r}, and only such a plan")
-        return SplitScheduler(plan, **kwargs)
+                              f"by {' or '.join(map(repr, SPLIT_SCHEDULERS))}, and only such a plan")
+        return SPLIT_SCHEDULERS[key](plan, **kwargs)
     cls = SCHEDULERS.get(key)
     if cls is None:
         raise ConfigError(f"unknown scheduler {name!r}; choose one of: {', '.join(SCHEDULERS)}")

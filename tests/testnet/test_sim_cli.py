@@ -156,3 +156,16 @@ def test_sim_split_plans_routes_by_cls_and_reports_the_hand_offs(flag: str, tmp_
     text = capsys.readouterr().out
     assert "scheduler    cls" in text and "KV hand-off  int8 " in text and "whole" in text
     assert "prefill end -> first decode step: mean" in text
+
+
+def test_sim_routes_a_split_plan_by_splitwise_pools_when_asked(tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    cluster = tmp_path / "quad.toml"
+    cluster.write_text(SPLIT_CLUSTER)
+    args = ["sim", "--cluster", str(cluster), "--model", "llama3-8b", "--profile", "roofline", "--placement", "split",
+            "--scheduler", "splitwise", "--trace", "conv", "--rate", "2", "--duration", "30", "--warmup", "5",
+            "--progress", "off", "--json"]
+    assert main(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["config"]["scheduler"] == "splitwise"
+    assert out["summary"]["requests"]["finished"] > 0

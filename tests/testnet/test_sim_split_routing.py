@@ -1,12 +1,12 @@
 """One phase-split plan, two executors: the runtime's coordinator (`Deployment`) and the simulated one
 (`SimCoordinator`) route the same arrivals the same way.
 
-Each side gets its own CLS scheduler for the same plan and runs the same script: requests arrive at given
-times; once a request has its route, its prefill takes a given time (the first token: the runtime's
-coordinator calls `route_prefilled`, the simulated one `scheduler.prefilled`), then its decode another (the
-last token: the request ends). Both must give every request the same prefill and decode replicas at the same
-moment: the same joins of the shortest queue, the same region preference, the same FIFO queueing while the KV
-masks are full, the same admissions when a prefill or a request ends.
+Each side gets its own scheduler (CLS, or Splitwise's pools) for the same plan and runs the same script:
+requests arrive at given times; once a request has its route, its prefill takes a given time (the first token:
+the runtime's coordinator calls `route_prefilled`, the simulated one `scheduler.prefilled`), then its decode
+another (the last token: the request ends). Both must give every request the same prefill and decode replicas at
+the same moment: the same joins of the shortest queue, the same region preference, the same FIFO queueing while
+the KV masks are full, the same admissions when a prefill or a request ends.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def _route(route: Route) -> str:
     return " | ".join(">".join(h.peer for h in phase.hops) for phase in route.phases)
 
 
-async def _runtime(model: Path, script: list[Request]) -> Outcome:
+async def _runtime(model: Path, script: list[Request], policy: str) -> Outcome:
     """The coordinator's Deployment with the plan installed and ready, driven on trio's mock clock."""
     registry = Registry(token="t", heartbeat_deadline_s=1e9)
     profile = HardwareProfile(device="cpu", device_type="cpu", memory_bytes=8 << 30, matmul_tflops=0.1,
@@ -78,7 +78,7 @@ async def _runtime(model: Path, script: list[Request]) -> Outcome:
     deployment = Deployment(registry, no_control, model=str(model), model_config=load_config(model),  # type: ignore[arg-type]
                             coordinator=NodeId("coord"))
     shards = [Shard(p.node, p.first_layer, p.last_layer) for p in PLACEMENT.placements]
-    scheduler = make_scheduler("cls", PLACEMENT, **OPTIONS)
+    scheduler = make_scheduler(policy, PLACEMENT, **OPTIONS)
     plan = Plan(1, shards, [s.peer for s in shards], "test", 0.0, PLACEMENT, scheduler)
     plan.ready = {NodeId(s.peer) for s in shards}
     deployment.plan = deployment.serving = plan
@@ -101,10 +101,16 @@ async def _runtime(model: Path, script: list[Request]) -> Outcome:
     async with trio.open_nursery() as nursery:
         for i, request in enumerate(script):
             nursery.start_soon(one, i, *request)
+    shown = plan.to_json()  # GET /v1/plan
+    assert shown["scheduler"]["name"] == policy  # type: ignore[index]
+    replicas = shown["replicas"]
+    assert isinstance(replicas, list) and len(replicas) == len(PLACEMENT.replicas)
+    if policy == "splitwise":  # every request ended: every replica is back in its (possibly new) home pool
+        assert all(r["pool"] == r["home"] for r in replicas)
     return out
 
 
-def _sim(script: list[Request]) -> Outcome:
+def _sim(script: list[Request], policy: str) -> Outcome:
     """SimCoordinator with stand-ins for the network: the route's hops are ready at once, its prefill and decode
     take the script's times (a tiny event loop of its own)."""
     events: list[tuple[float, int, Any]] = []
@@ -133,7 +139,7 @@ def _sim(script: list[Request]) -> Outcome:
         def reprefills(self, route: Any, tokens: int) -> bool:
             return False  # no node has measured a prefill rate here, as on the runtime's side
 
-    coord = SimCoordinator(make_scheduler("cls", PLACEMENT, **OPTIONS), nodes, num_layers=4, send=send,
+    coord = SimCoordinator(make_scheduler(policy, PLACEMENT, **OPTIONS), nodes, num_layers=4, send=send,
                            send_ids=lambda *a: None, release=lambda *a: None, block_size=16, window=(0.0, 1e9),
                            bin_s=1.0, handoff=Ready())
     requests = [SimRequest(i, at, input_len, 2) for i, (at, input_len, _, _) in enumerate(script)]
@@ -151,9 +157,9 @@ def _sim(script: list[Request]) -> Outcome:
     return out
 
 
-def _check(model: Path, script: list[Request]) -> Outcome:
-    runtime = trio.run(_runtime, model, script, clock=trio.testing.MockClock(autojump_threshold=0))
-    sim = _sim(script)
+def _check(model: Path, script: list[Request], name: str) -> Outcome:
+    runtime = trio.run(_runtime, model, script, name, clock=trio.testing.MockClock(autojump_threshold=0))
+    sim = _sim(script, name)
     assert sim.keys() == runtime.keys()
     for key, got in runtime.items():
         want = sim[key]
@@ -165,27 +171,34 @@ def _check(model: Path, script: list[Request]) -> Outcome:
     return runtime
 
 
-def test_the_same_replicas_at_the_same_moments_with_queueing(tiny_model: Path) -> None:
+@pytest.mark.parametrize("name", ["cls", "splitwise"])
+def test_the_same_replicas_at_the_same_moments_with_queueing(tiny_model: Path, name: str) -> None:
     # Four long prompts fill the decode replicas' KV masks; the rest queue and go in order as requests end.
-    script: list[Request] = [(0.1 * i, 150 + 37 * (i % 5), 0.5 + 0.1 * (i % 3), 2.0 + 0.7 * (i % 4))
-                             for i in range(14)]
-    out = _check(tiny_model, script)
+    # (Nudged apart so that no two events fall on one instant: the two executors need not order such ties alike,
+    # and the pools' state depends on the order.)
+    script: list[Request] = [(0.1 * i + i * 1e-6, 150 + 37 * (i % 5), 0.5 + 0.1 * (i % 3) + i * 1e-7,
+                              2.0 + 0.7 * (i % 4) + i * 1e-8) for i in range(14)]
+    out = _check(tiny_model, script, name)
     routes = {v[1] for v in out.values() if not isinstance(v, str)}
     assert {"p0 | d0", "p1>p2 | d1>d3"} <= routes  # both regions, each preferring its own
+    if name == "splitwise":  # the decode pool fills: prefill replicas are lent and run requests whole
+        assert routes & {"p0", "p1>p2"}
     started = [v[0] for v in out.values() if not isinstance(v, str)]
     assert any(t > 0.1 * 14 for t in started)  # some waited in the queue
-    assert any(isinstance(v, str) for v in out.values())  # and the queue's bound refused some
+    refused = any(isinstance(v, str) for v in out.values())
+    # CLS's queue bound refused some; the pools lent replicas across roles instead and refused none.
+    assert refused == (name == "cls")
 
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                   HealthCheck.function_scoped_fixture])
 @given(st.lists(st.tuples(st.integers(1, 40), st.integers(1, 500), st.integers(1, 30), st.integers(1, 60)),
-                min_size=1, max_size=16))
-def test_random_scripts_route_the_same(tiny_model: Path, draws: list[tuple[int, int, int, int]]) -> None:
+                min_size=1, max_size=16), st.sampled_from(["cls", "splitwise"]))
+def test_random_scripts_route_the_same(tiny_model: Path, draws: list[tuple[int, int, int, int]], name: str) -> None:
     # Times on a grid of distinct primes-ish steps, so that no two events of a script fall on the same instant.
     at = 0.0
     script: list[Request] = []
     for i, (gap, input_len, prefill, decode) in enumerate(draws):
         at += gap * 0.0137
         script.append((at, input_len, prefill * 0.0311 + i * 1e-6, decode * 0.0529 + i * 1e-7))
-    _check(tiny_model, script)
+    _check(tiny_model, script, name)

@@ -25,7 +25,7 @@ from hetnode.policy.kv_codec import OPERATOR_CHOICES
 
 log = logging.getLogger("hetnode.sim")
 
-SCHEDULER_NAMES = ("iwrr", "random", "shortest-queue", "swarm", "cls")
+SCHEDULER_NAMES = ("iwrr", "random", "shortest-queue", "swarm", "cls", "splitwise")
 
 
 def _non_negative(value: str) -> float:
@@ -54,8 +54,9 @@ def add_arguments(p: argparse.ArgumentParser, *, clusters: Sequence[str] = ()) -
     p.add_argument("--plan", default=None, metavar="FILE",
                    help="use this plan (JSON from `hetnode plan --json`) instead of planning")
     p.add_argument("--scheduler", default="iwrr", choices=SCHEDULER_NAMES,
-                   help="the runtime's request scheduler (default: iwrr, Helix's; a split plan is always routed by "
-                        "cls, Splitwise's, as the coordinator routes it)")
+                   help="the runtime's request scheduler (default: iwrr, Helix's; a split plan is routed by cls, "
+                        "Splitwise's join-the-shortest-queue, or by splitwise, its pools with a mixed one, as the "
+                        "coordinator routes it)")
     p.add_argument("--kv-codec", default="auto", choices=list(OPERATOR_CHOICES),
                    help="split plans: the codec of KV hand-offs (default: auto, the cheapest per link, as the "
                         "coordinator picks it)")

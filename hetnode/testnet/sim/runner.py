@@ -43,7 +43,7 @@ from hetnode.testnet.sim.metrics import (
 from hetnode.testnet.sim.node import MIXED_STEPS, SimNode
 from hetnode.testnet.sim.workload import Trace, Workload, offline
 
-SCHEDULERS = ("iwrr", "random", "shortest-queue", "swarm", "cls")
+SCHEDULERS = ("iwrr", "random", "shortest-queue", "swarm", "cls", "splitwise")
 NAN = math.nan
 
 
@@ -111,7 +111,8 @@ def make_runtime_scheduler(name: str, plan: PlacementPlan, nodes: Mapping[str, S
                            avg_output_len: float, kv_capacity: Mapping[str, int], options: SimOptions,
                            regions: Mapping[str, str] | None = None) -> Scheduler:
     """The runtime's scheduler by name, with the simulated nodes' queues and throughput where it asks; a
-    phase-split plan gets CLS with the nodes' regions, as the coordinator's deployment routes it."""
+    phase-split plan gets CLS (or Splitwise's pools) with the nodes' regions, as the coordinator's deployment
+    routes it."""
     from hetnode.coordinator.routing import make_scheduler, scheduler_for
 
     name = scheduler_for(plan, name)
@@ -128,7 +129,7 @@ def make_runtime_scheduler(name: str, plan: PlacementPlan, nodes: Mapping[str, S
         for n in nodes.values():
             n.track_throughput = True
         kwargs["throughput"] = lambda node: float(nodes[node].rate.value)
-    if name == "cls":
+    if name in ("cls", "splitwise"):  # the phase-split policies
         kwargs["regions"] = dict(regions or {})
     scheduler: Scheduler = make_scheduler(name, plan, **kwargs)
     return scheduler
