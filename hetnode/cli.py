@@ -183,10 +183,11 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--model", required=True, metavar="NAME",
                     help=f"model preset ({', '.join(_model_presets())}) or a .toml/.json model file "
                          "(docs/planner.md)")
-    pl.add_argument("--profile", default="auto", metavar="FILE|roofline|helix",
-                    help="where T_j comes from: Helix's measured profiles, the roofline of the papers' GPU "
-                         "tables, or a profile-table file (default: auto, helix where it measured the model "
-                         "and every device type, roofline otherwise)")
+    pl.add_argument("--profile", default="auto", metavar="FILE|roofline|helix|splitwise",
+                    help="where T_j comes from: Helix's measured profiles, Splitwise's (Llama-2 70B on DGX-A100/"
+                         "H100), the roofline of the papers' GPU tables, or a profile-table file (default: auto, "
+                         "helix or splitwise where they measured the model and every device type, roofline "
+                         "otherwise)")
     pl.add_argument("--method", default="helix", choices=["helix", "petals", "swarm", "sp", "sp+", "split"],
                     help="helix: MILP over the max-flow graph; petals, swarm, sp (separate pipelines), sp+ "
                          "(plus a mixed pipeline of the leftovers): the papers' baselines (default: helix)")

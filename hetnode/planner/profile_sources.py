@@ -46,6 +46,7 @@ from hetnode.planner.profile import (
     roofline_profile,
     with_throughput,
 )
+from hetnode.planner.splitwise_profiles import SPLITWISE_DEVICES, splitwise_model_key, splitwise_profile_table
 
 # -- Helix's measured profiles --------------------------------------------------------------------------------
 
@@ -180,7 +181,7 @@ def measured_profile(name: str, matmul_tflops: float, mem_bandwidth_gbps: float,
 
 # -- choosing a source ----------------------------------------------------------------------------------------
 
-SOURCES = ("auto", "helix", "roofline")
+SOURCES = ("auto", "helix", "roofline", "splitwise")
 
 
 def in_pipelines(table: ProfileTable, cluster: ClusterSpec, model: ModelSpec,
@@ -196,19 +197,26 @@ def in_pipelines(table: ProfileTable, cluster: ClusterSpec, model: ModelSpec,
 
 def profile_table_for(cluster: ClusterSpec, model: ModelSpec, source: str = "auto", *, kv_share: float = 0.5,
                       workload: Workload | None = None, in_pipeline: bool = False) -> ProfileTable:
-    """The profile table `source` names: "roofline", "helix", a file path, or "auto".
+    """The profile table `source` names: "roofline", "helix", "splitwise", a file path, or "auto".
 
     "auto" is helix when the model is Helix's llama-30b or llama-70b, every device type in the cluster has a
-    Helix profile and no node overrides its memory; roofline otherwise. The table must cover every node. Its
+    Helix profile and no node overrides its memory; splitwise likewise for Llama-2 70B on DGX-A100/H100
+    machines (`8xa100-80g`, `8xh100`); roofline otherwise. The table must cover every node. Its
     T_j are a node's alone; in_pipeline=True gives a node's inside this cluster's pipelines (`in_pipelines`),
     which predicts what shallow plans serve better but led the planner to deeper plans that served less in
     scripts/reproduce_helix.py (docs/reproducing-helix.md), so it is not the default."""
     _check_kv_share(kv_share)
     if source == "auto":
-        measured = set(helix_devices(model))
         stock = all(int(n.memory_gb * 2**30) == n.device_spec.memory_bytes for n in cluster.nodes)
-        source = "helix" if measured and stock and {n.device for n in cluster.nodes} <= measured else "roofline"
-    if source == "roofline":
+        devices = {n.device for n in cluster.nodes}
+        source = "roofline"
+        for name, measured in (("helix", set(helix_devices(model))),
+                               ("splitwise", set(SPLITWISE_DEVICES.values()) if splitwise_model_key(model) else set())):
+            if measured and stock and devices <= measured:
+                source = name
+    if source == "splitwise":
+        table = splitwise_profile_table(model, kv_share=kv_share, workload=workload)
+    elif source == "roofline":
         table = roofline_profile_table(cluster, model, kv_share=kv_share, workload=workload)
     elif source == "helix":
         table = helix_profile_table(model, kv_share=kv_share, workload=workload)

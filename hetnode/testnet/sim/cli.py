@@ -42,9 +42,9 @@ def add_arguments(p: argparse.ArgumentParser, *, clusters: Sequence[str] = ()) -
     p.add_argument("--cluster", required=True, metavar="FILE",
                    help="cluster file (TOML), or a shipped name" + (f": {', '.join(clusters)}" if clusters else ""))
     p.add_argument("--model", required=True, metavar="NAME", help="model preset or a .toml/.json model file")
-    p.add_argument("--profile", default="auto", metavar="FILE|roofline|helix",
-                   help="profile table: Helix's measured profiles, the roofline cost model, or a table file "
-                        "(measured on the live testnet, say); default auto")
+    p.add_argument("--profile", default="auto", metavar="FILE|roofline|helix|splitwise",
+                   help="profile table: Helix's or Splitwise's measured profiles, the roofline cost model, or a "
+                        "table file (measured on the live testnet, say); default auto")
     p.add_argument("--method", "--placement", dest="method", default="helix",
                    choices=["helix", "petals", "swarm", "sp", "sp+", "split"],
                    help="placement method of the runtime's planner: helix (MILP), or the baselines petals, swarm, sp "
