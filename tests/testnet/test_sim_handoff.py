@@ -234,3 +234,21 @@ def test_the_default_transfer_mode_is_the_hops_policy() -> None:
         assert mode(t) == KVTransferPolicy().choose(tokens, 4, 256, bps * 8 / 1e6).mode
     assert {mode(KVTransfer("p", "d", "fp16", 4, n, n * 1024, n * 1024, 1.25e7, 0.001)) for n in (16, 4096)} == {
         "whole", "layerwise"}
+
+
+def test_gpu_clusters_pack_at_their_memory_bandwidth_not_this_cpus() -> None:
+    """The nodes here are A100s: without given rates, the hand-off is priced and timed with memory-bound kernel
+    rates at the slowest device's achieved bandwidth, not with what this machine's CPU measures."""
+    from hetnode.planner.costmodel import MEMORY_EFFICIENCY
+    from hetnode.planner.devices import parse_device
+    from hetnode.testnet.sim.handoff import device_rates
+
+    rates = device_rates(1e12)
+    assert rates["fp16"] == (5e11, 5e11)  # reads 2 bytes and writes 2 per fp16 element
+    assert rates["int4"][0] > rates["int8"][0] > rates["fp16"][0] > rates["fp32"][0]
+    with pytest.raises(ValueError, match="bandwidth"):
+        device_rates(0)
+    spec, placement = pd()
+    result = run(spec, placement, one(600, 4), kv_codec_rates=None)
+    a100 = parse_device("a100").mem_bandwidth_gbps * 1e9 * MEMORY_EFFICIENCY
+    assert result.summary["kv_handoff"]["codec_rates"] == {c: list(r) for c, r in sorted(device_rates(a100).items())}

@@ -12,7 +12,9 @@ A phase-split route (Splitwise, ThunderServe: a prefill phase, then a decode pha
   packed size (`packed_size`) for the layers it carries and the whole context's tokens, and the codecs' pack
   and unpack rates, once per session when it starts, as `PipelineGenerator.with_codecs` picks them. The rates
   are those the nodes measure (`hetnode.kv.codec_rates.measure`, on this machine, for the model's KV shape)
-  unless given; every node has the same.
+  unless given; every node has the same. On a cluster of GPUs (the runner decides) they are instead those of
+  memory-bound kernels at the slowest device's bandwidth (`device_rates`): this CPU's rates would have an
+  emulated DGX spend seconds packing what its GPUs pack in a millisecond.
 - Transfer. After each prefill step a hop sends the KV its step computed, each layer to the hop that holds it,
   over the simulated links (alpha-beta and FIFO, queued with the links' other traffic):
 
@@ -42,13 +44,13 @@ import heapq
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, get_args
 
 from hetnode.planner.model import ModelSpec
 from hetnode.policy.kv_codec import AUTO, HandoffLink, KVCodecPolicy, LinkEstimate, choose_handoff, reprefill_seconds
 from hetnode.policy.kv_transfer import KVTransferPolicy
 from hetnode.protocol.kv_wire import packed_size
-from hetnode.protocol.messages import Route
+from hetnode.protocol.messages import CodecName, Route
 from hetnode.protocol.routes import kv_targets
 from hetnode.testnet.sim.events import RELEASE
 
@@ -64,6 +66,20 @@ TRANSFER_MODES = (POLICY, WHOLE, LAYERWISE)
 _UNLIMITED_BPS = 1e15
 
 Rates = Mapping[str, tuple[float, float]]  # codec -> (pack, unpack) in bytes of fp16 KV per second
+
+
+def device_rates(bandwidth: float) -> Rates:
+    """Pack and unpack rates on a device of `bandwidth` bytes/s of achieved memory bandwidth: each is one pass
+    that reads the KV in one form and writes it in the other, so a codec whose packed size is r times fp16's
+    moves 1 + r bytes per byte of fp16 KV, and runs at bandwidth / (1 + r) bytes of fp16 KV per second."""
+    if not 0 < bandwidth < math.inf:
+        raise ValueError(f"bandwidth must be positive and finite, not {bandwidth}")
+    fp16 = packed_size("fp16", 1, 64, 1, 64)
+    out = {}
+    for name in get_args(CodecName):
+        rate = bandwidth / (1 + packed_size(name, 1, 64, 1, 64) / fp16)
+        out[name] = (rate, rate)
+    return out
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,6 +22,7 @@ from typing import Any
 
 from hetnode.errors import ConfigError
 from hetnode.planner.cluster import ClusterSpec
+from hetnode.planner.costmodel import MEMORY_EFFICIENCY
 from hetnode.planner.model import ModelSpec
 from hetnode.planner.plan import PlacementPlan
 from hetnode.planner.profile import ProfileTable, kv_tokens
@@ -29,7 +30,7 @@ from hetnode.policy import MIN_CHUNK
 from hetnode.policy.kv_codec import AUTO, OPERATOR_CHOICES
 from hetnode.testnet.sim.coordinator import Scheduler, SimCoordinator, SimRequest
 from hetnode.testnet.sim.core import Network, Simulation
-from hetnode.testnet.sim.handoff import POLICY, TRANSFER_MODES, SimHandoff, TransferMode
+from hetnode.testnet.sim.handoff import POLICY, TRANSFER_MODES, SimHandoff, TransferMode, device_rates
 from hetnode.testnet.sim.metrics import (
     LATENCY_METRICS,
     LinkStats,
@@ -181,7 +182,10 @@ def simulate(cluster: ClusterSpec, model: ModelSpec, profiles: ProfileTable, pla
         scheduler_name = str(getattr(sched, "name", scheduler))
     else:
         sched, scheduler_name = scheduler, type(scheduler).__name__
-    sim.handoff = SimHandoff(sim, model, codec=opts.kv_codec, transfer=opts.kv_transfer, rates=opts.kv_codec_rates)
+    rates = opts.kv_codec_rates
+    if rates is None and all(n.device_spec.kind != "cpu" for n in cluster.nodes):
+        rates = device_rates(min(n.device_spec.mem_bandwidth_gbps for n in cluster.nodes) * 1e9 * MEMORY_EFFICIENCY)
+    sim.handoff = SimHandoff(sim, model, codec=opts.kv_codec, transfer=opts.kv_transfer, rates=rates)
     coord = SimCoordinator(sched, nodes, num_layers=model.num_layers, send=sim.send, send_ids=sim.send_ids,
                            release=sim.release,
                            block_size=opts.block_size, window=window, bin_s=bin_s,
