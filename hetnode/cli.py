@@ -222,6 +222,14 @@ def build_parser() -> argparse.ArgumentParser:
                                      "trace (or Poisson arrivals) on it with the runtime's scheduler: latency, "
                                      "throughput, node and link utilization. No GPU and no network.")
     add_sim_arguments(sim, clusters=_shipped_clusters())
+
+    from hetnode.testnet.sim.provision_cli import add_arguments as add_provision_arguments
+
+    provision = sub.add_parser("provision", help="size a phase-split cluster for a load (Splitwise §IV-D)",
+                               description="Search the numbers of prompt and token machines that serve a target "
+                                           "load within Splitwise's SLOs at the least cost or power, by "
+                                           "simulating each design; print the designs and the one chosen.")
+    add_provision_arguments(provision)
     return parser
 
 
@@ -284,6 +292,10 @@ def main(argv: list[str] | None = None) -> int:
             return _run_plan(args)
         elif args.command == "sim":
             return _run_sim(args)
+        elif args.command == "provision":
+            from hetnode.testnet.sim.provision_cli import run as run_provision
+
+            return run_provision(args)
         return 0
     except BaseException as exc:  # mapped to an exit code when it is ours, re-raised otherwise
         leaf = _hetnode_error(exc)

@@ -1,0 +1,217 @@
+"""Splitwise's provisioning (§IV-D): how many prompt and token machines of given types a load needs.
+
+A design is a number of prompt machines of one type and of token machines of another (Splitwise-HA: DGX-H100
+prompt machines and DGX-A100 token machines; AA, HH likewise), each machine one whole-model replica, all on one
+InfiniBand fabric (200 Gb/s per DGX-A100 and 400 per DGX-H100; a pair talks at the slower one's). Each design is
+simulated serving the target load (the runtime's own scheduler, Splitwise's pools by default, and its KV
+hand-offs) and judged by Splitwise's nine SLOs (Table VI): the p50, p90 and p99 of each request's TTFT, TBT and
+E2E latency as a slowdown against the same request alone on a DGX-A100 (2x/3x/6x for TTFT, 1.25x/1.5x/5x for
+TBT and E2E). A request's TBT here is its mean time per output token after the first.
+
+The search: for each number of prompt machines, the fewest token machines that meet every SLO, by bisection
+(more token machines never make a design worse in this model), then the design that meets them at the least
+cost or power. Costs are Splitwise's Table I ($17.6/hour a DGX-A100, $38/hour a DGX-H100); provisioned power is
+Table V's (a DGX-H100 1.75x a DGX-A100).
+
+Not modelled: Splitwise's power-capped H100 token machines (no profile of a capped machine here), and its
+"throughput under a budget" goal (a search over the rate as well).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from hetnode.errors import ConfigError
+from hetnode.planner.cluster import ClusterSpec, parse_cluster
+from hetnode.planner.model import ModelSpec
+from hetnode.planner.plan import NodePlacement, PlacementPlan, Replica
+from hetnode.planner.profile import DeviceProfile, ProfileTable
+from hetnode.testnet.sim.runner import SimOptions, simulate
+from hetnode.testnet.sim.workload import Workload
+
+
+@dataclass(frozen=True)
+class Machine:
+    device: str
+    cost_per_hour: float  # dollars
+    power: float  # provisioned, relative to a DGX-A100
+    interconnect_gbps: float  # its InfiniBand
+
+
+MACHINES = {
+    "8xa100-80g": Machine("8xa100-80g", 17.6, 1.0, 200.0),  # DGX-A100: Splitwise Tables I and V
+    "8xh100": Machine("8xh100", 38.0, 1.75, 400.0),  # DGX-H100
+}
+REFERENCE = "8xa100-80g"  # the SLOs are slowdowns against a request alone on this machine
+# Splitwise Table VI: the largest slowdown allowed at p50, p90, p99.
+SLOS: Mapping[str, tuple[float, float, float]] = {"ttft": (2.0, 3.0, 6.0), "tbt": (1.25, 1.5, 5.0),
+                                                  "e2e": (1.25, 1.5, 5.0)}
+PERCENTILES = (50, 90, 99)  # (the order of every triple here)
+
+
+@dataclass(frozen=True)
+class Design:
+    prompt: int
+    token: int
+    cost_per_hour: float
+    power: float
+    slowdowns: Mapping[str, tuple[float, float, float]] = field(default_factory=dict)  # metric -> p50, p90, p99
+    finished: int = 0
+    arrived: int = 0
+
+    @property
+    def meets(self) -> bool:
+        """Every SLO met, and every request that arrived finished (a design that cannot keep up leaves some)."""
+        return bool(self.slowdowns) and self.finished == self.arrived and all(
+            got <= limit for metric, limits in SLOS.items()
+            for got, limit in zip(self.slowdowns[metric], limits, strict=True))
+
+    @property
+    def worst(self) -> str:
+        """The SLO furthest over its limit ('' when all are met)."""
+        if not self.slowdowns:
+            return "not simulated"
+        over = [(got / limit, f"{metric} p{p} {got:.2f}x > {limit:g}x")
+                for metric, limits in SLOS.items()
+                for p, got, limit in zip(PERCENTILES, self.slowdowns[metric], limits, strict=True) if got > limit]
+        if self.finished < self.arrived:
+            return f"{self.arrived - self.finished} of {self.arrived} requests unfinished"
+        return max(over)[1] if over else ""
+
+
+def design_cluster(prompt_machine: str, token_machine: str, prompt: int, token: int,
+                   model: ModelSpec) -> tuple[ClusterSpec, PlacementPlan]:
+    """The cluster and phase-split plan of a design: machines p0.. prefill, t0.. decode, each the whole model."""
+    for name in (prompt_machine, token_machine):
+        if name not in MACHINES:
+            raise ConfigError(f"no cost and power known for machine {name!r}; known: {', '.join(MACHINES)}",
+                              key="--prompt-machine" if name == prompt_machine else "--token-machine")
+    if prompt < 1 or token < 1:
+        raise ConfigError(f"a design needs at least one prompt and one token machine, not {prompt} and {token}")
+    names = [(f"p{i}", prompt_machine) for i in range(prompt)] + [(f"t{i}", token_machine) for i in range(token)]
+    gbps = min(MACHINES[prompt_machine].interconnect_gbps, MACHINES[token_machine].interconnect_gbps)
+    cluster = parse_cluster({
+        "name": f"splitwise-{prompt}x{prompt_machine}-{token}x{token_machine}",
+        "coordinator": {"region": "dc"},
+        "nodes": [{"name": n, "device": d, "region": "dc"} for n, d in names],
+        "links": {"default": {"bandwidth_mbps": gbps * 1000, "latency_ms": 0.005}},
+    }, "provisioning design")
+    layers = model.num_layers
+    plan = PlacementPlan(cluster=cluster.name, model=model.name, num_layers=layers, method="split",
+                         placements=tuple(NodePlacement(n, 0, layers) for n, _ in names),
+                         replicas=tuple(Replica("prefill" if n.startswith("p") else "decode", (n,)) for n, _ in names),
+                         partial_inference=False)
+    return cluster, plan
+
+
+def alone(profile: DeviceProfile, layers: int, input_len: int, output_len: int) -> tuple[float, float, float]:
+    """TTFT, TBT and E2E of a request alone on a machine of `profile` (the SLOs' reference)."""
+    ttft = profile.prefill_time(input_len, layers)
+    tbt = profile.decode_time(1, layers, input_len + output_len // 2)
+    return ttft, tbt, ttft + max(0, output_len - 1) * tbt
+
+
+def evaluate(prompt_machine: str, token_machine: str, prompt: int, token: int, *, model: ModelSpec,
+             profiles: ProfileTable, workload: Workload, duration_s: float, warmup_s: float,
+             scheduler: str = "splitwise", options: SimOptions | None = None) -> Design:
+    cluster, plan = design_cluster(prompt_machine, token_machine, prompt, token, model)
+    result = simulate(cluster, model, profiles, plan, workload=workload, scheduler=scheduler, duration_s=duration_s,
+                      warmup_s=warmup_s, options=options)
+    reference = profiles.profiles[REFERENCE]
+    slow: dict[str, list[float]] = {"ttft": [], "tbt": [], "e2e": []}
+    measured = [r for r in result.requests if r.measured]
+    finished = [r for r in measured if math.isfinite(r.e2e)]
+    for r in finished:
+        ttft, tbt, e2e = alone(reference, model.num_layers, r.input_len, r.output_len)
+        slow["ttft"].append(r.ttft / ttft)
+        slow["e2e"].append(r.e2e / e2e)
+        if math.isfinite(r.tpot):
+            slow["tbt"].append(r.tpot / tbt)
+    cost = prompt * MACHINES[prompt_machine].cost_per_hour + token * MACHINES[token_machine].cost_per_hour
+    power = prompt * MACHINES[prompt_machine].power + token * MACHINES[token_machine].power
+    slowdowns = {m: (_percentile(v, 50), _percentile(v, 90), _percentile(v, 99)) for m, v in slow.items()}
+    return Design(prompt, token, cost, power, slowdowns, len(finished), len(measured))
+
+
+def _percentile(values: Sequence[float], p: float) -> float:
+    if not values:
+        return math.inf
+    ordered = sorted(values)
+    k = (len(ordered) - 1) * p / 100
+    lo, hi = math.floor(k), math.ceil(k)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
+
+
+Evaluate = Callable[[int, int], Design]
+
+
+def search(evaluate_design: Evaluate, *, max_prompt: int, max_token: int, goal: str = "cost",
+           ) -> tuple[Design | None, list[Design]]:
+    """The design that meets every SLO at the least `goal` ("cost" or "power"), and every design evaluated.
+
+    For each number of prompt machines, the fewest token machines that meet the SLOs, by bisection over
+    [1, max_token]; a prompt count that misses even with max_token token machines is skipped."""
+    if goal not in ("cost", "power"):
+        raise ConfigError(f"the goal must be cost or power, not {goal!r}", key="--goal")
+    if max_prompt < 1 or max_token < 1:
+        raise ConfigError(f"the search needs at least one machine of each kind, not {max_prompt} and {max_token}")
+    seen: dict[tuple[int, int], Design] = {}
+
+    def at(p: int, t: int) -> Design:
+        if (p, t) not in seen:
+            seen[(p, t)] = evaluate_design(p, t)
+        return seen[(p, t)]
+
+    best: Design | None = None
+    for p in range(1, max_prompt + 1):
+        if not at(p, max_token).meets:
+            continue
+        lo, hi = 1, max_token  # hi meets
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if at(p, mid).meets:
+                hi = mid
+            else:
+                lo = mid + 1
+        found = at(p, hi)
+        key = found.cost_per_hour if goal == "cost" else found.power
+        if best is None or key < (best.cost_per_hour if goal == "cost" else best.power):
+            best = found
+    return best, sorted(seen.values(), key=lambda d: (d.prompt, d.token))
+
+
+def picture(designs: Sequence[Design], best: Design | None, *, title: str) -> str:
+    """The search space as an SVG grid (Splitwise Fig. 12): prompt machines across, token machines up, each
+    evaluated design a cell, green where it meets every SLO, with its cost; the chosen design starred."""
+    if not designs:
+        raise ValueError("nothing to draw")
+    cols = max(d.prompt for d in designs)
+    rows = max(d.token for d in designs)
+    cell, left, top = 34, 60, 40
+    width, height = left + cols * cell + 20, top + rows * cell + 50
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" '
+           f'font-size="9">', f'<text x="{left}" y="20" font-size="12">{_xml(title)}</text>']
+    for d in designs:
+        x = left + (d.prompt - 1) * cell
+        y = top + (rows - d.token) * cell
+        fill = "#7fc97f" if d.meets else "#f0f0f0"
+        out.append(f'<rect x="{x}" y="{y}" width="{cell - 2}" height="{cell - 2}" fill="{fill}" stroke="#999">'
+                   f'<title>{d.prompt} prompt, {d.token} token: ${d.cost_per_hour:.0f}/h, power {d.power:g}; '
+                   f'{_xml(d.worst or "meets every SLO")}</title></rect>')
+        out.append(f'<text x="{x + 3}" y="{y + 19}">${d.cost_per_hour:.0f}</text>')
+        if best is not None and (d.prompt, d.token) == (best.prompt, best.token):
+            out.append(f'<text x="{x + 22}" y="{y + 10}" font-size="12">*</text>')
+    for i in range(cols):
+        out.append(f'<text x="{left + i * cell + 10}" y="{top + rows * cell + 14}">{i + 1}</text>')
+    for j in range(rows):
+        out.append(f'<text x="{left - 16}" y="{top + (rows - j - 1) * cell + 19}">{j + 1}</text>')
+    out.append(f'<text x="{left}" y="{height - 8}">prompt machines (across), token machines (up); green: every '
+               f'SLO met; *: the chosen design</text>')
+    out.append("</svg>")
+    return "\n".join(out)
+
+
+def _xml(text: str) -> str:
+    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")

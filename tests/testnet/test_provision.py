@@ -1,0 +1,98 @@
+"""Splitwise's provisioning: designs of prompt and token machines, judged by the nine SLOs in the simulator, and
+the search for the cheapest one that meets them."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from hetnode.cli import main
+from hetnode.errors import ConfigError
+from hetnode.planner.model import PRESETS
+from hetnode.planner.profile_sources import profile_table_for
+from hetnode.testnet.sim.provision import MACHINES, SLOS, Design, design_cluster, evaluate, picture, search
+from hetnode.testnet.sim.workload import load_trace, poisson
+
+LLAMA70 = PRESETS["llama-70b"]
+
+
+def test_a_design_is_whole_model_replicas_with_their_roles_on_one_fabric() -> None:
+    cluster, plan = design_cluster("8xh100", "8xa100-80g", 2, 3, LLAMA70)
+    assert [n.device for n in cluster.nodes] == ["8xh100"] * 2 + ["8xa100-80g"] * 3
+    assert [(r.role, r.nodes) for r in plan.replicas] == [("prefill", ("p0",)), ("prefill", ("p1",)),
+                                                           ("decode", ("t0",)), ("decode", ("t1",)),
+                                                           ("decode", ("t2",))]
+    assert all((p.first_layer, p.last_layer) == (0, 80) for p in plan.placements)
+    assert cluster.link("p0", "t2").bandwidth_mbps == 200_000  # the slower machine's InfiniBand
+    with pytest.raises(ConfigError, match="no cost and power"):
+        design_cluster("8xh100", "4xt4", 1, 1, LLAMA70)
+    with pytest.raises(ConfigError, match="at least one"):
+        design_cluster("8xh100", "8xh100", 0, 1, LLAMA70)
+
+
+def design(prompt: int, token: int, ok: bool) -> Design:
+    limits = {m: tuple(x * (0.5 if ok else 2.0) for x in lim) for m, lim in SLOS.items()}
+    return Design(prompt, token, prompt * 38.0 + token * 17.6, prompt * 1.75 + token, limits, 10, 10)  # type: ignore[arg-type]
+
+
+def test_the_search_bisects_token_counts_and_picks_the_cheapest_design_that_meets_every_slo() -> None:
+    calls: list[tuple[int, int]] = []
+
+    def fake(p: int, t: int) -> Design:  # meets when there is capacity for both phases
+        calls.append((p, t))
+        return design(p, t, p >= 2 and t >= 7 - 2 * p)
+
+    best, designs = search(fake, max_prompt=4, max_token=8)
+    # p=1 misses even at 8; p=2 needs 3 ($128.8), p=3 needs 1 ($131.6), p=4 needs 1 ($169.6).
+    assert best is not None and (best.prompt, best.token) == (2, 3)
+    assert len(calls) == len(set(calls)) < 4 * 8  # each design at most once, and far from all of them
+    assert [(d.prompt, d.token) for d in designs] == sorted(calls)
+    best_power, _ = search(fake, max_prompt=4, max_token=8, goal="power")
+    assert best_power is not None and (best_power.prompt, best_power.token) == (3, 1)  # 5.25 + 1 < 3.5 + 3
+    none, _ = search(lambda p, t: design(p, t, False), max_prompt=2, max_token=2)
+    assert none is None
+    with pytest.raises(ConfigError, match="cost or power"):
+        search(fake, max_prompt=1, max_token=1, goal="speed")
+
+
+def test_a_design_meets_the_slos_at_a_light_load_and_misses_them_when_overloaded() -> None:
+    cluster, _ = design_cluster("8xh100", "8xa100-80g", 1, 1, LLAMA70)
+    profiles = profile_table_for(cluster, LLAMA70, "auto")
+    lengths = load_trace("code", length_filter=False)
+
+    def at(rate: float) -> Design:
+        workload = poisson(rate, lengths=lengths, duration_s=40, seed=1)
+        return evaluate("8xh100", "8xa100-80g", 1, 1, model=LLAMA70, profiles=profiles, workload=workload,
+                        duration_s=40, warmup_s=5)
+
+    light, heavy = at(1.0), at(40.0)
+    assert light.meets and light.worst == "" and light.finished == light.arrived > 0
+    assert light.cost_per_hour == pytest.approx(MACHINES["8xh100"].cost_per_hour + MACHINES["8xa100-80g"].cost_per_hour)
+    assert not heavy.meets and heavy.worst
+    # Alone on a DGX-A100 is the reference: an H100 prefills faster, so the light load's TTFT is under 1x.
+    assert light.slowdowns["ttft"][0] < 1 < heavy.slowdowns["ttft"][2]
+
+
+def test_the_picture_marks_what_meets_and_the_choice() -> None:
+    designs = [design(1, 1, False), design(1, 2, True), design(2, 1, True)]
+    svg = picture(designs, designs[1], title="HA <test>")
+    assert svg.startswith("<svg") and svg.count("<rect") == 3 and svg.count("#7fc97f") == 2
+    assert "HA &lt;test&gt;" in svg and ">*</text>" in svg
+    with pytest.raises(ValueError):
+        picture([], None, title="")
+
+
+def test_hetnode_provision_prints_the_designs_and_the_choice(capsys: pytest.CaptureFixture[str],
+                                                              tmp_path: Path) -> None:
+    args = ["provision", "--rate", "1", "--duration", "20", "--warmup", "2", "--max-prompt", "2", "--max-token", "2"]
+    assert main([*args, "--json", "--picture", str(tmp_path / "p.svg")]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["best"] == {**out["best"], "prompt": 1, "token": 1, "meets": True}
+    assert all(math.isfinite(x) for d in out["designs"] for m in d["slowdowns"].values() for x in m)
+    assert (tmp_path / "p.svg").read_text().startswith("<svg")
+    assert main(args) == 0
+    assert "chosen (least cost): 1 x 8xh100 prompt + 1 x 8xa100-80g token machines" in capsys.readouterr().out
+    assert main([*args[:-4], "--max-prompt", "1", "--max-token", "1", "--warmup", "30"]) == 2  # warmup >= duration
