@@ -25,3 +25,14 @@ def non_negative(value: str) -> float:
     if not x >= 0 or x == float("inf"):
         raise argparse.ArgumentTypeError(f"must be a finite number >= 0: {value!r}")
     return x
+
+
+def positive_int(value: str) -> int:
+    """A whole number >= 1, or argparse's error naming the value."""
+    try:
+        x = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {value!r}") from None
+    if x < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1: {value!r}")
+    return x

@@ -21,6 +21,7 @@ import trio
 
 from hetnode.argtypes import non_negative as _non_negative
 from hetnode.argtypes import positive as _positive
+from hetnode.argtypes import positive_int as _positive_int
 from hetnode.errors import ConfigError, HetnodeError, PeerUnreachable, Refused
 from hetnode.policy.kv_codec import OPERATOR_CHOICES
 from hetnode.policy.kv_transfer import TRANSFER_CHOICES, transfer_policy
@@ -242,16 +243,6 @@ def _workload(value: str) -> tuple[int, int]:
     if prompt < 1 or output < 0:
         raise argparse.ArgumentTypeError(f"needs at least 1 prompt and 0 output tokens: {value!r}")
     return prompt, output
-
-
-def _positive_int(value: str) -> int:
-    try:
-        x = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {value!r}") from None
-    if x < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1: {value!r}")
-    return x
 
 
 def _model_presets() -> list[str]:

@@ -14,18 +14,9 @@ import sys
 from pathlib import Path
 
 from hetnode.argtypes import positive as _positive
+from hetnode.argtypes import positive_int as _positive_int
 
 MACHINE_NAMES = ("8xa100-80g", "8xh100")
-
-
-def _count(value: str) -> int:
-    try:
-        n = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a whole number: {value!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1: {value!r}")
-    return n
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -41,8 +32,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--duration", type=_positive, default=120.0, metavar="S",
                    help="simulated seconds per design (default: 120, Splitwise's 2-minute traces)")
     p.add_argument("--warmup", type=float, default=10.0, metavar="S", help="seconds not measured (default: 10)")
-    p.add_argument("--max-prompt", type=_count, default=8, metavar="N", help="most prompt machines (default: 8)")
-    p.add_argument("--max-token", type=_count, default=8, metavar="N", help="most token machines (default: 8)")
+    p.add_argument("--max-prompt", type=_positive_int, default=8, metavar="N", help="most prompt machines (default: 8)")
+    p.add_argument("--max-token", type=_positive_int, default=8, metavar="N", help="most token machines (default: 8)")
     p.add_argument("--goal", default="cost", choices=["cost", "power"], help="what the design minimizes")
     p.add_argument("--scheduler", default="splitwise", choices=["splitwise", "cls"],
                    help="the cluster-level scheduler (default: splitwise, with the mixed pool)")
