@@ -44,6 +44,12 @@ def _planning_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--split-workload", type=_workload, default=(750, 240), metavar="IN,OUT",
                    help="prompt and output tokens of a typical request, which size a split plan's prefill and "
                         "decode pools (default: 750,240)")
+    p.add_argument("--reschedule-shift", type=_non_negative, default=0.0, metavar="F",
+                   help="re-plan a split deployment for the observed mix when its mean prompt or output length "
+                        "moves by more than this share from what it was sized for, over the last "
+                        "--workload-window seconds (0, the default: never)")
+    p.add_argument("--workload-window", type=_positive, default=120.0, metavar="S",
+                   help="seconds of requests the coordinator's view of the workload covers (default: 120)")
     p.add_argument("--scheduler", default="iwrr",
                    choices=["iwrr", "random", "shortest-queue", "swarm", "splitwise"],
                    help="how each request's pipeline is chosen (default: iwrr, Helix's). A split plan is routed by "
@@ -432,7 +438,8 @@ async def _run_coordinator(args: argparse.Namespace) -> None:
     from hetnode.policy.kv_codec import KVCodecPolicy
 
     planning = PlanningConfig(method=args.placement, scheduler=args.scheduler, time_limit_s=args.plan_time_limit,
-                              split_workload=args.split_workload)
+                              split_workload=args.split_workload, reschedule_shift=args.reschedule_shift,
+                              workload_window_s=args.workload_window)
     key = load_or_create_identity(args.identity)
     listen = args.listen or ["/ip4/0.0.0.0/tcp/4001"]
     serving = None

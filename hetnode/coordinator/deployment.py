@@ -23,7 +23,7 @@ import logging
 import math
 import time
 from collections.abc import Awaitable, Callable, Collection
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import trio
 
@@ -43,6 +43,7 @@ from hetnode.planner.placement import PlannerOptions, evaluate, plan_placement
 from hetnode.planner.plan import NodePlacement, PlacementPlan
 from hetnode.planner.profile import ProfileTable, Workload, kv_tokens
 from hetnode.planner.split import split_placement
+from hetnode.policy.workload_monitor import WorkloadMonitor
 from hetnode.protocol.messages import Assignment, AssignmentStatus, Load, Route
 from hetnode.protocol.routes import route_peers
 
@@ -67,6 +68,10 @@ class PlanningConfig:
     queue_limit: int = 256  # requests that may wait for KV before new ones are refused
     # The workload a phase-split plan sizes its pools for: prompt and output tokens of a typical request.
     split_workload: tuple[int, int] = (Workload.input_len, Workload.output_len)
+    # A phase-split plan is made again for the observed mix when its mean prompt or output length moves by more
+    # than this share from what the plan was sized for, over the last `workload_window_s` (0: never).
+    reschedule_shift: float = 0.0
+    workload_window_s: float = 120.0
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -82,6 +87,9 @@ class PlanningConfig:
         if self.split_workload[0] < 1 or self.split_workload[1] < 0:
             raise ConfigError(f"split workload must be >= 1 prompt and >= 0 output tokens, not "
                               f"{self.split_workload}", key="split_workload")
+        if not self.reschedule_shift >= 0 or not self.workload_window_s > 0:
+            raise ConfigError(f"the reschedule shift must be >= 0 ({self.reschedule_shift}) and the workload "
+                              f"window > 0 ({self.workload_window_s})", key="reschedule_shift")
 
 
 @dataclass(frozen=True)
@@ -175,6 +183,26 @@ class Deployment:
         # Queued requests: the event that wakes them, and what they got (a pipeline, or why not).
         self._waiting: dict[str, tuple[Scheduler, trio.Event]] = {}
         self._outcome: dict[str, Route | str] = {}
+        # The requests' lengths and arrivals (GET /v1/plan; a phase-split plan follows a shift of the mix).
+        self.workload = WorkloadMonitor(self.planning.split_workload, window_s=self.planning.workload_window_s,
+                                        shift=self.planning.reschedule_shift or 0.5)
+
+    def request_arrived(self, input_len: int) -> None:
+        """A request came in (not a move of one): its prompt length joins the window; a phase-split deployment
+        whose mix has shifted is planned again for the observed one."""
+        now = trio.current_time()
+        self.workload.arrived(now, input_len)
+        if self.planning.method != "split" or not self.planning.reschedule_shift:
+            return
+        why = self.workload.shifted(now)
+        if why:
+            prompt, output = self.workload.rebase(now)
+            self.planning = replace(self.planning, split_workload=(max(1, round(prompt)), max(0, round(output))))
+            log.info("workload shift (%s): re-planning the phase-split deployment", why)
+            self.membership_changed(f"workload shift: {why}")
+
+    def request_finished(self, output_len: int) -> None:
+        self.workload.finished(trio.current_time(), output_len)
 
     def membership_changed(self, reason: str) -> None:
         self._pending_reason = reason
@@ -467,6 +495,10 @@ class Deployment:
         return f"plan {self.plan.version} waits for {', '.join(waiting)}" + (f" ({failed})" if failed else "")
 
     def to_json(self) -> dict[str, object]:
+        mix = self.workload.mix(trio.current_time())
         return {"model": self.model, "num_layers": self.model_config.num_layers,
                 "plan": self.plan.to_json() if self.plan else None, "problem": self.problem,
-                "history": self.history}
+                "history": self.history,
+                "workload": {"window_s": mix.window_s, "arrivals": mix.arrivals, "finished": mix.finished,
+                             "rate": mix.rate, "mean_input": mix.mean_input, "mean_output": mix.mean_output,
+                             "planned_for": list(self.workload.baseline)}}

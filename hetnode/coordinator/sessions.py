@@ -446,6 +446,7 @@ class PipelineGenerator:
             raise GenerationError("max_tokens must be at least 1", status=400, code="invalid_max_tokens")
         route = None
         session_id = self._new_id()
+        self.deployment.request_arrived(len(prompt_ids))
         try:
             with trio.move_on_after(self.ready_timeout_s):
                 route = await self._route(session_id, len(prompt_ids), set())
@@ -463,6 +464,7 @@ class PipelineGenerator:
         finally:
             self._active -= 1
             self._close(request.session, len(request.generated))
+            self.deployment.request_finished(len(request.generated))
 
     async def _events(self, request: _Request) -> AsyncIterator[TokenEvent]:
         moves = 0

@@ -1,0 +1,71 @@
+"""The coordinator follows the workload: a phase-split deployment is planned again for the observed mix when
+its lengths move away from what it was sized for (ThunderServe's rescheduling on a workload shift)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+import trio.testing
+
+from hetnode.coordinator.deployment import Deployment, PlanningConfig
+from hetnode.coordinator.registry import Registry
+from hetnode.ids import NodeId
+from hetnode.models.resolve import load_config
+from hetnode.models.tiny import write_tiny_model
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("llama") / "m", "llama")
+
+
+def deployment(model: Path, planning: PlanningConfig) -> Deployment:
+    async def no_control(*args: Any) -> None:
+        raise AssertionError("no assignments here")
+
+    registry = Registry(token="t", heartbeat_deadline_s=1e9)
+    return Deployment(registry, no_control, model=str(model), model_config=load_config(model),  # type: ignore[arg-type]
+                      coordinator=NodeId("coord"), planning=planning)
+
+
+async def feed(d: Deployment, n: int, prompt: int, output: int) -> None:
+    for _ in range(n):
+        d.request_arrived(prompt)
+        await trio.sleep(0.5)
+        d.request_finished(output)
+        await trio.sleep(0.5)
+
+
+@pytest.mark.parametrize("shift", [0.5, 0.0])
+def test_a_shift_of_the_mix_replans_a_split_deployment_for_it(tiny_model: Path, shift: float) -> None:
+    async def run() -> None:
+        d = deployment(tiny_model, PlanningConfig(method="split", split_workload=(750, 240), reschedule_shift=shift,
+                                                  workload_window_s=60))
+        await feed(d, 60, 800, 250)  # near what it was sized for
+        assert d._pending_reason == "initial"
+        await feed(d, 60, 3000, 40)  # long prompts, short answers: coding rather than conversation
+        if shift:  # re-planned while the window still mixed the two
+            assert d._pending_reason.startswith("workload shift: mean prompt length 750 -> ")
+            assert d.planning.split_workload[0] > 1000
+        await feed(d, 70, 3000, 40)  # a window later, again for the new mix alone
+        shown = d.to_json()["workload"]
+        assert shown["mean_input"] == pytest.approx(3000) and shown["rate"] == pytest.approx(1.0, rel=0.1)  # type: ignore[index]
+        if shift:
+            assert d.planning.split_workload == (3000, 40)
+            assert shown["planned_for"] == [3000, 40]  # type: ignore[index]
+        else:  # off: the mix is shown, nothing is re-planned
+            assert d._pending_reason == "initial" and d.planning.split_workload == (750, 240)
+
+    trio.run(run, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def test_other_methods_are_not_replanned_for_a_shift(tiny_model: Path) -> None:
+    async def run() -> None:
+        d = deployment(tiny_model, PlanningConfig(method="helix", reschedule_shift=0.5, workload_window_s=60))
+        await feed(d, 120, 3000, 40)
+        assert d._pending_reason == "initial"
+
+    trio.run(run, clock=trio.testing.MockClock(autojump_threshold=0))
