@@ -1,0 +1,141 @@
+"""EcoServe's macro-instance scheduling (§3.4, Algorithms 1 and 2) and mitosis scaling (§3.5).
+
+Partially disaggregated serving keeps both phases on every instance but separates them in time: an instance
+decodes, and switches to prefills when the macro-instance scheduler sends it new requests; the decodes it then
+pauses have "saved TPOT" (they ran faster than the TPOT SLO) to spend. The macro-instance scheduler staggers the
+instances (rolling activation) with Algorithm 1: a request goes to the instance the previous request went to
+while Algorithm 2's three checks hold there, else to the next instance in the cycle:
+
+1. TTFT: the predicted prefill times of the requests that arrived there since its last switch to prefill, with
+   this one, add up to no more than the TTFT SLO;
+2. TPOT: that total is no more than the mean saved TPOT of its decodes (each decode's L x SLO_TPOT less the time
+   since its first token, L its output so far);
+3. memory: the request's KV fits what the instance has free.
+
+Mitosis (§3.5.1) grows and shrinks the macro-instances one instance at a time between N_l and N_u instances:
+instances are added to the last macro-instance; one that would pass N_u splits off a new macro-instance of N_l;
+instances are removed from the smallest macro-instance down to N_l, then from a full one, and two
+macro-instances whose sizes add up to N_u merge once one more instance is removed.
+
+Pure: instances report their state as records; every call passes `now`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class Decoding:
+    """A request an instance decodes: its output so far and when its first token came."""
+
+    output_len: int
+    first_token_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceState:
+    """What an instance reports to its macro-instance scheduler."""
+
+    switched_at: float  # when it last switched to prefills
+    pending_prefills: tuple[int, ...] = ()  # prompt lengths of the requests routed to it since then
+    decodes: tuple[Decoding, ...] = ()  # requests it held before then, still decoding
+    free_kv_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Slos:
+    ttft_s: float
+    tpot_s: float
+
+
+PrefillTime = Callable[[int], float]  # seconds to prefill a prompt of n tokens (profiled)
+
+
+def check(instance: InstanceState, prompt: int, kv_tokens: int, now: float, slos: Slos, prefill: PrefillTime) -> str:
+    """Algorithm 2: '' when the instance may take the request, else the constraint it would break."""
+    total = sum(prefill(n) for n in instance.pending_prefills) + prefill(prompt)
+    if total > slos.ttft_s:
+        return f"ttft: {total:.3f} s of pending prefills > {slos.ttft_s:g} s"
+    if instance.decodes:
+        saved = [d.output_len * slos.tpot_s - (now - d.first_token_at) for d in instance.decodes]
+        mean = sum(saved) / len(saved)
+        if mean < total:
+            return f"tpot: mean saved {mean:.3f} s < {total:.3f} s of prefills"
+    if kv_tokens > instance.free_kv_tokens:
+        return f"memory: {kv_tokens} tokens of KV > {instance.free_kv_tokens} free"
+    return ""
+
+
+@dataclass
+class MacroInstance:
+    """Algorithm 1 over one macro-instance's instances (by index)."""
+
+    instances: int
+    previous: int = 0  # the instance the last request went to
+
+    def route(self, states: Sequence[InstanceState], prompt: int, kv_tokens: int, now: float, slos: Slos,
+              prefill: PrefillTime) -> int:
+        """The instance for the request: the previous one if it passes every check, else the next one."""
+        if len(states) != self.instances or not states:
+            raise ValueError(f"expected the states of {self.instances} instances, got {len(states)}")
+        if not check(states[self.previous], prompt, kv_tokens, now, slos, prefill):
+            return self.previous
+        self.previous = (self.previous + 1) % self.instances
+        return self.previous
+
+
+@dataclass
+class Mitosis:
+    """The macro-instances' sizes, grown and shrunk one instance at a time (§3.5.1, Fig. 7)."""
+
+    lower: int  # N_l
+    upper: int  # N_u
+    sizes: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.lower < self.upper:
+            raise ValueError(f"need 1 <= N_l < N_u, not {self.lower} and {self.upper}")
+        if any(s < 1 or s > self.upper for s in self.sizes):
+            raise ValueError(f"a macro-instance has 1 to N_u = {self.upper} instances, not {self.sizes}")
+
+    @property
+    def total(self) -> int:
+        return sum(self.sizes)
+
+    def expand(self) -> str:
+        """Add one instance; returns what happened."""
+        if not self.sizes:
+            self.sizes.append(1)
+            return "a first macro-instance"
+        full = [i for i, s in enumerate(self.sizes) if s < self.upper]
+        if not full:  # every macro-instance is at N_u: the last one splits N_l off (steps 1-2)
+            self.sizes[-1] -= self.lower - 1
+            self.sizes.append(self.lower)
+            return f"macro-instance {len(self.sizes) - 2} split, {self.lower} instances into a new one"
+        # Fill the fullest that is not full first (step 3), then the new one (step 4).
+        i = max(full, key=lambda k: (self.sizes[k], -k))
+        self.sizes[i] += 1
+        return f"an instance added to macro-instance {i}"
+
+    def contract(self) -> str:
+        """Remove one instance; returns what happened."""
+        if not self.sizes:
+            raise ValueError("no instance to remove")
+        small = min(range(len(self.sizes)), key=lambda k: (self.sizes[k], -k))
+        if self.sizes[small] > self.lower or len(self.sizes) == 1:  # step 5: the smallest down to N_l
+            self.sizes[small] -= 1
+            if self.sizes[small] == 0:
+                self.sizes.pop(small)
+            return f"an instance removed from macro-instance {small}"
+        # Step 6: from a full one; steps 7-8: two that add up to N_u merge after one more removal.
+        big = max((k for k in range(len(self.sizes)) if k != small), key=lambda k: (self.sizes[k], k))
+        self.sizes[big] -= 1
+        if self.sizes[big] + self.sizes[small] < self.upper:
+            merged = self.sizes[big] + self.sizes[small]
+            for k in sorted((big, small), reverse=True):
+                self.sizes.pop(k)
+            self.sizes.append(merged)
+            return f"macro-instances {min(big, small)} and {max(big, small)} merged into one of {merged}"
+        return f"an instance removed from macro-instance {big}"
