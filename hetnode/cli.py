@@ -184,9 +184,22 @@ def build_parser() -> argparse.ArgumentParser:
                     help="where T_j comes from: Helix's measured profiles, the roofline of the papers' GPU "
                          "tables, or a profile-table file (default: auto, helix where it measured the model "
                          "and every device type, roofline otherwise)")
-    pl.add_argument("--method", default="helix", choices=["helix", "petals", "swarm", "sp", "sp+", "split"],
+    pl.add_argument("--method", default="helix",
+                    choices=["helix", "petals", "swarm", "sp", "sp+", "split", "thunderserve"],
                     help="helix: MILP over the max-flow graph; petals, swarm, sp (separate pipelines), sp+ "
-                         "(plus a mixed pipeline of the leftovers): the papers' baselines (default: helix)")
+                         "(plus a mixed pipeline of the leftovers): the papers' baselines; split: prefill and "
+                         "decode pools; thunderserve: ThunderServe's tabu search over GPU groups, phases and "
+                         "routing (default: helix)")
+    pl.add_argument("--traffic", default="conv", metavar="code|conv|IN,OUT",
+                    help="thunderserve: mean prompt and output tokens, an Azure trace's (code, conv) or given "
+                         "(default: conv)")
+    pl.add_argument("--rate", type=_positive, default=4.0, metavar="R",
+                    help="thunderserve: requests per second to plan for (default: 4)")
+    pl.add_argument("--slo-scale", type=_positive, default=5.0, metavar="S",
+                    help="thunderserve: TTFT, TPOT and E2E SLOs as S times the model's latency on two A100s "
+                         "(default: 5)")
+    pl.add_argument("--steps", type=int, default=100, metavar="N",
+                    help="thunderserve: tabu search steps, N_step (default: 100)")
     pl.add_argument("--time-limit", type=_positive, default=None, metavar="S",
                     help="seconds the MILP solver may run (default: the planner's)")
     pl.add_argument("--work-limit", type=_positive_int, default=None, metavar="N",
@@ -357,11 +370,24 @@ def _run_plan(args: argparse.Namespace) -> int:
     if args.check is not None:
         return _check_plan(args.check, cluster, model, profiles)
 
-    from hetnode.planner.placement import PlannerOptions, plan_placement
+    import dataclasses
 
+    from hetnode.planner.placement import PlannerOptions, plan_placement
+    from hetnode.planner.thunderserve.settings import TRAFFIC_PRESETS, ThunderServeOptions, Traffic
+
+    if args.traffic in TRAFFIC_PRESETS:
+        traffic = dataclasses.replace(TRAFFIC_PRESETS[args.traffic], rate=args.rate)
+    else:
+        try:
+            prompt, output = _workload(args.traffic)
+        except argparse.ArgumentTypeError as exc:
+            raise ConfigError(str(exc), key="--traffic") from None
+        traffic = Traffic(input_len=prompt, output_len=max(1, output), rate=args.rate)
+    thunderserve = ThunderServeOptions(traffic=traffic, ttft_scale=args.slo_scale, tpot_scale=args.slo_scale,
+                                       e2e_scale=args.slo_scale, steps=args.steps)
     given = {"time_limit_s": args.time_limit, "prune_degree": args.prune_degree, "seed": args.seed,
              "work_limit": args.work_limit}
-    options = PlannerOptions(partial_inference=not args.no_partial, pick=args.pick,
+    options = PlannerOptions(partial_inference=not args.no_partial, pick=args.pick, thunderserve=thunderserve,
                              **{k: v for k, v in given.items() if v is not None})
     plan = plan_placement(cluster, model, profiles, method=args.method, options=options)
     problems = validate_plan(plan, cluster, model, profiles)
