@@ -209,8 +209,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="forbid partial inference: a node's successor must start exactly at its last layer")
     pl.add_argument("--prune-degree", type=_positive_int, default=None, metavar="D",
                     help="keep about D fastest links per node in the MILP (Helix §4.5; default: the planner's)")
-    pl.add_argument("--kv-share", type=float, default=0.5, metavar="F",
-                    help="share of device memory kept for the KV cache, in [0, 1) (default: 0.5)")
+    pl.add_argument("--kv-share", type=float, default=None, metavar="F",
+                    help="share of device memory kept for the KV cache, in [0, 1) (default: 0.5; thunderserve: 0.1)")
     pl.add_argument("--seed", type=int, default=None, metavar="N", help="seed of the planner's randomness")
     pl.add_argument("--pick", choices=["served", "max_flow"], default="served",
                     help="how helix picks among its search's best and the heuristics' placements: what they serve "
@@ -365,7 +365,10 @@ def _run_plan(args: argparse.Namespace) -> int:
         path = _clusters_dir() / f"{args.cluster}.toml"
     cluster = load_cluster(path)
     model = model_spec(args.model)
-    profiles = profile_table_for(cluster, model, args.profile, kv_share=args.kv_share)
+    # ThunderServe's layouts keep its own share for KV (ThunderServeOptions.kv_reserve) unless one is given:
+    # the profile table that validates the plan must assume the same.
+    kv_share = args.kv_share if args.kv_share is not None else 0.1 if args.method == "thunderserve" else 0.5
+    profiles = profile_table_for(cluster, model, args.profile, kv_share=kv_share)
 
     if args.check is not None:
         return _check_plan(args.check, cluster, model, profiles)
@@ -384,7 +387,7 @@ def _run_plan(args: argparse.Namespace) -> int:
             raise ConfigError(str(exc), key="--traffic") from None
         traffic = Traffic(input_len=prompt, output_len=max(1, output), rate=args.rate)
     thunderserve = ThunderServeOptions(traffic=traffic, ttft_scale=args.slo_scale, tpot_scale=args.slo_scale,
-                                       e2e_scale=args.slo_scale, steps=args.steps)
+                                       e2e_scale=args.slo_scale, steps=args.steps, kv_reserve=kv_share)
     given = {"time_limit_s": args.time_limit, "prune_degree": args.prune_degree, "seed": args.seed,
              "work_limit": args.work_limit}
     options = PlannerOptions(partial_inference=not args.no_partial, pick=args.pick, thunderserve=thunderserve,

@@ -106,6 +106,9 @@ from hetnode.planner.thunderserve.deploy import thunderserve_placement
 from hetnode.planner.thunderserve.settings import ThunderServeOptions
 
 METHODS = ("helix", "petals", "swarm", "sp", "sp+", "split", "thunderserve")
+# Plans routed by their orchestration (X, Y), not by a max flow: their max_flow is 0 and validate_plan checks
+# the orchestration instead.
+ROUTED_METHODS = ("thunderserve",)
 PICKS = ("served", "max_flow")
 SMALL_CLUSTER = 8  # at most this many nodes: the §4.4 MILP is solved whole, no LNS
 
