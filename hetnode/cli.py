@@ -195,9 +195,22 @@ def build_parser() -> argparse.ArgumentParser:
                          "H100), the roofline of the papers' GPU tables, or a profile-table file (default: auto, "
                          "helix or splitwise where they measured the model and every device type, roofline "
                          "otherwise)")
-    pl.add_argument("--method", default="helix", choices=["helix", "petals", "swarm", "sp", "sp+", "split"],
+    pl.add_argument("--method", default="helix",
+                    choices=["helix", "petals", "swarm", "sp", "sp+", "split", "thunderserve"],
                     help="helix: MILP over the max-flow graph; petals, swarm, sp (separate pipelines), sp+ "
-                         "(plus a mixed pipeline of the leftovers): the papers' baselines (default: helix)")
+                         "(plus a mixed pipeline of the leftovers): the papers' baselines; split: prefill and "
+                         "decode pools; thunderserve: ThunderServe's tabu search over GPU groups, phases and "
+                         "routing (default: helix)")
+    pl.add_argument("--traffic", default="conv", metavar="code|conv|IN,OUT",
+                    help="thunderserve: mean prompt and output tokens, an Azure trace's (code, conv) or given "
+                         "(default: conv)")
+    pl.add_argument("--rate", type=_positive, default=4.0, metavar="R",
+                    help="thunderserve: requests per second to plan for (default: 4)")
+    pl.add_argument("--slo-scale", type=_positive, default=5.0, metavar="S",
+                    help="thunderserve: TTFT, TPOT and E2E SLOs as S times the model's latency on two A100s "
+                         "(default: 5)")
+    pl.add_argument("--steps", type=int, default=100, metavar="N",
+                    help="thunderserve: tabu search steps, N_step (default: 100)")
     pl.add_argument("--time-limit", type=_positive, default=None, metavar="S",
                     help="seconds the MILP solver may run (default: the planner's)")
     pl.add_argument("--work-limit", type=_positive_int, default=None, metavar="N",
@@ -207,8 +220,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="forbid partial inference: a node's successor must start exactly at its last layer")
     pl.add_argument("--prune-degree", type=_positive_int, default=None, metavar="D",
                     help="keep about D fastest links per node in the MILP (Helix §4.5; default: the planner's)")
-    pl.add_argument("--kv-share", type=float, default=0.5, metavar="F",
-                    help="share of device memory kept for the KV cache, in [0, 1) (default: 0.5)")
+    pl.add_argument("--kv-share", type=float, default=None, metavar="F",
+                    help="share of device memory kept for the KV cache, in [0, 1) (default: 0.5; thunderserve: 0.1)")
     pl.add_argument("--seed", type=int, default=None, metavar="N", help="seed of the planner's randomness")
     pl.add_argument("--pick", choices=["served", "max_flow"], default="served",
                     help="how helix picks among its search's best and the heuristics' placements: what they serve "
@@ -365,16 +378,32 @@ def _run_plan(args: argparse.Namespace) -> int:
         path = _clusters_dir() / f"{args.cluster}.toml"
     cluster = load_cluster(path)
     model = model_spec(args.model)
-    profiles = profile_table_for(cluster, model, args.profile, kv_share=args.kv_share)
+    # ThunderServe's layouts keep its own share for KV (ThunderServeOptions.kv_reserve) unless one is given:
+    # the profile table that validates the plan must assume the same.
+    kv_share = args.kv_share if args.kv_share is not None else 0.1 if args.method == "thunderserve" else 0.5
+    profiles = profile_table_for(cluster, model, args.profile, kv_share=kv_share)
 
     if args.check is not None:
         return _check_plan(args.check, cluster, model, profiles)
 
-    from hetnode.planner.placement import PlannerOptions, plan_placement
+    import dataclasses
 
+    from hetnode.planner.placement import PlannerOptions, plan_placement
+    from hetnode.planner.thunderserve.settings import TRAFFIC_PRESETS, ThunderServeOptions, Traffic
+
+    if args.traffic in TRAFFIC_PRESETS:
+        traffic = dataclasses.replace(TRAFFIC_PRESETS[args.traffic], rate=args.rate)
+    else:
+        try:
+            prompt, output = _workload(args.traffic)
+        except argparse.ArgumentTypeError as exc:
+            raise ConfigError(str(exc), key="--traffic") from None
+        traffic = Traffic(input_len=prompt, output_len=max(1, output), rate=args.rate)
+    thunderserve = ThunderServeOptions(traffic=traffic, ttft_scale=args.slo_scale, tpot_scale=args.slo_scale,
+                                       e2e_scale=args.slo_scale, steps=args.steps, kv_reserve=kv_share)
     given = {"time_limit_s": args.time_limit, "prune_degree": args.prune_degree, "seed": args.seed,
              "work_limit": args.work_limit}
-    options = PlannerOptions(partial_inference=not args.no_partial, pick=args.pick,
+    options = PlannerOptions(partial_inference=not args.no_partial, pick=args.pick, thunderserve=thunderserve,
                              **{k: v for k, v in given.items() if v is not None})
     plan = plan_placement(cluster, model, profiles, method=args.method, options=options)
     problems = validate_plan(plan, cluster, model, profiles)

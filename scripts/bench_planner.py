@@ -27,6 +27,14 @@ for every --progress run (a reference is the best placement known, whichever run
 
     .venv/bin/python scripts/bench_planner.py --progress [--runs 3] [--time-limit 60]
     nice -n 15 .venv/bin/python scripts/bench_planner.py --write-reference helix-geo-pruned on 1800
+
+--thunderserve plans LLaMA-30B with method "thunderserve" on 16, 24 and 32 GPUs of thunderserve-cloud-gpus
+(whole hosts: one of each 4-GPU type and half the A40s; then the second A6000 host and the other A40s; then
+all), for the Azure code and conversation traffic, and prints the seconds Algorithm 1's default 100 steps
+take (ThunderServe reports 21, 36 and 54 s to converge, Fig. 10; the target here is at most 5 s for 32 GPUs on
+one core) and its estimated SLO attainment beside that of a 10x longer search (--ts-reference-steps).
+
+    .venv/bin/python scripts/bench_planner.py --thunderserve [--ts-rate 4] [--ts-reference-steps 1000]
 """
 
 from __future__ import annotations
@@ -322,6 +330,60 @@ def print_ablation(result: dict[str, Any]) -> None:
               f"{s['seconds']:5.1f}s {s['status']}" + ("" if s["search_beat_heuristics"] else " (a heuristic's)"))
 
 
+TS_SUBSETS = {
+    16: ("4xa6000-0", "4xa5000-0", "4x3090ti-0", "8xa40-0:4"),
+    24: ("4xa6000-0", "4xa6000-1", "4xa5000-0", "4x3090ti-0", "8xa40-0"),
+    32: ("4xa6000-0", "4xa6000-1", "4xa5000-0", "4xa5000-1", "4x3090ti-0", "4x3090ti-1", "8xa40-0"),
+}
+
+
+def ts_subset(cluster: ClusterSpec, gpus: int) -> ClusterSpec:
+    """The cloud cluster's GPUs on the hosts of TS_SUBSETS[gpus] ("host:k": its first k GPUs)."""
+    keep = []
+    for item in TS_SUBSETS[gpus]:
+        host, _, k = item.partition(":")
+        members = [n for n in cluster.nodes if n.host == host]
+        keep += members[:int(k)] if k else members
+    assert len(keep) == gpus
+    return replace(cluster, name=f"{cluster.name}-{gpus}", nodes=tuple(keep))
+
+
+def run_thunderserve(rate: float, reference_steps: int, seed: int) -> list[dict[str, Any]]:
+    from hetnode.planner.thunderserve.deploy import thunderserve_placement
+    from hetnode.planner.thunderserve.settings import TRAFFIC_PRESETS, ThunderServeOptions
+
+    base = load("thunderserve-cloud-gpus")
+    model = model_spec("llama-30b")
+    rows = []
+    for gpus in TS_SUBSETS:
+        cluster = ts_subset(base, gpus)
+        for name, traffic in TRAFFIC_PRESETS.items():
+            options = ThunderServeOptions(traffic=replace(traffic, rate=rate * gpus / 32), seed=seed)
+            plan = thunderserve_placement(cluster, model, options)
+            ref = thunderserve_placement(cluster, model, replace(options, steps=reference_steps))
+            assert plan.orchestration is not None and ref.orchestration is not None
+            rows.append({"gpus": gpus, "traffic": name, "rate": options.traffic.rate,
+                         "seconds": plan.solve_time_s, "attainment": plan.orchestration.slo_attainment,
+                         "replicas": [r.role for r in plan.replicas], "reference_steps": reference_steps,
+                         "reference_seconds": ref.solve_time_s,
+                         "reference_attainment": ref.orchestration.slo_attainment})
+            r = rows[-1]
+            print(f"  {gpus} GPUs {name}: {r['seconds']:.2f} s, {r['attainment']:.1%}; {reference_steps} steps "
+                  f"{r['reference_seconds']:.1f} s, {r['reference_attainment']:.1%}", file=sys.stderr, flush=True)
+    return rows
+
+
+def print_thunderserve(rows: list[dict[str, Any]]) -> None:
+    paper = {16: 21, 24: 36, 32: 54}
+    print(f"{'GPUs':>4}  {'traffic':7}  {'rate':>5}  {'100 steps':>9}  {'paper':>5}  {'SLO est.':>8}  "
+          f"{'10x steps':>9}  {'10x SLO':>7}  replicas (P/D)")
+    for r in rows:
+        p = sum(x == "prefill" for x in r["replicas"])
+        print(f"{r['gpus']:>4}  {r['traffic']:7}  {r['rate']:>5.2f}  {r['seconds']:>8.2f}s  {paper[r['gpus']]:>4}s  "
+              f"{r['attainment']:>8.1%}  {r['reference_seconds']:>8.1f}s  {r['reference_attainment']:>7.1%}  "
+              f"{p}/{len(r['replicas']) - p}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--clusters", nargs="+", default=list(CLUSTERS))
@@ -346,7 +408,20 @@ def main() -> None:
                              "is the best placement known, whichever run found it)")
     parser.add_argument("--write-reference", nargs=3, metavar=("CLUSTER", "PARTIAL", "SECONDS"),
                         help="run one reference (PARTIAL: on or off) and add it to the fixture if it is better")
+    parser.add_argument("--thunderserve", action="store_true",
+                        help="method thunderserve on 16, 24 and 32 cloud GPUs: time to converge, SLO estimate")
+    parser.add_argument("--ts-rate", type=float, default=4.0, help="--thunderserve: requests/s at 32 GPUs "
+                        "(scaled by the GPU count)")
+    parser.add_argument("--ts-reference-steps", type=int, default=1000,
+                        help="--thunderserve: steps of the longer search (default: 10x the 100 of Algorithm 1)")
     args = parser.parse_args()
+    if args.thunderserve:
+        ts_rows = run_thunderserve(args.ts_rate, args.ts_reference_steps, args.seed)
+        if args.json:
+            print(json.dumps({"thunderserve": ts_rows}, indent=1))
+        else:
+            print_thunderserve(ts_rows)
+        return
     if args.write_reference:
         name, partial, seconds = args.write_reference
         entry = write_reference(name, partial == "on", float(seconds), args.seed)

@@ -19,11 +19,16 @@ The format (TOML; docs/cluster-files.md has the long version)::
     device = "a100"               # a planner.devices name, optionally with a count: "2xl4"
     region = "us"                 # same character set as node names
     memory_gb = 40                # optional; overrides the device's memory (GiB)
+    host = "box-0"                # optional; the machine the GPU sits in (GPU-granularity files)
 
     [links.default]               # optional; where nothing more specific applies
     bandwidth_mbps = 1000         # megabits per second, > 0
     latency_ms = 0.5              # one way, >= 0 (the round trip is twice this)
     loss = 0.0                    # optional, in [0, 1): the probability that a packet is lost
+
+    [links.intra_host]            # optional; between two nodes with the same `host` (default: PCIE_LINK)
+    bandwidth_mbps = 128000
+    latency_ms = 0.01
 
     [links.intra_region]          # optional; between two endpoints in the same region
     bandwidth_mbps = 10000
@@ -47,7 +52,14 @@ The format (TOML; docs/cluster-files.md has the long version)::
     none = true                   # any rule may say `none = true` (and nothing else): there is no link
 
 `ClusterSpec.link(a, b)` is the link from a to b; it picks the most specific rule: directed > pair > region
-pair > intra_region (same region) > default; with no rule at all the link is `UNLIMITED` (not emulated).
+pair > intra_host (same host) > region pair > intra_region (same region) > default; with no rule at all the
+link is `UNLIMITED` (not emulated). Two nodes of one host without an intra_host rule get `PCIE_LINK`: GPUs in
+one machine talk over PCIe, and a region rule written for the Ethernet between machines would otherwise
+price them as if they were far apart.
+
+A node is one device. ThunderServe plans at GPU granularity (tensor parallelism only among GPUs of one
+machine), so its files list one node per GPU and say which machine each is in with `host`; a node without
+one is a machine of its own. The GPUs of a host must share its region.
 
 Links are directed because measured ones are (a path's two directions are probed separately, and Helix's
 problem instances list each direction's capacity, some only one), and some do not exist at all: Helix §4.5
@@ -79,6 +91,9 @@ from hetnode.protocol.link_conditions import LinkSpec as LinkSpec
 COORDINATOR = "coordinator"  # the name that links.pairs uses for the coordinator
 _NAME = re.compile(r"[a-z0-9_-]{1,64}")
 COORDINATOR_LINKS = ("regions", "listed")
+# GPUs of one host without an intra_host rule: PCIe 4.0 x16 peer to peer as NCCL measures it between consumer
+# and workstation GPUs without NVLink (about half the bus's 32 GB/s), with a few microseconds of latency.
+PCIE_LINK = LinkSpec(bandwidth_mbps=128_000, latency_ms=0.01)
 
 
 @dataclass(frozen=True)
@@ -100,6 +115,12 @@ class NodeSpec:
     device: str  # canonical device name ("a100", "2xl4"): what `hetnode join --emulate` takes
     region: str
     memory_gb: float  # the device's memory, or the file's override
+    host: str = ""  # the machine it sits in; "": a machine of its own
+
+    @property
+    def machine(self) -> str:
+        """The host it sits in: its `host`, or one of its own (a space keeps it apart from every host name)."""
+        return self.host or f"node {self.name}"
 
     @property
     def device_spec(self) -> DeviceSpec:
@@ -120,6 +141,7 @@ class ClusterSpec:
     # Keyed by (from, to): one direction, beating every symmetric rule.
     directed_links: Mapping[tuple[str, str], Rule] = field(default_factory=dict, hash=False)
     coordinator_links: str = "regions"  # "listed": only pair/directed rules naming the coordinator link it
+    intra_host_link: Rule | None = None  # between nodes of one host; None: PCIE_LINK
 
     def __post_init__(self) -> None:
         if self.coordinator_links not in COORDINATOR_LINKS:
@@ -150,6 +172,8 @@ class ClusterSpec:
         found = self.directed_links.get((a, b)) or self.pair_links.get(frozenset((a, b)))
         if found is None and COORDINATOR in (a, b) and self.coordinator_links == "listed":
             return None
+        if found is None and COORDINATOR not in (a, b) and self.node(a).machine == self.node(b).machine:
+            found = self.intra_host_link or PCIE_LINK
         if found is None:
             found = self.region_links.get(frozenset((ra, rb)))
         if found is None and ra == rb:
@@ -178,6 +202,8 @@ class ClusterSpec:
         links: dict[str, Any] = {}
         if self.default_link is not None:
             links["default"] = _link_dict(self.default_link)
+        if self.intra_host_link is not None:
+            links["intra_host"] = _link_dict(self.intra_host_link)
         if self.intra_region_link is not None:
             links["intra_region"] = _link_dict(self.intra_region_link)
         if self.region_links:
@@ -193,7 +219,8 @@ class ClusterSpec:
         if self.coordinator_links != "regions":
             out["coordinator"]["links"] = self.coordinator_links
         out["nodes"] = [
-            {"name": n.name, "device": n.device, "region": n.region, "memory_gb": n.memory_gb}
+            {"name": n.name, "device": n.device, "region": n.region, "memory_gb": n.memory_gb,
+             **({"host": n.host} if n.host else {})}
             for n in self.nodes
         ]
         if links:
@@ -315,14 +342,17 @@ class _Parser:
 
         default: Rule | None = None
         intra: Rule | None = None
+        intra_host: Rule | None = None
         region_links: dict[frozenset[str], Rule] = {}
         pair_links: dict[frozenset[str], Rule] = {}
         directed: dict[tuple[str, str], Rule] = {}
         if "links" in top:
-            links = self.table(top["links"], "links", {"default", "intra_region", "regions", "pairs", "directed"},
-                               set())
+            links = self.table(top["links"], "links",
+                               {"default", "intra_host", "intra_region", "regions", "pairs", "directed"}, set())
             if "default" in links:
                 default = self.link(links["default"], "links.default", set())
+            if "intra_host" in links:
+                intra_host = self.link(links["intra_host"], "links.intra_host", set())
             if "intra_region" in links:
                 intra = self.link(links["intra_region"], "links.intra_region", set())
             if "regions" in links:
@@ -335,7 +365,7 @@ class _Parser:
         return ClusterSpec(name=name, nodes=nodes, coordinator_region=coordinator_region,
                            default_link=default, intra_region_link=intra, region_links=region_links,
                            pair_links=pair_links, description=description, directed_links=directed,
-                           coordinator_links=coordinator_links)
+                           coordinator_links=coordinator_links, intra_host_link=intra_host)
 
     def nodes(self, value: object) -> tuple[NodeSpec, ...]:
         entries = self.array_of_tables(value, "nodes")
@@ -343,9 +373,11 @@ class _Parser:
             raise self.error("nodes", "a cluster needs at least one node")
         out: list[NodeSpec] = []
         seen: dict[str, int] = {}
+        host_region: dict[str, tuple[str, int]] = {}  # host -> (its region, the first node naming it)
         for i, entry in enumerate(entries):
             key = f"nodes[{i}]"
-            t = self.table(entry, key, {"name", "device", "region", "memory_gb"}, {"name", "device", "region"})
+            t = self.table(entry, key, {"name", "device", "region", "memory_gb", "host"},
+                           {"name", "device", "region"})
             name = self.ident(t["name"], f"{key}.name")
             if name == COORDINATOR:
                 raise self.error(f"{key}.name", f"{COORDINATOR!r} is reserved for the coordinator")
@@ -361,7 +393,14 @@ class _Parser:
             memory = device.memory_gb
             if "memory_gb" in t:
                 memory = self.positive(t["memory_gb"], f"{key}.memory_gb")
-            out.append(NodeSpec(name=name, device=device.name, region=region, memory_gb=memory))
+            host = ""
+            if "host" in t:
+                host = self.ident(t["host"], f"{key}.host")
+                first = host_region.setdefault(host, (region, i))
+                if first[0] != region:
+                    raise self.error(f"{key}.host", f"host {host!r} is in region {first[0]!r} "
+                                     f"(nodes[{first[1]}]); its GPUs cannot be in region {region!r}")
+            out.append(NodeSpec(name=name, device=device.name, region=region, memory_gb=memory, host=host))
         return tuple(out)
 
     def link(self, value: object, key: str, extra: set[str]) -> Rule:

@@ -69,6 +69,7 @@ under a second.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import time
 from collections.abc import Callable, Mapping
@@ -101,8 +102,13 @@ from hetnode.planner.prune import all_edges, auto_degree, prune_edges
 from hetnode.planner.served import served_estimate
 from hetnode.planner.split import split_placement
 from hetnode.planner.stages import best_stage_placement
+from hetnode.planner.thunderserve.deploy import thunderserve_placement
+from hetnode.planner.thunderserve.settings import ThunderServeOptions
 
-METHODS = ("helix", "petals", "swarm", "sp", "sp+", "split")
+METHODS = ("helix", "petals", "swarm", "sp", "sp+", "split", "thunderserve")
+# Plans routed by their orchestration (X, Y), not by a max flow: their max_flow is 0 and validate_plan checks
+# the orchestration instead.
+ROUTED_METHODS = ("thunderserve",)
 PICKS = ("served", "max_flow")
 SMALL_CLUSTER = 8  # at most this many nodes: the §4.4 MILP is solved whole, no LNS
 
@@ -131,6 +137,8 @@ class PlannerOptions:
     # decode tokens/s by served.served_estimate, which counts KV held for a request's lifetime on every stage)
     # or "max_flow" (Helix's objective alone). The search itself maximizes the max flow either way.
     pick: str = "served"
+    # method "thunderserve": its workload, SLOs and search budget (its seed is `seed`)
+    thunderserve: ThunderServeOptions = field(default_factory=ThunderServeOptions)
 
     def __post_init__(self) -> None:
         if not (self.time_limit_s > 0 and math.isfinite(self.time_limit_s)):
@@ -155,6 +163,9 @@ def plan_placement(cluster: ClusterSpec, model: ModelSpec, profiles: ProfileTabl
     options = options or PlannerOptions()
     if method not in METHODS:
         raise ConfigError(f"unknown placement method {method!r}; known: {', '.join(METHODS)}")
+    if method == "thunderserve":
+        # Its own cost model over the cluster's GPUs (roofline, tensor parallel groups): no T_j profiles.
+        return thunderserve_placement(cluster, model, dataclasses.replace(options.thunderserve, seed=options.seed))
     began = time.perf_counter()
     infos = node_infos(cluster, model, profiles)
     check_fits(cluster, model, infos)

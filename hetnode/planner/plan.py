@@ -34,6 +34,19 @@ class Replica:
 
     role: str  # "prefill" or "decode"
     nodes: tuple[str, ...]
+    # Tensor parallel degree: consecutive runs of `tp` nodes share a stage's layers (ThunderServe's groups).
+    tp: int = 1
+
+
+@dataclass(frozen=True)
+class Orchestration:
+    """How requests move between a phase-split plan's replicas (ThunderServe §3.3): prefill_share[i] (X_i) of
+    all requests prefill on the plan's i-th prefill replica, and decode_share[i][j] (Y_ij) of those decode on
+    its j-th decode replica (replicas counted in plan order, each role on its own)."""
+
+    prefill_share: tuple[float, ...]
+    decode_share: tuple[tuple[float, ...], ...]
+    slo_attainment: float = 0.0  # the planner's estimate of the share of requests within their SLOs
 
 
 @dataclass(frozen=True)
@@ -55,6 +68,8 @@ class PlacementPlan:
     connections: tuple[tuple[str, str], ...] | None = None
     # A phase-split plan's replicas (method "split"); empty: every request prefills and decodes on one pipeline.
     replicas: tuple[Replica, ...] = ()
+    # Where requests go among the replicas; None: the scheduler decides (split's JSQ).
+    orchestration: Orchestration | None = None
 
     @property
     def gap(self) -> float:
@@ -78,8 +93,13 @@ class PlacementPlan:
             "notes": list(self.notes),
             **({} if self.connections is None else
                {"connections": [{"from": a, "to": b} for a, b in self.connections]}),
-            **({"replicas": [{"role": r.role, "nodes": list(r.nodes)} for r in self.replicas]}
+            **({"replicas": [{"role": r.role, "nodes": list(r.nodes), **({"tp": r.tp} if r.tp != 1 else {})}
+                             for r in self.replicas]}
                if self.replicas else {}),
+            **({} if self.orchestration is None else {"orchestration": {
+                "prefill_share": list(self.orchestration.prefill_share),
+                "decode_share": [list(row) for row in self.orchestration.decode_share],
+                "slo_attainment": self.orchestration.slo_attainment}}),
         }
 
     @classmethod
@@ -96,6 +116,10 @@ class PlacementPlan:
             partial_inference=bool(data.get("partial_inference", True)), notes=tuple(data.get("notes", ())),
             connections=None if data.get("connections") is None else
             tuple((c["from"], c["to"]) for c in data["connections"]),
-            replicas=tuple(Replica(str(r["role"]), tuple(str(n) for n in r["nodes"]))
+            replicas=tuple(Replica(str(r["role"]), tuple(str(n) for n in r["nodes"]), int(r.get("tp", 1)))
                            for r in data.get("replicas", ())),
+            orchestration=None if data.get("orchestration") is None else Orchestration(
+                prefill_share=tuple(float(x) for x in data["orchestration"]["prefill_share"]),
+                decode_share=tuple(tuple(float(y) for y in row) for row in data["orchestration"]["decode_share"]),
+                slo_attainment=float(data["orchestration"].get("slo_attainment", 0.0))),
         )

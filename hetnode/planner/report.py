@@ -55,8 +55,11 @@ def format_plan(plan: PlacementPlan, cluster: ClusterSpec, *, profiles: ProfileT
                      f"{flow / t_j:.1%}" if t_j else "-"])
     lines += _table(["node", "device", "region", "layers", "j", "T_j tok/s", "flow tok/s", "util"], rows,
                     right={4, 5, 6, 7})
-    for r in plan.replicas:
-        lines.append(f"{r.role} replica: {' -> '.join(r.nodes)}")
+    if plan.orchestration is not None:
+        lines += ["", *format_orchestration(plan, cluster)]
+    else:
+        for r in plan.replicas:
+            lines.append(f"{r.role} replica: {' -> '.join(r.nodes)}")
     placed = set(through)
     unused = [n.name for n in cluster.nodes if n.name not in placed]
     if unused:
@@ -93,6 +96,35 @@ def format_plan(plan: PlacementPlan, cluster: ClusterSpec, *, profiles: ProfileT
               f"solve time   {plan.solve_time_s:.2f} s"]
     lines += [f"note: {n}" for n in plan.notes]
     return "\n".join(lines) + "\n"
+
+
+def format_orchestration(plan: PlacementPlan, cluster: ClusterSpec) -> list[str]:
+    """A routed plan's replicas (role, parallel configuration, GPUs by stage) with X, then Y as a matrix."""
+    assert plan.orchestration is not None
+    ranges = plan.ranges()
+    kinds = {n.name: n.device for n in cluster.nodes}
+    names = {"prefill": 0, "decode": 0}
+    rows: list[list[str]] = []
+    x = plan.orchestration.prefill_share
+    decode_names: list[str] = []
+    for r in plan.replicas:
+        label = f"{r.role[0].upper()}{names[r.role]}"
+        share = f"{x[names[r.role]]:.3f}" if r.role == "prefill" else "-"
+        names[r.role] += 1
+        if r.role == "decode":
+            decode_names.append(label)
+        stages = [r.nodes[k:k + r.tp] for k in range(0, len(r.nodes), r.tp)]
+        layers = " ".join(f"[{ranges[s[0]][0]},{ranges[s[0]][1]})" for s in stages)
+        gpus = " | ".join("+".join(sorted({kinds.get(n, "?") for n in s})) + f"x{len(s)}" for s in stages)
+        rows.append([label, r.role, f"({r.tp},{len(stages)})", gpus, layers, share])
+    lines = _table(["replica", "role", "(tp,pp)", "stages (GPUs)", "layers", "X"], rows, right={5})
+    lines += ["", "Y (rows: prefill replicas, columns: decode replicas):"]
+    lines += _table(["", *decode_names],
+                    [[f"P{i}", *(f"{v:.3f}" for v in row)] for i, row in enumerate(plan.orchestration.decode_share)],
+                    right=set(range(1, len(decode_names) + 1)))
+    lines += ["", f"estimated SLO attainment {plan.orchestration.slo_attainment:.1%}", "replica GPUs:"]
+    lines += [f"  {row[0]}: {' '.join(r.nodes)}" for row, r in zip(rows, plan.replicas, strict=True)]
+    return lines
 
 
 def _num(x: float | None) -> str:

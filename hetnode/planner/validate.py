@@ -58,6 +58,7 @@ def validate_plan(plan: PlacementPlan, cluster: ClusterSpec, model: ModelSpec, p
     # -- placements ---------------------------------------------------------------------------------------
     ranges: dict[str, tuple[int, int]] = {}
     capacity: dict[str, float] = {}
+    tp = {n: r.tp for r in plan.replicas for n in r.nodes}
     for p in plan.placements:
         if p.node not in names:
             problems.append(f"node {p.node!r} is not in cluster {cluster.name}")
@@ -69,7 +70,8 @@ def validate_plan(plan: PlacementPlan, cluster: ClusterSpec, model: ModelSpec, p
             problems.append(f"node {p.node}: layers [{p.first_layer}, {p.last_layer}) are not within [0, {L})")
             continue
         prof = profiles.for_node(p.node, cluster.node(p.node).device)
-        if p.layers > prof.max_layers:
+        # A GPU in a tensor parallel stage of d holds 1/d of each of its layers.
+        if -(-p.layers // tp.get(p.node, 1)) > prof.max_layers:
             problems.append(f"node {p.node}: holds {p.layers} layers, more than its max_layers {prof.max_layers}")
         ranges[p.node] = (p.first_layer, p.last_layer)
         capacity[p.node] = prof.tokens_per_s(p.layers)
@@ -79,6 +81,10 @@ def validate_plan(plan: PlacementPlan, cluster: ClusterSpec, model: ModelSpec, p
     gaps = _runs(np.flatnonzero(~covered).tolist())
     if gaps:
         problems.append(f"layers {', '.join(gaps)} are held by no node")
+
+    if plan.orchestration is not None:
+        # Routed by its orchestration, not by a max flow: the replicas and the shares are what to check.
+        return problems + _orchestration_problems(plan, ranges, L)
 
     # -- flows --------------------------------------------------------------------------------------------
     allow = None if allowed is None else set(allowed)
@@ -140,6 +146,43 @@ def validate_plan(plan: PlacementPlan, cluster: ClusterSpec, model: ModelSpec, p
             problems.append(f"max_flow {plan.max_flow:.6g} differs from the max flow of the placement's graph, "
                             f"{independent:.6g} tokens/s (scipy, Dinic), by more than "
                             f"{MAX_FLOW_TOLERANCE:.1%}")
+    return problems
+
+
+def _orchestration_problems(plan: PlacementPlan, ranges: Mapping[str, tuple[int, int]], num_layers: int,
+                            tol: float = 1e-6) -> list[str]:
+    """A routed phase-split plan: each replica covers every layer once, stage by stage (runs of tp nodes on
+    one range), and X and Y are distributions over the plan's prefill and decode replicas."""
+    problems: list[str] = []
+    assert plan.orchestration is not None
+    for k, r in enumerate(plan.replicas):
+        if r.tp < 1 or len(r.nodes) % r.tp:
+            problems.append(f"replica {k}: {len(r.nodes)} nodes do not form stages of tp {r.tp}")
+            continue
+        at = 0
+        for s in range(0, len(r.nodes), r.tp):
+            stage = {ranges.get(n) for n in r.nodes[s:s + r.tp]}
+            if len(stage) != 1 or None in stage:
+                problems.append(f"replica {k}: nodes {', '.join(r.nodes[s:s + r.tp])} do not hold one range")
+                break
+            (first, last), = stage  # type: ignore[misc]
+            if first != at:
+                problems.append(f"replica {k}: a stage starts at layer {first}, not {at}")
+                break
+            at = last
+        else:
+            if at != num_layers:
+                problems.append(f"replica {k}: its stages end at layer {at}, not {num_layers}")
+    prefill = sum(r.role == "prefill" for r in plan.replicas)
+    decode = sum(r.role == "decode" for r in plan.replicas)
+    x, y = plan.orchestration.prefill_share, plan.orchestration.decode_share
+    if len(x) != prefill or len(y) != prefill or any(len(row) != decode for row in y):
+        problems.append(f"the orchestration is not {prefill} prefill by {decode} decode replicas")
+        return problems
+    if any(v < -tol for v in x) or abs(sum(x) - 1) > tol:
+        problems.append("the prefill shares X are not a distribution")
+    if any(any(v < -tol for v in row) or abs(sum(row) - 1) > tol for row in y):
+        problems.append("a row of the decode shares Y is not a distribution")
     return problems
 
 

@@ -14,7 +14,15 @@ from hetnode.planner.cluster import ClusterSpec, LinkSpec, NodeSpec, load_cluste
 from hetnode.planner.flowgraph import evaluate
 from hetnode.planner.heuristics import HEURISTICS, node_infos
 from hetnode.planner.model import ModelSpec, model_spec
-from hetnode.planner.placement import METHODS, PlannerOptions, Techniques, complete, plan_placement, solve_helix
+from hetnode.planner.placement import (
+    METHODS,
+    ROUTED_METHODS,
+    PlannerOptions,
+    Techniques,
+    complete,
+    plan_placement,
+    solve_helix,
+)
 from hetnode.planner.plan import PlacementPlan
 from hetnode.planner.profile import DeviceProfile, ProfileTable
 from hetnode.planner.profile_sources import helix_profile_table
@@ -85,7 +93,7 @@ def check(plan_cluster: ClusterSpec, model: ModelSpec, table: ProfileTable, meth
 def test_every_method_validates_and_helix_is_optimal_on_a_tiny_cluster(partial: bool) -> None:
     cluster, model, table = fig1(layers=4)
     options = PlannerOptions(time_limit_s=20, mip_gap=0.0, partial_inference=partial)
-    flows = {m: check(cluster, model, table, m, options) for m in METHODS}
+    flows = {m: check(cluster, model, table, m, options) for m in METHODS if m not in ROUTED_METHODS}
     assert flows["helix"] == pytest.approx(brute_force(cluster, model, table, partial=partial), rel=1e-6)
     assert flows["helix"] >= max(flows.values()) * (1 - 1e-9)
     plan = plan_placement(cluster, model, table, options=options)

@@ -1,0 +1,92 @@
+"""The lower level (§3.3) and with it f(x) of Algorithm 1: configure every group, estimate D, solve the LP.
+
+Configurations are independent of the orchestration (§3.3), so each (GPUs, phase) is configured once and
+remembered: the search revisits the same groups often. `fixed` layouts (lightweight rescheduling, §3.4) are
+used as they are, in whichever phase the group now has.
+
+The value of a deployment is (attainment, headroom): the LP's expected SLO attainment, and, to break its
+ties (every deployment that serves a light load within the SLOs scores 1.0), the request rate the weaker
+phase sustains, min(sum of prefill rates, sum of decode rates). None: some group has no layout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from hetnode.planner.model import ModelSpec
+from hetnode.planner.thunderserve.deployment import Deployment, Group
+from hetnode.planner.thunderserve.gpus import GpuPool
+from hetnode.planner.thunderserve.orchestration import Routing, orchestrate
+from hetnode.planner.thunderserve.parallel import DECODE, PREFILL, Configured, configure, performance
+from hetnode.planner.thunderserve.settings import ThunderServeOptions
+from hetnode.planner.thunderserve.slo import Handoff, Slo, attainment, kv_handoff, slo_for
+
+Score = tuple[float, float]
+
+
+@dataclass(frozen=True)
+class Solution:
+    deployment: Deployment
+    prefill: tuple[tuple[Group, Configured], ...]
+    decode: tuple[tuple[Group, Configured], ...]
+    d: tuple[tuple[float, ...], ...]
+    handoffs: tuple[tuple[Handoff, ...], ...]
+    routing: Routing
+    score: Score
+
+
+@dataclass
+class LowerLevel:
+    pool: GpuPool
+    model: ModelSpec
+    options: ThunderServeOptions
+    fixed: Mapping[tuple[int, ...], Configured] = field(default_factory=dict)
+    evaluations: int = 0
+    _configs: dict[tuple[tuple[int, ...], str], Configured | None] = field(default_factory=dict)
+    _handoffs: dict[tuple[tuple[int, ...], tuple[int, ...]], Handoff] = field(default_factory=dict)
+    slo: Slo = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.slo = slo_for(self.model, self.options)
+
+    def configured(self, group: Group) -> Configured | None:
+        key = (group.gpus, group.role)
+        if key not in self._configs:
+            given = self.fixed.get(group.gpus)
+            if given is not None:
+                # The layout stays; its costs are the same in either phase.
+                self._configs[key] = Configured(given.layout, performance(self.pool, given.layout, self.model,
+                                                                          self.options))
+            else:
+                self._configs[key] = configure(self.pool, group.gpus, group.role, self.model, self.options)
+        return self._configs[key]
+
+    def solve(self, dep: Deployment) -> Solution | None:
+        self.evaluations += 1
+        configs = [(g, self.configured(g)) for g in dep.groups]
+        if any(c is None for _, c in configs):
+            return None
+        prefill = tuple((g, c) for g, c in configs if c is not None and g.role == PREFILL)
+        decode = tuple((g, c) for g, c in configs if c is not None and g.role == DECODE)
+        traffic = self.options.traffic
+        mu = [c.performance.prefill_rate for _, c in prefill]
+        nu = [c.performance.decode_rate for _, c in decode]
+        headroom = min(sum(mu), sum(nu))
+        # D at loads in proportion to capacity (orchestration.py says why)
+        load_p = [traffic.rate * x / sum(mu) for x in mu] if mu else []
+        load_d = [traffic.rate * x / sum(nu) for x in nu] if nu and sum(nu) > 0 else [0.0] * len(nu)
+        handoffs = tuple(tuple(self.handoff(p, d) for _, d in decode) for _, p in prefill)
+        d = tuple(tuple(attainment(p.performance, load_p[i], q.performance, load_d[j], handoffs[i][j].seconds,
+                                   self.slo, traffic.output_len)
+                        for j, (_, q) in enumerate(decode))
+                  for i, (_, p) in enumerate(prefill))
+        routing = orchestrate(d, mu, nu, traffic.rate, self.options.utilization)
+        score = (round(routing.attainment, 9), headroom)
+        return Solution(dep, prefill, decode, d, handoffs, routing, score)
+
+    def handoff(self, prefill: Configured, decode: Configured) -> Handoff:
+        key = (prefill.layout.gpus, decode.layout.gpus)
+        if key not in self._handoffs:
+            self._handoffs[key] = kv_handoff(self.pool, prefill.layout, decode.layout, self.model, self.options)
+        return self._handoffs[key]

@@ -1,0 +1,95 @@
+"""Which prefill replica takes a request, and which decode replica it goes to next: §3.3's TSTP as an LP.
+
+The paper's problem, max sum_ij X_i Y_ij D_ij over sum_i X_i = 1 and sum_j Y_ij = 1, has no capacities: its
+optimum sends every request to the single best pair, which that pair could not serve. Here, with
+Z_ij = X_i Y_ij the share of all requests routed through pair (i, j) and lambda the arrival rate:
+
+    maximize    sum_ij (D_ij + eps) Z_ij
+    subject to  sum_ij Z_ij <= 1
+                lambda sum_j Z_ij <= u mu_i       for every prefill replica i (prompts/s it sustains)
+                lambda sum_i Z_ij <= u nu_j       for every decode replica j (requests/s it sustains)
+                Z_ij >= 0
+
+u (`utilization`, below 1) keeps every queue stable. A share the replicas cannot take is left unrouted and
+counts as missing its SLO, so the LP is always feasible and sum_ij D_ij Z_ij is the expected attainment of
+all requests. eps (far below any D) makes the LP route what it can even where no pair attains anything, so
+that X and Y are defined. X_i = sum_j Z_ij / sum Z and Y_ij = Z_ij / sum_j Z_ij; a prefill replica the LP
+leaves idle sends to its best pair. D is estimated once, at loads proportional to capacity (slo.py), which
+is what keeps this a linear program; Z is bilinear in X and Y, and any Z gives back X and Y, so the LP over
+Z is the TSTP with capacities added. Solved with HiGHS (the simplex, a few milliseconds).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import highspy
+import numpy as np
+
+EPS = 1e-6
+
+
+@dataclass(frozen=True)
+class Routing:
+    prefill_share: tuple[float, ...]  # X_i
+    decode_share: tuple[tuple[float, ...], ...]  # Y_ij
+    attainment: float  # sum_ij D_ij Z_ij: the expected share of all requests within their SLOs
+    routed: float  # sum_ij Z_ij: the share of requests the replicas can take
+
+
+def orchestrate(d: Sequence[Sequence[float]], prefill_caps: Sequence[float], decode_caps: Sequence[float],
+                rate: float, utilization: float) -> Routing:
+    m, n = len(prefill_caps), len(decode_caps)
+    if m == 0 or n == 0:
+        # One phase has no replica: nothing is served (a deployment the search moves away from).
+        return Routing((1.0 / m,) * m if m else (), tuple(() for _ in range(m)), 0.0, 0.0)
+    h = highspy.Highs()  # type: ignore[no-untyped-call]
+    h.setOptionValue("output_flag", False)
+    h.setOptionValue("threads", 1)
+    lp = highspy.HighsLp()
+    k = m * n
+    lp.num_col_ = k
+    lp.col_cost_ = np.array([d[i][j] + EPS for i in range(m) for j in range(n)], dtype=float)
+    lp.col_lower_ = np.zeros(k)
+    lp.col_upper_ = np.full(k, np.inf)
+    starts, index, lower, upper = [0], [], [], []
+    rows: list[tuple[list[int], float]] = [(list(range(k)), 1.0)]
+    rows += [([i * n + j for j in range(n)], utilization * prefill_caps[i] / rate) for i in range(m)]
+    rows += [([i * n + j for i in range(m)], utilization * decode_caps[j] / rate) for j in range(n)]
+    for cols, bound in rows:
+        index += cols
+        starts.append(len(index))
+        lower.append(-np.inf)
+        upper.append(bound)
+    lp.num_row_ = len(rows)
+    lp.row_lower_ = np.array(lower)
+    lp.row_upper_ = np.array(upper)
+    lp.a_matrix_.format_ = highspy.MatrixFormat.kRowwise
+    lp.a_matrix_.start_ = np.array(starts, dtype=np.int32)
+    lp.a_matrix_.index_ = np.array(index, dtype=np.int32)
+    lp.a_matrix_.value_ = np.ones(len(index))
+    lp.a_matrix_.num_col_ = k
+    lp.a_matrix_.num_row_ = len(rows)
+    lp.sense_ = highspy.ObjSense.kMaximize
+    h.passModel(lp)
+    h.run()
+    z = np.maximum(np.array(h.getSolution().col_value[:k], dtype=float), 0.0).reshape(m, n)
+    return routing_of(z, d)
+
+
+def routing_of(z: np.ndarray, d: Sequence[Sequence[float]]) -> Routing:
+    """X, Y and the attainment of a routing Z (shares of all requests per pair)."""
+    m, n = z.shape
+    total = float(z.sum())
+    rows = z.sum(axis=1)
+    x = tuple(float(r / total) if total > 0 else 1.0 / m for r in rows)
+    y = []
+    for i in range(m):
+        if rows[i] > 0:
+            y.append(tuple(float(v / rows[i]) for v in z[i]))
+        else:
+            best = max(range(n), key=lambda j: (d[i][j], -j))
+            y.append(tuple(1.0 if j == best else 0.0 for j in range(n)))
+    value = float(sum(d[i][j] * z[i, j] for i in range(m) for j in range(n)))
+    return Routing(prefill_share=x, decode_share=tuple(y), attainment=value, routed=total)

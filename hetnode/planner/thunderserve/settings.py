@@ -1,0 +1,75 @@
+"""What ThunderServe plans for: the workload, the SLOs, and the search's budget; every field has a default.
+
+The SLOs are scales, as in the paper (§5.1): multiples of the latency of the model on A100s, here one
+replica of two A100-80GB with tensor parallelism (how the in-house baselines serve LLaMA-30B: four replicas on
+eight GPUs). A request attains its SLO when its TTFT, its mean TPOT and its end-to-end time are all within
+theirs.
+
+The two workloads of the paper's evaluation are the Azure LLM inference traces of 2023 (Patel et al.), whose
+means are in CODING and CONVERSATION (measured on ../shared/data: 8,819 and 19,366 requests).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from hetnode.errors import ConfigError
+from hetnode.policy.kv_codec import OPERATOR_CHOICES
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """The workload the plan serves: mean prompt and output lengths and the arrival rate."""
+
+    input_len: float = 1155.0  # mean prompt tokens
+    output_len: float = 211.0  # mean generated tokens
+    rate: float = 4.0  # requests per second (Poisson)
+
+    def __post_init__(self) -> None:
+        if not (self.input_len >= 1 and self.output_len >= 1 and self.rate > 0
+                and all(math.isfinite(x) for x in (self.input_len, self.output_len, self.rate))):
+            raise ConfigError(f"bad traffic {self}: input_len >= 1, output_len >= 1 and rate > 0, all finite")
+
+
+CODING = Traffic(input_len=2048.0, output_len=28.0)  # Azure code trace, 2023
+CONVERSATION = Traffic(input_len=1155.0, output_len=211.0)  # Azure conversation trace, 2023
+TRAFFIC_PRESETS = {"code": CODING, "conv": CONVERSATION}
+
+
+@dataclass(frozen=True)
+class ThunderServeOptions:
+    traffic: Traffic = CONVERSATION
+    ttft_scale: float = 5.0  # > 0: TTFT SLO in multiples of the reference TTFT
+    tpot_scale: float = 5.0  # > 0: TPOT SLO in multiples of the reference TPOT
+    e2e_scale: float = 5.0  # > 0: end-to-end SLO in multiples of the reference end-to-end time
+    steps: int = 100  # >= 0: N_step of Algorithm 1
+    neighbours: int = 10  # >= 1: N_neigh, neighbours proposed per step
+    memory: int = 5  # >= 1: N_mem, solutions the tabu list holds
+    seed: int = 0  # >= 0: the initial phases and every move
+    max_batch: int = 256  # >= 1: most sequences a decode replica batches
+    kv_reserve: float = 0.1  # in [0, 1): share of each GPU's memory that weights leave for KV
+    utilization: float = 0.9  # in (0, 1): the most of a replica's capacity the orchestration may route to it
+    kv_codec: str = "auto"  # the operator's --kv-codec: what the KV hand-off may use
+    # Bytes of fp16 KV per second that packing (and unpacking) a codec runs at on a GPU: a small kernel, far
+    # faster than any link here (an assumption; the runtime measures its own rates).
+    codec_rate: float = 200e9
+    moves: tuple[str, ...] = ("flip", "split", "merge", "move")  # the neighbour moves the search uses
+
+    def __post_init__(self) -> None:
+        problems = []
+        if not all(x > 0 and math.isfinite(x) for x in (self.ttft_scale, self.tpot_scale, self.e2e_scale)):
+            problems.append("SLO scales must be positive and finite")
+        if self.steps < 0 or self.neighbours < 1 or self.memory < 1 or self.seed < 0 or self.max_batch < 1:
+            problems.append("steps >= 0, neighbours >= 1, memory >= 1, seed >= 0 and max_batch >= 1")
+        if not 0 <= self.kv_reserve < 1 or not 0 < self.utilization < 1:
+            problems.append("kv_reserve in [0, 1) and utilization in (0, 1)")
+        if self.kv_codec not in OPERATOR_CHOICES:
+            problems.append(f"kv_codec one of {', '.join(OPERATOR_CHOICES)}")
+        if not self.codec_rate > 0:
+            problems.append("codec_rate > 0")
+        unknown = set(self.moves) - {"flip", "split", "merge", "move"}
+        if unknown or not self.moves:
+            problems.append("moves: a non-empty subset of flip, split, merge, move")
+        if problems:
+            raise ConfigError(f"bad ThunderServe options: {'; '.join(problems)}")

@@ -1,0 +1,116 @@
+"""The SLO attainment of one pair of replicas, D_ij of §3.3: a fast analytical estimate, no simulation.
+
+ThunderServe estimates D with DistServe's simulator; this is its closed-form stand-in, fast enough to run for
+every pair of every deployment the tabu search looks at:
+
+- Prefill replica i serves prompts first come first served at `prefill_rate` (its slowest stage), each in
+  `prefill_s`; at arrival rate lambda_i its queue is taken as M/M/1, so a request waits longer than t with
+  probability rho exp(-(mu - lambda_i) t).
+- The KV of the prompt then moves to decode replica j: every prefill stage sends the layers it shares with a
+  decode stage over the link between them, all stages at once, each at the codec that link would use
+  (KVCodecPolicy.choose on the exact packed sizes of hetnode.protocol.kv_wire: one policy for the runtime,
+  the simulator and the planner), alpha + bytes / beta (Eq. 1).
+- Replica j decodes at the batch its load keeps in flight (Little: lambda_j x output_len x TPOT), and its TPOT
+  at that batch is the layout's decode cycle.
+
+A request attains the SLO when TTFT = wait + prefill_s <= the TTFT SLO, TPOT <= the TPOT SLO, and wait +
+prefill_s + KV + output_len x TPOT <= the end-to-end SLO: with TPOT deterministic here, D_ij is the
+probability that the wait is within the tighter of the two slacks. A replica loaded at or past its capacity
+attains nothing. Lengths are the traffic's means: the variance of real lengths is not modelled.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from hetnode.planner.costmodel import step_time
+from hetnode.planner.devices import parse_device
+from hetnode.planner.model import ModelSpec
+from hetnode.planner.thunderserve.gpus import GpuPool
+from hetnode.planner.thunderserve.parallel import Layout, Performance
+from hetnode.planner.thunderserve.settings import ThunderServeOptions
+from hetnode.policy.kv_codec import AUTO_CODECS, CodecOption, KVCodecPolicy, LinkEstimate
+from hetnode.protocol.kv_wire import packed_size
+
+REFERENCE_DEVICE = "2xa100-80g"  # the paper's in-house replica of LLaMA-30B: two A100-80GB, tensor parallel
+
+
+@dataclass(frozen=True)
+class Slo:
+    ttft_s: float
+    tpot_s: float
+    e2e_s: float
+
+
+def slo_for(model: ModelSpec, options: ThunderServeOptions) -> Slo:
+    """The SLOs: the options' scales times the model's latencies on REFERENCE_DEVICE (roofline)."""
+    device = parse_device(REFERENCE_DEVICE)
+    traffic = options.traffic
+    s_in = max(1, round(traffic.input_len))
+    bpe = round(model.bytes_per_param)
+    ttft = step_time(device, model.shape, model.num_layers, s_in, s_in, attended_pairs=s_in * (s_in + 1) // 2,
+                     bytes_per_elem=bpe)
+    tpot = step_time(device, model.shape, model.num_layers, 1, round(traffic.input_len + traffic.output_len / 2),
+                     bytes_per_elem=bpe)
+    e2e = ttft + traffic.output_len * tpot
+    return Slo(ttft_s=options.ttft_scale * ttft, tpot_s=options.tpot_scale * tpot, e2e_s=options.e2e_scale * e2e)
+
+
+@dataclass(frozen=True)
+class Handoff:
+    seconds: float  # the slowest stage pair's transfer (inf: some pair has no link)
+    codecs: tuple[str, ...]  # the codec of each stage pair that shares layers, prefill stage order
+
+
+def kv_handoff(pool: GpuPool, prefill: Layout, decode: Layout, model: ModelSpec,
+               options: ThunderServeOptions) -> Handoff:
+    """What moving one prompt's KV from a prefill replica to a decode replica costs (module docstring)."""
+    tokens = max(1, round(options.traffic.input_len))
+    policy = KVCodecPolicy(options.kv_codec)
+    names = sorted(set(AUTO_CODECS) | ({options.kv_codec} - {"auto"}))
+    slowest = 0.0
+    codecs: list[str] = []
+    for p in prefill.stages:
+        for d in decode.stages:
+            shared = min(p.last_layer, d.last_layer) - max(p.first_layer, d.first_layer)
+            if shared <= 0:
+                continue
+            a, b = p.gpus[0], d.gpus[0]
+            if a == b:  # the same GPU holds both: nothing moves
+                codecs.append("fp16")
+                continue
+            bw = pool.bandwidth[a][b]
+            if bw <= 0:
+                return Handoff(math.inf, ())
+            sizes = {n: packed_size(n, shared, tokens, model.num_kv_heads, model.head_dim) for n in names}
+            options_ = [CodecOption(n, sizes[n], options.codec_rate, options.codec_rate) for n in names]
+            choice = policy.choose(sizes["fp16"], options_, LinkEstimate(bw, pool.latency[a][b]))
+            codecs.append(choice.codec)
+            slowest = max(slowest, choice.seconds)
+    return Handoff(slowest, tuple(codecs))
+
+
+def decode_tpot(perf: Performance, rate: float, output_len: float) -> float:
+    """TPOT at the batch that `rate` requests per second keep in flight (a few rounds of Little's law)."""
+    tpot = perf.tpot_at(1)
+    for _ in range(8):
+        batch = min(float(perf.max_batch), max(1.0, rate * output_len * tpot))
+        tpot = perf.tpot_at(batch)
+    return tpot
+
+
+def attainment(prefill: Performance, prefill_load: float, decode: Performance, decode_load: float,
+               handoff_s: float, slo: Slo, output_len: float) -> float:
+    """D_ij: the share of requests through this pair that meet every SLO, at these loads (requests/s)."""
+    mu = prefill.prefill_rate
+    if prefill_load >= mu or decode_load >= decode.decode_rate or not math.isfinite(handoff_s):
+        return 0.0
+    tpot = decode_tpot(decode, decode_load, output_len)
+    if tpot > slo.tpot_s:
+        return 0.0
+    slack = min(slo.ttft_s - prefill.prefill_s, slo.e2e_s - prefill.prefill_s - handoff_s - output_len * tpot)
+    if slack < 0:
+        return 0.0
+    rho = prefill_load / mu
+    return 1.0 - rho * math.exp(-(mu - prefill_load) * slack)

@@ -1,0 +1,216 @@
+"""ThunderServe's planner: the moves, the memory check, the stage-order DP, TP cells, the LP, determinism."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import random
+from dataclasses import replace
+from importlib.resources import files
+
+import numpy as np
+import pytest
+
+from hetnode.planner.cluster import load_cluster
+from hetnode.planner.model import model_spec
+from hetnode.planner.placement import PlannerOptions, plan_placement
+from hetnode.planner.plan import PlacementPlan
+from hetnode.planner.profile_sources import profile_table_for
+from hetnode.planner.thunderserve.deployment import Deployment, Group, holds_model, initial
+from hetnode.planner.thunderserve.gpus import gpu_pool
+from hetnode.planner.thunderserve.neighbours import MOVES, neighbour
+from hetnode.planner.thunderserve.orchestration import orchestrate
+from hetnode.planner.thunderserve.parallel import DECODE, PREFILL, configure, partition, tp_degrees
+from hetnode.planner.thunderserve.settings import ThunderServeOptions
+from hetnode.planner.thunderserve.stage_order import best_order, path_cost
+from hetnode.planner.validate import validate_plan
+
+CLOUD = load_cluster(str(files("hetnode.testnet") / "clusters" / "thunderserve-cloud-gpus.toml"))
+POOL = gpu_pool(CLOUD)
+MODEL = model_spec("llama-30b")
+QUICK = ThunderServeOptions(steps=8, neighbours=6)
+
+
+def start(seed: int) -> Deployment:
+    found = initial(POOL, MODEL, random.Random(seed))
+    assert found is not None
+    return found
+
+
+@pytest.mark.parametrize("move", sorted(MOVES))
+def test_every_move_keeps_each_gpu_in_exactly_one_non_empty_group(move: str) -> None:
+    rng = random.Random(1)
+    dep = start(0)
+    changed = 0
+    for _ in range(200):
+        found = MOVES[move](dep, POOL, rng)
+        if found is None:
+            continue
+        gpus = [g for group in found.groups for g in group.gpus]
+        assert sorted(gpus) == list(range(len(POOL)))
+        assert all(group.gpus for group in found.groups)
+        assert all(group.role in (PREFILL, DECODE) for group in found.groups)
+        changed += found != dep
+        dep = found if holds_all(found) else dep
+    assert changed > 0
+
+
+def holds_all(dep: Deployment) -> bool:
+    return all(holds_model(POOL, g.gpus, MODEL) for g in dep.groups)
+
+
+def test_moves_change_what_they_say() -> None:
+    dep = start(0)
+    rng = random.Random(3)
+    flipped = MOVES["flip"](dep, POOL, rng)
+    assert flipped is not None and [g.gpus for g in flipped.groups] == [g.gpus for g in dep.groups]
+    assert sum(a.role != b.role for a, b in zip(flipped.groups, dep.groups, strict=True)) == 1
+    merged = MOVES["merge"](dep, POOL, rng)
+    assert merged is not None and len(merged.groups) == len(dep.groups) - 1
+    split = None
+    while split is None:
+        split = MOVES["split"](dep, POOL, rng)
+    assert len(split.groups) == len(dep.groups) + 1
+
+
+def test_the_memory_check_drops_groups_that_cannot_hold_the_weights() -> None:
+    one_3090 = (next(i for i, g in enumerate(POOL.gpus) if g.kind == "3090ti"),)
+    assert not holds_model(POOL, one_3090, MODEL)  # 24 GB against LLaMA-30B's 60 GB
+    a40s = tuple(i for i, g in enumerate(POOL.gpus) if g.kind == "a40")[:2]
+    assert holds_model(POOL, a40s, MODEL)
+    rng = random.Random(0)
+    for _ in range(300):
+        found = neighbour(start(0), POOL, MODEL, rng, ("split", "move", "merge", "flip"))
+        assert found is None or holds_all(found)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 6])
+def test_stage_order_matches_brute_force(n: int) -> None:
+    rng = np.random.default_rng(n)
+    for _ in range(20):
+        cost = rng.uniform(0.1, 10, size=(n, n)).tolist()
+        if n > 2:
+            cost[0][1] = math.inf  # a missing link
+        order, total = best_order(cost)
+        assert sorted(order) == list(range(n))
+        brute = min(path_cost(cost, p) for p in itertools.permutations(range(n)))
+        assert total == pytest.approx(brute)
+        assert path_cost(cost, order) == pytest.approx(total)
+
+
+def test_partition_respects_caps_and_shares() -> None:
+    rng = random.Random(0)
+    for _ in range(300):
+        n = rng.randint(1, 8)
+        caps = [rng.randint(1, 30) for _ in range(n)]
+        weights = [rng.uniform(0.01, 1) for _ in range(n)]
+        total = rng.randint(1, 80)
+        counts = partition(total, weights, caps)
+        if sum(caps) < total or n > total:
+            assert counts is None
+            continue
+        assert counts is not None and sum(counts) == total
+        assert all(1 <= c <= cap for c, cap in zip(counts, caps, strict=True))
+    assert partition(60, [1.0, 1.0, 2.0], [60, 60, 60]) == [15, 15, 30]
+
+
+def test_tensor_parallel_stays_inside_one_host_and_one_type() -> None:
+    rng = random.Random(5)
+    seen_tp = set()
+    for _ in range(40):
+        gpus = tuple(sorted(rng.sample(range(len(POOL)), rng.randint(2, 10))))
+        if not holds_model(POOL, gpus, MODEL):
+            continue
+        for role in (PREFILL, DECODE):
+            found = configure(POOL, gpus, role, MODEL, ThunderServeOptions())
+            if found is None:
+                continue
+            layout = found.layout
+            assert sorted(layout.gpus) == list(gpus)
+            assert layout.stages[0].first_layer == 0 and layout.stages[-1].last_layer == MODEL.num_layers
+            for a, b in itertools.pairwise(layout.stages):
+                assert a.last_layer == b.first_layer
+            for stage in layout.stages:
+                assert len(stage.gpus) == layout.tp
+                assert len({POOL.gpus[g].host for g in stage.gpus}) == 1
+                assert len({POOL.gpus[g].kind for g in stage.gpus}) == 1
+            seen_tp.add(layout.tp)
+    assert seen_tp - {1}, "some group should use tensor parallelism"
+
+
+def test_tp_degrees_divide_every_cell_and_the_heads() -> None:
+    names = {g.name: i for i, g in enumerate(POOL.gpus)}
+    eight_a40 = tuple(names[f"8xa40-0-gpu{k}"] for k in range(8))
+    assert tp_degrees(POOL, eight_a40, MODEL) == [1, 2, 4]  # 52 heads: not 8
+    mixed = eight_a40[:4] + tuple(names[f"4x3090ti-0-gpu{k}"] for k in range(2))
+    assert tp_degrees(POOL, mixed, MODEL) == [1, 2]
+
+
+def test_the_lp_respects_capacities_and_beats_every_single_pair() -> None:
+    rng = np.random.default_rng(0)
+    for _ in range(30):
+        m, n = rng.integers(1, 5, size=2)
+        d = rng.uniform(0, 1, size=(m, n)).tolist()
+        mu = rng.uniform(0.5, 4, size=m).tolist()
+        nu = rng.uniform(0.5, 4, size=n).tolist()
+        rate, u = float(rng.uniform(0.5, 8)), 0.9
+        routing = orchestrate(d, mu, nu, rate, u)
+        z = np.array([[routing.routed * x * y for y in row]
+                      for x, row in zip(routing.prefill_share, routing.decode_share, strict=True)])
+        assert routing.routed <= 1 + 1e-6
+        assert (rate * z.sum(axis=1) <= np.array(mu) * u + 1e-6).all()
+        assert (rate * z.sum(axis=0) <= np.array(nu) * u + 1e-6).all()
+        assert sum(routing.prefill_share) == pytest.approx(1)
+        for row in routing.decode_share:
+            assert sum(row) == pytest.approx(1)
+        for i in range(m):
+            for j in range(n):
+                alone = min(1.0, u * mu[i] / rate, u * nu[j] / rate)
+                assert routing.attainment >= d[i][j] * alone - 1e-6
+
+
+def test_the_plan_is_deterministic_under_a_seed_and_valid() -> None:
+    options = PlannerOptions(seed=3, thunderserve=QUICK)
+    profiles = profile_table_for(CLOUD, MODEL, "roofline", kv_share=QUICK.kv_reserve)
+    a = plan_placement(CLOUD, MODEL, profiles, method="thunderserve", options=options)
+    b = plan_placement(CLOUD, MODEL, profiles, method="thunderserve", options=options)
+    assert a.to_json() | {"solve_time_s": 0} == b.to_json() | {"solve_time_s": 0}
+    assert validate_plan(a, CLOUD, MODEL, profiles) == []
+    assert {r.role for r in a.replicas} == {PREFILL, DECODE}
+    assert a.orchestration is not None and 0 <= a.orchestration.slo_attainment <= 1
+    again = PlacementPlan.from_json(json.loads(json.dumps(a.to_json())))
+    assert again == replace(a, flows={}) and again.orchestration == a.orchestration
+
+
+def test_validation_catches_a_broken_orchestration() -> None:
+    profiles = profile_table_for(CLOUD, MODEL, "roofline", kv_share=QUICK.kv_reserve)
+    plan = plan_placement(CLOUD, MODEL, profiles, method="thunderserve", options=PlannerOptions(thunderserve=QUICK))
+    assert plan.orchestration is not None
+    broken = replace(plan, orchestration=replace(plan.orchestration, prefill_share=(2.0,) * len(
+        plan.orchestration.prefill_share)))
+    assert any("X" in p for p in validate_plan(broken, CLOUD, MODEL, profiles))
+
+
+def test_a_longer_search_never_ends_worse() -> None:
+    profiles = profile_table_for(CLOUD, MODEL, "roofline", kv_share=QUICK.kv_reserve)
+    short = plan_placement(CLOUD, MODEL, profiles, method="thunderserve",
+                           options=PlannerOptions(thunderserve=replace(QUICK, steps=3)))
+    longer = plan_placement(CLOUD, MODEL, profiles, method="thunderserve",
+                            options=PlannerOptions(thunderserve=replace(QUICK, steps=12)))
+    assert short.orchestration is not None and longer.orchestration is not None
+    assert longer.orchestration.slo_attainment >= short.orchestration.slo_attainment - 1e-9
+
+
+def test_a_group_keeps_the_first_deployments_hosts_together() -> None:
+    dep = start(0)
+    for group in dep.groups:
+        assert holds_model(POOL, group.gpus, MODEL)
+    hosts = {POOL.gpus[g].host for g in range(len(POOL))}
+    # Clustering by bandwidth never puts two hosts' GPUs in one group while a host is split.
+    for h in hosts:
+        members = [g for g in range(len(POOL)) if POOL.gpus[g].host == h]
+        owners = {next(k for k, grp in enumerate(dep.groups) if g in grp.gpus) for g in members}
+        for k in owners:
+            assert {POOL.gpus[g].host for g in dep.groups[k].gpus} == {h} or len(owners) == 1
+    assert isinstance(dep.groups[0], Group)
