@@ -211,6 +211,9 @@ class SimCoordinator:
         self.prompt_bins: list[float] = []  # prompt tokens whose prefill completed per bin
         self.window_generated = 0
         self.window_prompt = 0
+        # Every gap between two tokens of a request that ended inside the window: Helix's decode latency is
+        # their mean (a per-step average, so long requests weigh more than in the per-request TPOT).
+        self.decode_gaps: list[float] = []
         # The coordinator as one server: seconds to start a request and to handle one returned item, and when
         # it is next free.
         self.request_s = request_s
@@ -411,6 +414,8 @@ class SimCoordinator:
                 if gap > r.max_tbt:
                     r.max_tbt = gap
                 r.last_token = now
+                if self.window[0] <= now < self.window[1]:
+                    self.decode_gaps.append(gap)
             if self.lifecycle.ends(r.received, r.output_len, False):
                 self._finish(r, now)
         if produced:
