@@ -206,6 +206,7 @@ class SimCoordinator:
         self.inflight = 0  # admitted and not finished
         self.finished = 0
         self.on_finish: Callable[[float], None] | None = None  # the offline workload's closed loop
+        self.on_token: Callable[[float], None] | None = None  # Helix's offline loop: called per token counted
         # Tokens over time and inside the measured window.
         self.decode_bins: list[float] = []  # tokens generated per bin
         self.prompt_bins: list[float] = []  # prompt tokens whose prefill completed per bin
@@ -418,6 +419,8 @@ class SimCoordinator:
                     self.decode_gaps.append(gap)
             if self.lifecycle.ends(r.received, r.output_len, False):
                 self._finish(r, now)
+            if self.on_token is not None:
+                self.on_token(now)
         if produced:
             self._count(now, produced, prompt_done)
 

@@ -332,8 +332,8 @@ def _closed_loop(coord: SimCoordinator, workload: Workload, duration_s: float, m
 
 def _kv_bound_loop(coord: SimCoordinator, sched: Scheduler, workload: Workload, duration_s: float,
                    loop: OfflineLoop) -> None:
-    """Helix's offline loop (offline_loop.py): `loop.start` requests at 0, then at each finish new ones while
-    the scheduler's KV estimate allows; never one the scheduler would have to queue."""
+    """Helix's offline loop (offline_loop.py): `loop.start` requests at 0, then at each token (or finish) new
+    ones while the scheduler's KV estimate allows; it stops at one the scheduler had to queue."""
     estimate = getattr(sched, "kv_estimate", None)
     if estimate is None:
         raise ConfigError(f"Helix's offline loop reads the scheduler's KV estimate; {type(sched).__name__} has none")
@@ -349,13 +349,16 @@ def _kv_bound_loop(coord: SimCoordinator, sched: Scheduler, workload: Workload, 
 
     def top_up(now: float) -> None:
         added = 0
-        while now < duration_s and loop.admits(loop.use((k.tokens, k.capacity) for k in estimate().values()),
+        while now < duration_s and not coord.waiting and loop.admits(loop.use((k.tokens, k.capacity) for k in estimate().values()),
                                                added):
             added += 1
             if not start(now):
                 return
 
-    coord.on_finish = top_up
+    if loop.every == "token":
+        coord.on_token = top_up
+    else:
+        coord.on_finish = top_up
     for _ in range(loop.start):
         start(0.0)
 
