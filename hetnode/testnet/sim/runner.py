@@ -258,10 +258,15 @@ def simulate(cluster: ClusterSpec, model: ModelSpec, profiles: ProfileTable, pla
     end = max(end, duration_s)
     wall = time.perf_counter() - wall0
 
+    description = workload.description
+    if workload.offline and opts.offline_loop is not None:
+        loop = opts.offline_loop
+        description = (f"offline, Helix's loop: {loop.start} requests, then one per {loop.every} while the "
+                       f"estimated KV use ({loop.measure}) <= {loop.kv_use:g}; lengths from {workload.name}")
     config = {
         "cluster": cluster.name, "model": model.name, "method": plan.method, "plan_max_flow": plan.max_flow,
         "scheduler": scheduler_name, "profiles": profiles.source, "workload": workload.name,
-        "workload_description": workload.description, "offline": workload.offline,
+        "workload_description": description, "offline": workload.offline,
         "rate": None if workload.offline else workload.rate, "duration_s": duration_s, "warmup_s": warmup_s,
         "seed": seed, "slos": dict(slos or {}),
         **{f"option_{k}": _option(v) for k, v in asdict(opts).items()},
@@ -349,8 +354,8 @@ def _kv_bound_loop(coord: SimCoordinator, sched: Scheduler, workload: Workload, 
 
     def top_up(now: float) -> None:
         added = 0
-        while now < duration_s and not coord.waiting and loop.admits(loop.use((k.tokens, k.capacity) for k in estimate().values()),
-                                               added):
+        while now < duration_s and not coord.waiting and loop.admits(
+                loop.use((k.tokens, k.capacity) for k in estimate().values()), added):
             added += 1
             if not start(now):
                 return
