@@ -91,8 +91,8 @@ def add_arguments(p: argparse.ArgumentParser, *, clusters: Sequence[str] = ()) -
     p.add_argument("--slo-e2e", type=_positive, default=None, metavar="S", help="E2E bound for SLO attainment")
     p.add_argument("--like", default="hetnode", choices=LIKES,
                    help="named settings: hetnode (the runtime's behaviour, what predicts the testnet) or helix "
-                        "(Helix's simulator: vLLM's measured KV pools and per-step caps, whole prompts, its offline loop, "
-                        "its KV marks 0.85/0.9 and output ratios 1.0/0.6, one link message per item, its extra "
+                        "(Helix's simulator: vLLM's measured KV pools and per-step caps, whole prompts, its offline "
+                        "loop, its KV marks 0.85/0.9 and output ratios 1.0/0.6, one link message per item, its extra "
                         "costs; docs/simulator.md). Options given below win over the setting's (default: hetnode)")
     p.add_argument("--max-batch-tokens", type=int, default=None, metavar="N",
                    help="most tokens one node step carries (default: the setting's; 8192, the runtime's)")
