@@ -93,6 +93,10 @@ class SimOptions:
     step_caps: bool = False
     # The KV estimate charges each request this share of the expected output (the scheduler's output_ratio).
     output_ratio: float = 1.0
+    # The expected output the KV estimate starts from (None: the workload's mean), and whether the scheduler
+    # then follows the outputs that end (the runtime's) or keeps it (Helix's: 240 tokens, fixed).
+    output_len: float | None = None
+    learn_output: bool = True
     # Offline: Helix's loop (start N, add while the estimated KV use allows) instead of the backlog loop.
     offline_loop: OfflineLoop | None = None
     # "step": a node sends a step's items for one next hop as one message (the runtime's hops); "item": one
@@ -154,6 +158,8 @@ def make_runtime_scheduler(name: str, plan: PlacementPlan, nodes: Mapping[str, S
         kwargs["queue_limit"] = options.queue_limit
     if options.output_ratio != 1.0:
         kwargs["output_ratio"] = options.output_ratio
+    if not options.learn_output:
+        kwargs["learn_output"] = False
     if name == "shortest-queue":
         kwargs["queue_len"] = lambda node: float(nodes[node].queued_tokens())
     if name == "swarm":
@@ -212,7 +218,8 @@ def simulate(cluster: ClusterSpec, model: ModelSpec, profiles: ProfileTable, pla
     network = Network(cluster, model, nodes, window)
     sim = Simulation(network, per_item=opts.link_messages == "item")
     if isinstance(scheduler, str):
-        sched = make_runtime_scheduler(scheduler, plan, by_name, seed=seed, avg_output_len=workload.mean_output,
+        expected = workload.mean_output if opts.output_len is None else opts.output_len
+        sched = make_runtime_scheduler(scheduler, plan, by_name, seed=seed, avg_output_len=expected,
                                        kv_capacity=kv_capacity, options=opts,
                                        regions={s.name: s.region for s in cluster.nodes})
         scheduler_name = str(getattr(sched, "name", scheduler))
