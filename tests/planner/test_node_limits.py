@@ -46,6 +46,6 @@ def test_a_live_nodes_pool_is_its_used_and_free_blocks() -> None:
     (HEADER, "no rows"),
 ])
 def test_a_bad_capacity_csv_names_the_file_line_and_column(text: str, problem: str) -> None:
-    with pytest.raises(ConfigError, match="caps.csv") as info:
+    with pytest.raises(ConfigError, match=r"caps\.csv") as info:
         parse_capacity_csv(text, "caps.csv")
     assert problem in str(info.value)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from itertools import pairwise
 from pathlib import Path
 
 import pytest
@@ -29,7 +30,7 @@ PIPELINE = [("t4-7", 0, 3), ("l4-4", 3, 7), ("l4-0", 7, 11), ("t4-8", 11, 14), (
 def _plan() -> PlacementPlan:
     names = [n for n, _, _ in PIPELINE]
     flows = ([{"from": "source", "to": names[0], "flow": 100.0}]
-             + [{"from": a, "to": b, "flow": 100.0} for a, b in zip(names, names[1:], strict=False)]
+             + [{"from": a, "to": b, "flow": 100.0} for a, b in pairwise(names)]
              + [{"from": names[-1], "to": "sink", "flow": 100.0}])
     return PlacementPlan.from_json({
         "cluster": "helix-single", "model": "llama-70b", "num_layers": 80, "method": "helix", "max_flow": 100.0,
@@ -63,7 +64,7 @@ def test_helix_online_marks_and_overrides() -> None:
 
 
 def test_an_unknown_setting_is_a_config_error_naming_it() -> None:
-    with pytest.raises(ConfigError, match="unknown simulator setting 'vllm'.*hetnode, helix"):
+    with pytest.raises(ConfigError, match=r"unknown simulator setting 'vllm'.*hetnode, helix"):
         like("vllm", offline=True)
 
 
