@@ -51,7 +51,8 @@ class Workload:
     output_len: int = 240
     max_batch: int = 256  # the most sequences one decode step batches
     # The share of a node's KV that holds requests in steady state: the scheduler's high-water mark (the
-    # runtime's 0.9; Helix's simulator used 0.3). Only pipeline_throughputs uses it.
+    # runtime's 0.9; Helix's planner's T_j estimate used 0.3, KV_CACHE_HWM, while its scheduler masked at 0.85
+    # offline and 0.9 online). Only pipeline_throughputs uses it.
     kv_fill: float = 0.9
 
     def __post_init__(self) -> None:
