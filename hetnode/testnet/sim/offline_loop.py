@@ -4,9 +4,9 @@ Helix's simulator runs its offline experiments this way: it starts `start` (20) 
 completes it adds one new request while the scheduler's estimated KV use stays at or under `kv_use` (0.8). Its
 queries are iterations (a prompt, or one decode step of one request), so `every="token"` gives each generated
 token the chance to add one request; `every="finish"` reads "completion" as a request's end and then adds as many
-as the bound allows. Measured on Helix's single cluster (scripts/validate_sim_helix.py), "finish" adds requests in
-bursts that queue their prompts at the first node (mean prompt latency 15 s against Helix's 2.96 s), "token" adds
-them smoothly (4 s). hetnode's own offline loop (`workload.offline`) instead keeps a backlog queued at the
+as the bound allows. Measured on Helix's single cluster with its other settings, "finish" added requests in
+bursts that queued their prompts at the first node (mean prompt latency 14.8 s against Helix's 2.96 s), "token"
+less so (8.2 s; docs/simulator.md has the current figures). hetnode's own offline loop (`workload.offline`) instead keeps a backlog queued at the
 scheduler, so a request's TTFT there includes queueing that Helix's never has.
 
 "Estimated KV use" is the scheduler's own estimate (prompt + expected output per running request, on every node
