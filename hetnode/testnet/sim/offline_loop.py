@@ -6,8 +6,9 @@ queries are iterations (a prompt, or one decode step of one request), so `every=
 token the chance to add one request; `every="finish"` reads "completion" as a request's end and then adds as many
 as the bound allows. Measured on Helix's single cluster with its other settings, "finish" added requests in
 bursts that queued their prompts at the first node (mean prompt latency 14.8 s against Helix's 2.96 s), "token"
-less so (8.2 s; docs/simulator.md has the current figures). hetnode's own offline loop (`workload.offline`) instead keeps a backlog queued at the
-scheduler, so a request's TTFT there includes queueing that Helix's never has.
+less so (8.2 s; docs/simulator.md has the current figures). hetnode's own offline loop (`workload.offline`)
+instead keeps a backlog queued at the scheduler, so a request's TTFT there includes queueing that Helix's never
+has.
 
 "Estimated KV use" is the scheduler's own estimate (prompt + expected output per running request, on every node
 of its pipeline; `PipelineScheduler.kv_estimate`), as a share of each node's capacity; the loop looks at the
