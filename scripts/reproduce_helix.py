@@ -13,7 +13,13 @@ baselines), the runtime's schedulers (iwrr, swarm, random, shortest-queue) and t
   planner keeps an sp placement's flow inside each pipeline (`heuristics.sp_connections`), so every request
   stays in one replica. §6.6 runs every placement under Helix's IWRR; §6.7 runs every scheduler on Helix's
   placement.
-- Offline (§6.2): a saturating closed loop; 1 minute of warm-up, 10 minutes measured.
+- Settings (`--like`, default helix): every row runs the simulator with Helix's own settings
+  (`hetnode.testnet.sim.settings`: vLLM's measured KV pools and per-step caps, whole prompts, Helix's offline
+  loop, its KV marks and output ratios, one link message per item), because every figure the paper states
+  came from Helix's setup: vLLM engines under Helix's scheduler on the real clusters, and Helix's simulator for
+  the others. `--like hetnode` runs the simulator's own defaults (what predicts hetnode's testnet).
+- Offline (§6.2): Helix's loop under --like helix (20 requests, then one per generated token while the
+  estimated KV use is <= 0.8), else a saturating closed loop; 1 minute of warm-up, 10 minutes measured.
 - Online (§6.2): the trace's own arrivals scaled to 75% of the configuration's peak, 30 s of warm-up, 30
   minutes measured. "Peak" (--peak) is by default MEASURED: the token throughput (prompt + generated tokens/s)
   of the offline run of the same placement and scheduler (what `hetnode.testnet.sim.runner.measured_peak`
@@ -65,6 +71,7 @@ from hetnode.planner.profile import ProfileTable, Workload
 from hetnode.planner.profile_sources import profile_table_for
 from hetnode.planner.validate import validate_plan
 from hetnode.testnet.sim import SimOptions, SimResult, Trace, helix_online_rate, load_trace, offline, replay, simulate
+from hetnode.testnet.sim.settings import LIKES, options_like
 
 CLUSTERS_DIR = Path(__file__).resolve().parents[1] / "hetnode" / "testnet" / "clusters"
 CLUSTERS = {"single": "helix-single", "geo": "helix-geo", "hetero": "helix-hetero"}
@@ -72,9 +79,9 @@ MODELS = {"30B": "llama-30b", "70B": "llama-70b"}
 TIME_LIMITS = {"single": 60.0, "geo": 60.0, "hetero": 120.0}  # MILP seconds: 24 nodes, 24 nodes, 42 nodes
 SP70_KV_SHARE = 0.15  # see the module docstring: the largest share (in 0.05 steps) at which 4 A100s hold 70B
 ONLINE_LOAD = 0.75
-# The schedulers' KV high-water mark, and the KV share the planner's T_j expect in use: the runtime's. Helix's
-# simulator used 0.3 (KV_CACHE_HWM in its artifact); --high-water 0.3 runs that, and did worse here
-# (docs/reproducing-helix.md).
+# The schedulers' KV high-water mark under --like hetnode, and the KV share the planner's T_j expect in use: the
+# runtime's. (0.3, KV_CACHE_HWM in Helix's artifact, enters only its planner's T_j estimate; its scheduler masked at
+# 0.85 offline and 0.9 online, which --like helix sets.)
 HIGH_WATER = 0.9
 TOLERANCE = 0.25
 
@@ -266,12 +273,14 @@ def summarize(setup: Setup, plan: PlacementPlan, rate: float | None, result: Sim
 
 class Reproduction:
     def __init__(self, *, times: dict[str, tuple[float, float]], time_limit: float | None, peak: str,
-                 plans_dir: Path | None, seed: int = 0, high_water: float = HIGH_WATER,
-                 log: Any = None) -> None:
-        self.high_water = high_water
+                 plans_dir: Path | None, seed: int = 0, high_water: float | None = None,
+                 log: Any = None, like: str = "helix") -> None:
+        self.like = like
+        # None: the setting's mark (the runtime's 0.9 under "hetnode", Helix's 0.85 / 0.9 under "helix")
+        self.high_water = high_water if high_water is not None or like != "hetnode" else HIGH_WATER
         self.inflight: int | None = None
         self.in_pipeline = False
-        self.max_batch_tokens = SimOptions().max_batch_tokens
+        self.max_batch_tokens: int | None = None  # None: the setting's
         self.pick = "served"
         self.times = times
         self.time_limit = time_limit
@@ -304,7 +313,8 @@ class Reproduction:
         key = (cluster, model, self.kv_share(model, method))
         if key not in self._profiles:
             self._profiles[key] = profile_table_for(self.cluster(cluster), self.model(model), "helix",
-                                                    kv_share=key[2], workload=Workload(kv_fill=self.high_water),
+                                                    kv_share=key[2],
+                                                    workload=Workload(kv_fill=self.high_water or HIGH_WATER),
                                                     in_pipeline=self.in_pipeline)
         return self._profiles[key]
 
@@ -386,7 +396,8 @@ class Reproduction:
             workload = replay(self.trace, rate=rate, duration_s=warmup + measured)
         result = simulate(cl, mo, profiles, plan, workload=workload, scheduler=setup.scheduler,
                           duration_s=warmup + measured, warmup_s=warmup, seed=self.seed,
-                          options=SimOptions(high_water=self.high_water, max_batch_tokens=self.max_batch_tokens))
+                          options=options_like(self.like, offline=setup.mode == "offline",
+                                               high_water=self.high_water, max_batch_tokens=self.max_batch_tokens))
         run = summarize(setup, plan, rate, result, (warmup, warmup + measured))
         self.runs[setup] = run
         self.log(f"  {setup.label}: decode {run.decode_throughput:.1f} tok/s, prompt latency "
@@ -462,16 +473,20 @@ def main(argv: list[str] | None = None) -> int:
                         "(default) or the plan's max flow")
     p.add_argument("--plans", default=None, metavar="DIR", help="keep plans as JSON here and reuse them")
     p.add_argument("--seed", type=int, default=0, help="the schedulers' seed")
-    p.add_argument("--high-water", type=float, default=HIGH_WATER, metavar="H",
+    p.add_argument("--like", choices=LIKES, default="helix",
+                   help="the simulator's named settings for every row (default helix: Helix's setup, where the "
+                        "paper's figures came from; hetnode: the simulator's own defaults)")
+    p.add_argument("--high-water", type=float, default=None, metavar="H",
                    help="the schedulers' KV high-water mark, and the KV share the planner expects in use "
-                        f"(default {HIGH_WATER:g}, the runtime's; Helix's simulator used 0.3)")
+                        f"(default: the setting's: {HIGH_WATER:g}, the runtime's, under hetnode; Helix's 0.85 "
+                        "offline and 0.9 online under helix)")
     p.add_argument("--json", default=None, metavar="OUT", help="write every number to this JSON file")
     p.add_argument("--tj", choices=("alone", "pipeline"), default="alone",
                    help="the planner's T_j: a node's alone (default) or inside the cluster's pipelines, as Helix's "
                         "simulator computes it (profile.pipeline_throughputs)")
-    p.add_argument("--max-batch-tokens", type=int, default=SimOptions().max_batch_tokens, metavar="N",
-                   help="the most tokens one node step carries (default: the runtime's "
-                        f"{SimOptions().max_batch_tokens}; Helix's vLLM runs took 1-3 prompts of <= 2048)")
+    p.add_argument("--max-batch-tokens", type=int, default=None, metavar="N",
+                   help="the most tokens one node step carries (default: the setting's: the runtime's "
+                        f"{SimOptions().max_batch_tokens} under hetnode, whole prompts under helix)")
     p.add_argument("--pick", choices=("served", "max_flow"), default="served",
                    help="how the helix planner picks its plan (PlannerOptions.pick; default served)")
     p.add_argument("--offline-inflight", type=int, default=None, metavar="N",
@@ -479,9 +494,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if not args.duration_scale > 0:
         p.error("--duration-scale must be positive")
-    if not 0 < args.high_water <= 1:
+    if args.high_water is not None and not 0 < args.high_water <= 1:
         p.error(f"--high-water must be in (0, 1], not {args.high_water}")
-    if args.max_batch_tokens < 1:
+    if args.max_batch_tokens is not None and args.max_batch_tokens < 1:
         p.error(f"--max-batch-tokens must be at least 1, not {args.max_batch_tokens}")
     if args.offline_inflight is not None and args.offline_inflight < 1:
         p.error(f"--offline-inflight must be at least 1, not {args.offline_inflight}")
@@ -499,7 +514,7 @@ def main(argv: list[str] | None = None) -> int:
     claims = [c for c in paper_claims() if c.ours.cluster in chosen and c.base.cluster in chosen]
     repro = Reproduction(times=times, time_limit=time_limit, peak=args.peak,
                          plans_dir=Path(args.plans) if args.plans else None, seed=args.seed,
-                         high_water=args.high_water)
+                         high_water=args.high_water, like=args.like)
     repro.inflight = args.offline_inflight
     repro.in_pipeline = args.tj == "pipeline"
     repro.max_batch_tokens = args.max_batch_tokens
@@ -521,7 +536,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{times['offline'][1]:g} s after {times['offline'][0]:g} s warm-up, online {times['online'][1]:g} s "
               f"after {times['online'][0]:g} s at {ONLINE_LOAD:.0%} of the "
               f"{'measured offline peak' if args.peak == 'measured' else 'plan max flow'}; "
-              f"profiles: Helix's measured (vLLM), T_j {args.tj}, KV high-water {args.high_water:g}, "
+              f"profiles: Helix's measured (vLLM), T_j {args.tj}, settings --like {args.like} on every row, "
+              f"KV high-water {'the setting' + chr(39) + 's' if args.high_water is None else args.high_water}, "
               f"helix picks by {args.pick}; "
               f"wall {wall:.0f} s\n"
               "columns: plan max flow (tokens/s), online rate (req/s), decode throughput, mean TTFT, mean TPOT, "
@@ -531,7 +547,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         out = {
             "settings": {"clusters": chosen, "times": times, "time_limit": time_limit, "peak": args.peak,
-                         "online_load": ONLINE_LOAD, "high_water": args.high_water, "tj": args.tj, "pick": args.pick,
+                         "online_load": ONLINE_LOAD, "like": args.like,
+                         "high_water": args.high_water, "tj": args.tj, "pick": args.pick,
                          "max_batch_tokens": args.max_batch_tokens, "offline_inflight": args.offline_inflight,
                          "sp70_kv_share": SP70_KV_SHARE, "tolerance": TOLERANCE,
                          "seed": args.seed, "quick": args.quick, "trace": repro.trace.source,

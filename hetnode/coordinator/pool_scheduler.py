@@ -60,13 +60,15 @@ class PoolScheduler(SplitScheduler):
     def __init__(self, plan: PlacementPlan, *, prefill_queue_tokens: float = PREFILL_QUEUE_TOKENS,
                  repurpose_after_s: float = REPURPOSE_AFTER_S, kv_capacity: Mapping[str, int] | None = None,
                  high_water: float = 0.9, avg_output_len: float = 240.0, queue_limit: int = 1024, seed: int = 0,
-                 regions: Mapping[str, str] | None = None) -> None:
+                 regions: Mapping[str, str] | None = None, output_ratio: float = 1.0,
+                 learn_output: bool = True) -> None:
         if not 0 < prefill_queue_tokens <= math.inf:
             raise ValueError(f"prefill_queue_tokens must be positive, not {prefill_queue_tokens}")
         if not 0 < repurpose_after_s <= math.inf:
             raise ValueError(f"repurpose_after_s must be positive, not {repurpose_after_s}")
         super().__init__(plan, kv_capacity=kv_capacity, high_water=high_water, avg_output_len=avg_output_len,
-                         queue_limit=queue_limit, seed=seed, regions=regions)
+                         queue_limit=queue_limit, seed=seed, regions=regions, output_ratio=output_ratio,
+                         learn_output=learn_output)
         self.prefill_queue_tokens = prefill_queue_tokens
         self.repurpose_after_s = repurpose_after_s
         self._home = [r.role for r in self._replicas]

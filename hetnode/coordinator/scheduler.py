@@ -132,6 +132,8 @@ class SchedulerOptions(TypedDict, total=False):
     kv_capacity: Mapping[str, int]
     high_water: float
     avg_output_len: float
+    output_ratio: float
+    learn_output: bool
     queue_limit: int
     seed: int
 
@@ -160,13 +162,24 @@ class OutputLength:
     from swinging the estimate, and the KV mask with it, before there is data.
     """
 
-    def __init__(self, initial: float, prior: int = 8, window: int = 1024) -> None:
+    def __init__(self, initial: float, prior: int = 8, window: int = 1024, ratio: float = 1.0,
+                 learn: bool = True) -> None:
+        if not 0 < ratio < math.inf:
+            raise ValueError(f"the output-length ratio must be finite and > 0, not {ratio}")
         self._samples: deque[float] = deque([float(initial)] * prior, maxlen=window)
         self._sum = float(initial) * prior
         self._adds = 0
-        self.mean = float(initial)
+        # The estimate is `ratio` x the mean: Helix's scheduler charged 1.0 x the expected output offline and
+        # 0.6 x online (its requests mostly end before the pool fills); 1.0 charges the mean itself.
+        self.ratio = ratio
+        # Off: the initial estimate stays (Helix's scheduler charged a fixed expected output). A learned mean
+        # follows the outputs that have ended, which early in a run are the short ones.
+        self.learn = learn
+        self.mean = float(initial) * ratio
 
     def add(self, length: float) -> None:
+        if not self.learn:
+            return
         if len(self._samples) == self._samples.maxlen:
             self._sum -= self._samples[0]
         self._samples.append(float(length))
@@ -174,7 +187,7 @@ class OutputLength:
         self._adds += 1
         if self._adds % 4096 == 0:  # a running sum drifts; resum exactly now and then
             self._sum = math.fsum(self._samples)
-        self.mean = self._sum / len(self._samples)
+        self.mean = self.ratio * self._sum / len(self._samples)
 
 
 def _edge_valid(plan: PlacementPlan, ranges: Mapping[str, tuple[int, int]], a: str, b: str) -> bool:
@@ -235,7 +248,8 @@ class QueuedScheduler(ABC):
     _unit: ClassVar[str] = "route"
     _full: ClassVar[str] = "waiting: no route has KV room under its high-water mark"
 
-    def __init__(self, *, high_water: float, avg_output_len: float, queue_limit: int) -> None:
+    def __init__(self, *, high_water: float, avg_output_len: float, queue_limit: int,
+                 output_ratio: float = 1.0, learn_output: bool = True) -> None:
         if not 0 < high_water <= 1:
             raise ValueError(f"high_water must be in (0, 1], not {high_water}")
         if not 0 <= avg_output_len < math.inf:
@@ -247,7 +261,7 @@ class QueuedScheduler(ABC):
         self._now = 0.0
         self._running: dict[str, Any] = {}
         self._queue: dict[str, _Waiting] = {}  # insertion order is FIFO order
-        self._output = OutputLength(avg_output_len)
+        self._output = OutputLength(avg_output_len, ratio=output_ratio, learn=learn_output)
 
     def submit(self, request_id: str, input_len: int, now: float) -> Decision:
         """Route a new request: a route, a place in the queue, or a rejection with its reason."""
@@ -370,6 +384,8 @@ class PipelineScheduler(QueuedScheduler):
     kv_capacity: tokens of KV each node holds for its layers; a node missing from it is not limited.
     high_water: share of a node's capacity the estimate may reach before the node is masked, in (0, 1].
     avg_output_len: the output length assumed before any request finished (then a running mean).
+    output_ratio: the KV estimate charges each request this share of that length (Helix: 1.0 offline, 0.6 online).
+    learn_output: follow the outputs that ended (the running mean); off: keep avg_output_len (Helix's).
     queue_limit: the most requests that wait for KV room; one more is rejected ("queue full (N waiting)").
     seed: for the policies that draw at random.
     edges: "flows" walks only edges with flow in the plan; "topology" every valid connection.
@@ -384,8 +400,9 @@ class PipelineScheduler(QueuedScheduler):
 
     def __init__(self, plan: PlacementPlan, *, kv_capacity: Mapping[str, int] | None = None,
                  high_water: float = 0.9, avg_output_len: float = 240.0, queue_limit: int = 1024, seed: int = 0,
-                 edges: EdgeSet = "flows") -> None:
-        super().__init__(high_water=high_water, avg_output_len=avg_output_len, queue_limit=queue_limit)
+                 edges: EdgeSet = "flows", output_ratio: float = 1.0, learn_output: bool = True) -> None:
+        super().__init__(high_water=high_water, avg_output_len=avg_output_len, queue_limit=queue_limit,
+                         output_ratio=output_ratio, learn_output=learn_output)
         capacity = dict(kv_capacity or {})
         for node, cap in capacity.items():
             if cap < 0:
@@ -622,9 +639,10 @@ class IwrrScheduler(PipelineScheduler):
 
     def __init__(self, plan: PlacementPlan, *, kv_capacity: Mapping[str, int] | None = None,
                  high_water: float = 0.9, avg_output_len: float = 240.0, queue_limit: int = 1024,
-                 seed: int = 0) -> None:
+                 seed: int = 0, output_ratio: float = 1.0, learn_output: bool = True) -> None:
         super().__init__(plan, kv_capacity=kv_capacity, high_water=high_water, avg_output_len=avg_output_len,
-                         queue_limit=queue_limit, seed=seed, edges="flows")
+                         queue_limit=queue_limit, seed=seed, edges="flows", output_ratio=output_ratio,
+                         learn_output=learn_output)
         self._credit = [[0.0] * len(c) for c in self._cands]
         self._total = [sum(w) for w in self._weights]
 

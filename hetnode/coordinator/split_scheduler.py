@@ -61,8 +61,10 @@ class SplitScheduler(QueuedScheduler):
 
     def __init__(self, plan: PlacementPlan, *, kv_capacity: Mapping[str, int] | None = None,
                  high_water: float = 0.9, avg_output_len: float = 240.0, queue_limit: int = 1024, seed: int = 0,
-                 regions: Mapping[str, str] | None = None) -> None:
-        super().__init__(high_water=high_water, avg_output_len=avg_output_len, queue_limit=queue_limit)
+                 regions: Mapping[str, str] | None = None, output_ratio: float = 1.0,
+                 learn_output: bool = True) -> None:
+        super().__init__(high_water=high_water, avg_output_len=avg_output_len, queue_limit=queue_limit,
+                         output_ratio=output_ratio, learn_output=learn_output)
         roles = {r.role for r in plan.replicas}
         if not {"prefill", "decode"} <= roles or not roles <= {"prefill", "decode"}:
             raise ConfigError(f"plan {plan.cluster}/{plan.model} is not a phase-split plan: its replicas' roles "

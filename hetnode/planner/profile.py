@@ -38,6 +38,7 @@ from hetnode.errors import ConfigError
 from hetnode.planner.costmodel import step_time
 from hetnode.planner.devices import DeviceSpec
 from hetnode.planner.model import ModelSpec
+from hetnode.planner.node_limits import NodeLimits, limits_for
 
 Curve = tuple[tuple[float, float], ...]  # sorted (x, seconds per layer) points; linear between them
 
@@ -50,7 +51,8 @@ class Workload:
     output_len: int = 240
     max_batch: int = 256  # the most sequences one decode step batches
     # The share of a node's KV that holds requests in steady state: the scheduler's high-water mark (the
-    # runtime's 0.9; Helix's simulator used 0.3). Only pipeline_throughputs uses it.
+    # runtime's 0.9; Helix's planner's T_j estimate used 0.3, KV_CACHE_HWM, while its scheduler masked at 0.85
+    # offline and 0.9 online). Only pipeline_throughputs uses it.
     kv_fill: float = 0.9
 
     def __post_init__(self) -> None:
@@ -87,6 +89,8 @@ class DeviceProfile:
     throughput: tuple[float, ...] = ()  # T_1..T_k in tokens/s
     source: str = ""
     throughput_given: bool = False  # T came from a file as numbers: kept as given, never recomputed
+    # Measured KV pool and step caps for 1, 2, ... layers held (node_limits.py); empty: not measured.
+    limits: tuple[NodeLimits, ...] = ()
 
     def prefill_time(self, tokens: int, layers: int) -> float:
         return layers * interpolate(self.prompt_curve, tokens) if tokens > 0 else 0.0
@@ -105,6 +109,13 @@ def kv_tokens(memory_bytes: int, model: ModelSpec, layers: int) -> int:
     """Tokens of KV that fit beside `layers` layers of weights."""
     free = memory_bytes - layers * model.layer_bytes
     return max(0, int(free // (model.kv_bytes_per_token_layer * layers)))
+
+
+def node_kv_tokens(profile: DeviceProfile, model: ModelSpec, layers: int, *, measured: bool = True) -> int:
+    """A node's KV tokens: its measured pool where the profile has one for `layers` (and `measured` asks for
+    it), else what its memory leaves beside the weights (`kv_tokens`)."""
+    found = limits_for(profile.limits, layers) if measured else None
+    return found.kv_tokens if found is not None else kv_tokens(profile.memory_bytes, model, layers)
 
 
 def max_layers_for(memory_bytes: int, model: ModelSpec, kv_share: float) -> int:
@@ -179,7 +190,8 @@ def with_throughput(profile: DeviceProfile, model: ModelSpec, workload: Workload
     return DeviceProfile(name=profile.name, memory_bytes=profile.memory_bytes, max_layers=profile.max_layers,
                          prompt_curve=profile.prompt_curve, decode_curve=profile.decode_curve,
                          decode_context_s=profile.decode_context_s,
-                         throughput=throughputs(profile, model, workload), source=profile.source)
+                         throughput=throughputs(profile, model, workload), source=profile.source,
+                         limits=profile.limits)
 
 
 _PROMPT_POINTS = (1, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192)

@@ -37,6 +37,7 @@ from hetnode.planner.cluster import ClusterSpec
 from hetnode.planner.costmodel import COMPUTE_EFFICIENCY, MEMORY_EFFICIENCY
 from hetnode.planner.devices import DeviceSpec, parse_device
 from hetnode.planner.model import ALIASES, PRESETS, ModelSpec
+from hetnode.planner.node_limits import by_layers, helix_capacities
 from hetnode.planner.profile import (
     Curve,
     DeviceProfile,
@@ -115,9 +116,11 @@ def helix_profile(model: ModelSpec, device: str, *, kv_share: float = HELIX_KV_S
         raise ConfigError(f"Helix has no profile of {device!r}; it measured {', '.join(helix_devices(model))}")
     _check_kv_share(kv_share)
     prompt, decode = _helix_curves(key, spec.name)
+    gpu_dir = next(d for d, name in HELIX_GPUS.items() if name == spec.name)
     base = DeviceProfile(name=spec.name, memory_bytes=spec.memory_bytes,
                          max_layers=helix_max_layers(key, spec.name, kv_share), prompt_curve=prompt,
-                         decode_curve=decode, source=f"{HELIX_SOURCE}: {spec.name}, {key}")
+                         decode_curve=decode, source=f"{HELIX_SOURCE}: {spec.name}, {key}",
+                         limits=by_layers(helix_capacities(), HELIX_MODELS[key], gpu_dir))
     return with_throughput(base, model, workload or Workload())
 
 

@@ -8,6 +8,11 @@ One step takes everything already waiting (it never waits for more), in arrival 
   left the chunk waits whole for the next step (a piece costs a message per hop and a step's fixed costs, so a
   sliver is not worth cutting). An item that does not fit an empty step is split to the budget, so an item is
   never skipped forever. A decode item (one token) that does not fit waits.
+- Requests: at most `max_prompts` prompt items and `max_decodes` decode items per step, where set (None: no
+  cap). vLLM-style engines cap a step by sequences as well as tokens; Helix's simulator caps its nodes this way
+  (its `prompt_max_requests` and `decode_max_tokens`, measured per GPU and layer count). An item is a prompt
+  item while it starts before its session's `prefill_end` (as the hops tell them apart). An item over a cap
+  waits for the next step, keeping its place.
 - Sessions: at most one item per session per step; a session's later item waits for its earlier one (its KV
   positions must arrive in order).
 - KV memory, through the node's `KVLedger`. A session's first item at this node reserves blocks for its whole
@@ -65,11 +70,18 @@ class BatchConfig:
     # alone (an overcommit). Off: such a prompt is refused. A simulation can turn it on to keep the old
     # accounting, in which memory limits only admission order, never a request's feasibility.
     admit_oversized: bool = False
+    # Most prompt items (chunks) and decode items one step takes; None: no cap beyond the token budget.
+    max_prompts: int | None = None
+    max_decodes: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_batch_tokens < 1 or self.min_chunk < 1:
             raise ValueError(f"max_batch_tokens ({self.max_batch_tokens}) and min_chunk ({self.min_chunk}) "
                              "must be >= 1")
+        for name in ("max_prompts", "max_decodes"):
+            cap = getattr(self, name)
+            if cap is not None and cap < 1:
+                raise ValueError(f"{name} must be >= 1 or None, not {cap}")
 
 
 class Step(Generic[T]):
@@ -111,7 +123,7 @@ def refusal(need_blocks: int, capacity: int, block_size: int) -> str:
 class BatchPolicy:
     """Forms steps from a queue against one node's `KVLedger`."""
 
-    __slots__ = ("admit_oversized", "budget", "config", "ledger", "min_chunk")
+    __slots__ = ("admit_oversized", "budget", "config", "ledger", "max_decodes", "max_prompts", "min_chunk")
 
     def __init__(self, ledger: KVLedger, config: BatchConfig | None = None) -> None:
         self.config = config or BatchConfig()
@@ -119,6 +131,9 @@ class BatchPolicy:
         self.budget = self.config.max_batch_tokens
         self.min_chunk = self.config.min_chunk
         self.admit_oversized = self.config.admit_oversized
+        # An absent cap is a count no step reaches (one comparison in the loop, no None test).
+        self.max_prompts = self.config.max_prompts or 1 << 62
+        self.max_decodes = self.config.max_decodes or 1 << 62
 
     def refusal(self, item: Pending) -> str:
         """Why `item` was refused."""
@@ -167,6 +182,9 @@ class BatchPolicy:
         split: T | None = None
         split_tokens = 0
         admitting = True  # first come, first admitted: one new session waiting on KV stops later ones
+        max_prompts = self.max_prompts
+        max_decodes = self.max_decodes
+        prompts = decodes = 0
         for it in queue:
             s = it.session
             if s in seen:
@@ -177,6 +195,10 @@ class BatchPolicy:
                 continue
             see(s)
             n = it.num_tokens
+            prompt = it.start < it.prefill_end
+            if (prompts >= max_prompts) if prompt else (decodes >= max_decodes):
+                wait(it)
+                continue
             take = n
             if tokens + n > budget:
                 room = budget - tokens
@@ -205,6 +227,10 @@ class BatchPolicy:
                 continue
             run(it)
             tokens += take
+            if prompt:
+                prompts += 1
+            else:
+                decodes += 1
             if take < n:
                 split, split_tokens = it, take
                 wait(it)

@@ -66,9 +66,8 @@ def test_shipped_csvs_are_unchanged_copies() -> None:
     from importlib.resources import files
 
     ours = Path(str(files("hetnode.planner") / "data" / "helix"))
-    # The per-model, per-GPU profiles (model/gpu/*.csv); other files beside them (vLLM's measured KV capacities)
-    # are not shipped.
-    theirs = sorted(p.relative_to(SHARED) for p in SHARED.glob("*/*/*.csv"))
+    # The per-model, per-GPU profiles (model/gpu/*.csv) and vLLM's measured KV capacities and step caps.
+    theirs = sorted([*(p.relative_to(SHARED) for p in SHARED.glob("*/*/*.csv")), Path("vllm_capacity.csv")])
     assert theirs and theirs == sorted(p.relative_to(ours) for p in ours.rglob("*.csv"))
     for rel in theirs:
         assert (ours / rel).read_bytes() == (SHARED / rel).read_bytes()

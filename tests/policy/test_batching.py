@@ -182,3 +182,35 @@ def test_preemption_picks_the_youngest_blocked_session(ages: list[str], blocked:
     youngest = [s for s in ages if s in blocked][-1]
     assert step.preempted[0] == youngest and youngest not in p.ledger
     assert len(step.preempted) == 1 and len(step.batch) == min(1, len(blocked) - 1)
+
+
+# -- per-step request caps (Helix's prompt_max_requests and decode_max_tokens) ------------------------------
+
+
+def test_step_caps_bound_prompt_and_decode_items_apart() -> None:
+    p = BatchPolicy(KVLedger(1000, 16), BatchConfig(max_batch_tokens=1000, max_prompts=1, max_decodes=2))
+    # d*: decode items (they start at their prefill_end); p*: prompts.
+    q = [It("p1", 0, 5), It("d1", 10, 1, 10), It("p2", 0, 5), It("d2", 10, 1, 10), It("d3", 10, 1, 10)]
+    step = p.form(q)
+    assert names(step.batch) == ["p1", "d1", "d2"]
+    assert names(step.waiting) == ["p2", "d3"]  # over a cap: waits at its place for the next step
+
+
+def test_without_caps_the_same_queue_runs_whole() -> None:
+    q = [It("p1", 0, 5), It("d1", 10, 1, 10), It("p2", 0, 5), It("d2", 10, 1, 10), It("d3", 10, 1, 10)]
+    assert names(policy(budget=1000).form(q).batch) == ["p1", "d1", "p2", "d2", "d3"]
+
+
+def test_a_chunk_of_a_prompt_counts_as_a_prompt_item() -> None:
+    p = BatchPolicy(KVLedger(1000, 16), BatchConfig(max_batch_tokens=1000, max_prompts=1))
+    step = p.form([It("a", 16, 16, 64), It("b", 0, 16, 64)])  # a's second chunk, b's first
+    assert names(step.batch) == ["a"] and names(step.waiting) == ["b"]
+
+
+def test_step_caps_must_be_positive() -> None:
+    import pytest
+
+    with pytest.raises(ValueError, match="max_prompts"):
+        BatchConfig(max_prompts=0)
+    with pytest.raises(ValueError, match="max_decodes"):
+        BatchConfig(max_decodes=-1)

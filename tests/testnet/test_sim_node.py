@@ -246,7 +246,8 @@ class _Driver:
 
 
 async def _runtime_rounds(budget: int, blocks: int, min_chunk: int, plan: list[Session],
-                          policy: Any = BatchPolicy) -> list[Round]:
+                          policy: Any = BatchPolicy, caps: tuple[int | None, int | None] = (None, None),
+                          ) -> list[Round]:
     failures: list[tuple[str, str, str]] = []
 
     async def nothing(*args: Any) -> None:
@@ -256,7 +257,7 @@ async def _runtime_rounds(budget: int, blocks: int, min_chunk: int, plan: list[S
         failures.append((str(work.item.session), reason, cause))
 
     loop = BatchLoop(_FakeEngine(budget, blocks), deliver=nothing, fail=fail,  # type: ignore[arg-type]
-                     min_chunk=min_chunk, policy=policy)
+                     min_chunk=min_chunk, policy=policy, max_prompts=caps[0], max_decodes=caps[1])
     driver = _Driver(plan)
     out: list[Round] = []
     ran: list[tuple[str, int, int]] = []
@@ -281,9 +282,10 @@ async def _runtime_rounds(budget: int, blocks: int, min_chunk: int, plan: list[S
 
 
 def _sim_rounds(budget: int, blocks: int, min_chunk: int, plan: list[Session], policy: Any = BatchPolicy,
-                ) -> list[Round]:
+                caps: tuple[int | None, int | None] = (None, None)) -> list[Round]:
     n = SimNode(0, "n", "a100", PROFILE, 0, 2, kv_capacity_tokens=blocks * 16, block_size=16,
-                max_batch_tokens=budget, window=WINDOW, bin_s=10.0, min_chunk=min_chunk, policy=policy)
+                max_batch_tokens=budget, window=WINDOW, bin_s=10.0, min_chunk=min_chunk, policy=policy,
+                max_prompts=caps[0], max_decodes=caps[1])
     driver = _Driver(plan)
     out: list[Round] = []
     ran: list[tuple[str, int, int]] = []
@@ -328,6 +330,25 @@ async def test_kv_admission_chunking_growth_and_preemption_mirror_the_runtime(
         plan: list[Session], budget: int, blocks: int, min_chunk: int) -> None:
     runtime = await _runtime_rounds(budget, blocks, min_chunk, plan)
     assert _sim_rounds(budget, blocks, min_chunk, plan) == runtime
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(plan=st.lists(st.tuples(st.integers(0, 4), st.integers(1, 120), st.integers(1, 64), st.integers(0, 12)),
+                     min_size=1, max_size=12),
+       budget=st.integers(1, 400), prompts=st.none() | st.integers(1, 3), decodes=st.none() | st.integers(1, 5))
+async def test_step_caps_decide_alike_in_the_runtime_and_the_simulator(
+        plan: list[Session], budget: int, prompts: int | None, decodes: int | None) -> None:
+    runtime = await _runtime_rounds(budget, 1 << 16, 16, plan, caps=(prompts, decodes))
+    assert _sim_rounds(budget, 1 << 16, 16, plan, caps=(prompts, decodes)) == runtime
+
+
+async def test_a_prompt_cap_holds_the_second_prompt_in_both_executors() -> None:
+    """The mirror is not vacuous: with one prompt a step, two prompts arriving together run in two rounds."""
+    plan = [(0, 8, 8, 0), (0, 8, 8, 0)]
+    capped = await _runtime_rounds(100, 1 << 16, 16, plan, caps=(1, None))
+    assert [len(ran) for ran, _ in capped[:2]] == [1, 1]
+    assert [len(ran) for ran, _ in await _runtime_rounds(100, 1 << 16, 16, plan)][:1] == [2]
+    assert _sim_rounds(100, 1 << 16, 16, plan, caps=(1, None)) == capped
 
 
 async def test_the_mirror_covers_every_kv_decision() -> None:

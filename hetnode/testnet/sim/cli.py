@@ -26,6 +26,7 @@ from hetnode.policy.kv_codec import OPERATOR_CHOICES
 log = logging.getLogger("hetnode.sim")
 
 SCHEDULER_NAMES = ("iwrr", "random", "shortest-queue", "swarm", "cls", "splitwise")
+LIKES = ("hetnode", "helix")  # settings.LIKES; repeated so that the parser need not import the simulator
 
 
 def _non_negative(value: str) -> float:
@@ -89,10 +90,18 @@ def add_arguments(p: argparse.ArgumentParser, *, clusters: Sequence[str] = ()) -
     p.add_argument("--slo-ttft", type=_positive, default=None, metavar="S", help="TTFT bound for SLO attainment")
     p.add_argument("--slo-tpot", type=_positive, default=None, metavar="S", help="TPOT bound for SLO attainment")
     p.add_argument("--slo-e2e", type=_positive, default=None, metavar="S", help="E2E bound for SLO attainment")
-    p.add_argument("--max-batch-tokens", type=int, default=8192, metavar="N",
-                   help="most tokens one node step carries (default: 8192, the runtime's)")
+    p.add_argument("--like", default="hetnode", choices=LIKES,
+                   help="named settings: hetnode (the runtime's behaviour, what predicts the testnet) or helix "
+                        "(Helix's simulator: vLLM's measured KV pools and per-step caps, whole prompts, its offline "
+                        "loop, its KV marks 0.85/0.9 and output ratios 1.0/0.6, one link message per item, its extra "
+                        "costs; docs/simulator.md). Options given below win over the setting's (default: hetnode)")
+    p.add_argument("--max-batch-tokens", type=int, default=None, metavar="N",
+                   help="most tokens one node step carries (default: the setting's; 8192, the runtime's)")
     p.add_argument("--high-water", type=float, default=None, metavar="F",
-                   help="the scheduler's KV high-water mark (default: the scheduler's)")
+                   help="the scheduler's KV high-water mark (default: the setting's, else the scheduler's)")
+    p.add_argument("--link-messages", default=None, choices=["step", "item"],
+                   help="one link message per step and next hop (the runtime's) or one per item (Helix's: one "
+                        "request at a time per idle link) (default: the setting's)")
     p.add_argument("--time-limit", type=_positive, default=None, metavar="S",
                    help="seconds the placement MILP may run (default: the planner's)")
     p.add_argument("--no-partial", action="store_true",
@@ -125,7 +134,8 @@ def run(args: argparse.Namespace, *, clusters_dir: Path) -> int:
     from hetnode.planner.plan import PlacementPlan
     from hetnode.planner.profile_sources import profile_table_for
     from hetnode.testnet.sim import workload as wl
-    from hetnode.testnet.sim.runner import SimOptions, measured_peak, simulate
+    from hetnode.testnet.sim.runner import measured_peak, simulate
+    from hetnode.testnet.sim.settings import options_like
 
     cluster = load_cluster(resolve_cluster(args.cluster, clusters_dir))
     model = model_spec(args.model)
@@ -162,10 +172,13 @@ def run(args: argparse.Namespace, *, clusters_dir: Path) -> int:
                           key="--warmup")
     slos = {k: v for k, v in (("ttft", args.slo_ttft), ("tpot", args.slo_tpot), ("e2e", args.slo_e2e)) if v}
     try:
-        options = SimOptions(max_batch_tokens=args.max_batch_tokens, high_water=args.high_water,
-                             kv_codec=args.kv_codec, kv_transfer=args.kv_transfer)
+        options = options_like(args.like, offline=args.offline, max_batch_tokens=args.max_batch_tokens,
+                               high_water=args.high_water, link_messages=args.link_messages,
+                               kv_codec=args.kv_codec, kv_transfer=args.kv_transfer)
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
+    if args.like != "hetnode":
+        _say(args, f"settings: like {args.like}")
     if args.offline:
         workload = wl.offline(trace)
     else:
@@ -228,6 +241,12 @@ def format_summary(result: Any) -> str:
         row = s["latency"][key]
         cells = "".join(f"{_num(row[q]):>9}" for q in ("mean", "p50", "p90", "p99"))
         lines.append(f"  {key:<10}{cells}")
+    helix = s.get("helix_latency")
+    if helix:
+        lines.append("Helix's (s)          mean      p50      p95")
+        for key, label in (("prompt", "prompt"), ("decode_step", "decode/step")):
+            row = helix[key]
+            lines.append(f"  {label:<12}" + "".join(f"{_num(row[q]):>9}" for q in ("mean", "p50", "p95")))
     if s["slo_attainment"]:
         lines.append("SLO          " + ", ".join(f"{k} {v:.1%}" for k, v in s["slo_attainment"].items()))
     lines.append(f"nodes        mean utilization {s['node_utilization_mean']:.1%}, peak KV {s['kv_peak_max']:.1%}, "

@@ -206,11 +206,15 @@ class SimCoordinator:
         self.inflight = 0  # admitted and not finished
         self.finished = 0
         self.on_finish: Callable[[float], None] | None = None  # the offline workload's closed loop
+        self.on_token: Callable[[float], None] | None = None  # Helix's offline loop: called per token counted
         # Tokens over time and inside the measured window.
         self.decode_bins: list[float] = []  # tokens generated per bin
         self.prompt_bins: list[float] = []  # prompt tokens whose prefill completed per bin
         self.window_generated = 0
         self.window_prompt = 0
+        # Every gap between two tokens of a request that ended inside the window: Helix's decode latency is
+        # their mean (a per-step average, so long requests weigh more than in the per-request TPOT).
+        self.decode_gaps: list[float] = []
         # The coordinator as one server: seconds to start a request and to handle one returned item, and when
         # it is next free.
         self.request_s = request_s
@@ -411,8 +415,12 @@ class SimCoordinator:
                 if gap > r.max_tbt:
                     r.max_tbt = gap
                 r.last_token = now
+                if self.window[0] <= now < self.window[1]:
+                    self.decode_gaps.append(gap)
             if self.lifecycle.ends(r.received, r.output_len, False):
                 self._finish(r, now)
+            if self.on_token is not None:
+                self.on_token(now)
         if produced:
             self._count(now, produced, prompt_done)
 

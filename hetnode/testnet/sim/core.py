@@ -69,8 +69,10 @@ class Network:
 
 
 class Simulation:
-    def __init__(self, network: Network, events: EventQueue | None = None) -> None:
+    def __init__(self, network: Network, events: EventQueue | None = None, *, per_item: bool = False) -> None:
         self.network = network
+        # One link message per item rather than per step and next hop (SimOptions.link_messages "item").
+        self.per_item = per_item
         self.nodes = network.nodes
         self.events = events or EventQueue()
         self.coordinator: SimCoordinator | None = None
@@ -89,6 +91,10 @@ class Simulation:
     def send(self, src: int, dst: int, items: list[Any], now: float) -> None:
         """One message of `items` from endpoint src to dst, over their link's FIFO queue."""
         net = self.network
+        if self.per_item and len(items) > 1 and dst != net.coordinator:
+            for item in items:  # each queued on the link behind the one before, arriving on its own
+                self.send(src, dst, [item], now)
+            return
         link = net.table[src][dst] or net.link(src, dst)
         n = len(items)
         if dst == net.coordinator:  # one sampled token (or a chunk's done) per item
@@ -108,6 +114,10 @@ class Simulation:
             # before that loop forms its next step: the tokens join the very next step (this runs inside the
             # node's STEP_DONE, before it forms one).
             self.nodes[dst].queue.extend(items)
+            return
+        if self.per_item and len(items) > 1:
+            for item in items:
+                self.send_ids(src, dst, [item], now)
             return
         link = net.table[src][dst] or net.link(src, dst)
         arrive = link.send(now, sum(map(_NTOK, items)), len(items), 0, net.window, TOKEN_BYTES)

@@ -9,6 +9,10 @@ latency figures cover the requests that arrived inside it.
 - TPOT: (last token - first token) / (tokens - 1), the mean time between tokens of one request (TBT); the
   longest single gap is `max_tbt`.
 - E2E: arrival to the last token. Queue: arrival to the scheduler's admission.
+- Helix's latencies, beside ours (`summary["helix_latency"]`): prompt latency, from a request's admission to its
+  first token (no scheduler queueing), over the requests whose first token came inside the window; decode
+  latency, every gap between two tokens that came inside the window, averaged over those steps (TPOT averages
+  per request first, so a short request weighs as much as a long one).
 - SLO attainment: the fraction of the window's requests within every given bound (a request that never
   finished, or that the scheduler refused, meets none).
 - Requests: `measured` arrived inside the window; of those, `finished`, `rejected` (refused by the scheduler:
@@ -126,6 +130,15 @@ def percentiles(values: Sequence[float]) -> dict[str, float | None]:
     p50, p90, p99 = np.percentile(xs, [50, 90, 99])
     return {"count": int(xs.size), "mean": float(xs.mean()), "p50": float(p50), "p90": float(p90),
             "p99": float(p99), "max": float(xs.max())}
+
+
+def step_percentiles(values: Sequence[float]) -> dict[str, float | None]:
+    """mean, p50 and p95 as Helix's simulator reports its latencies (p95 rather than p90/p99)."""
+    xs = np.asarray([v for v in values if not math.isnan(v)], dtype=float)
+    if xs.size == 0:
+        return {"count": 0, "mean": None, "p50": None, "p95": None}
+    p50, p95 = np.percentile(xs, [50, 95])
+    return {"count": int(xs.size), "mean": float(xs.mean()), "p50": float(p50), "p95": float(p95)}
 
 
 def slo_attainment(records: Iterable[RequestRecord], slos: Mapping[str, float]) -> dict[str, float | None]:

@@ -75,6 +75,7 @@ class SimNode:
         "busy_bins",
         "busy_s",
         "context_s",
+        "copy_s",
         "decode_curve",
         "decode_memo",
         "device",
@@ -113,6 +114,7 @@ class SimNode:
         "segments",
         "single",
         "single_len",
+        "solo_factor",
         "steps",
         "tokens",
         "track_throughput",
@@ -124,7 +126,8 @@ class SimNode:
     def __init__(self, index: int, name: str, device: str, profile: DeviceProfile, first_layer: int,
                  last_layer: int, *, kv_capacity_tokens: int, block_size: int, max_batch_tokens: int,
                  window: tuple[float, float], bin_s: float, mixed_steps: str = "sum",
-                 min_chunk: int = MIN_CHUNK, admit_oversized: bool = False,
+                 min_chunk: int = MIN_CHUNK, admit_oversized: bool = False, max_prompts: int | None = None,
+                 max_decodes: int | None = None, solo_decode_factor: float = 1.0, first_layer_copy_s: float = 0.0,
                  policy: Callable[[KVLedger, BatchConfig], BatchPolicy] = BatchPolicy) -> None:
         if not 0 <= first_layer <= last_layer:
             raise ValueError(f"node {name}: bad layer range [{first_layer}, {last_layer})")
@@ -147,7 +150,15 @@ class SimNode:
         self.ledger = KVLedger(self.kv_capacity, block_size)
         # The runtime's batch policy, or another design's (the same factory `BatchLoop` takes).
         self.policy = policy(self.ledger, BatchConfig(max_batch_tokens=max_batch_tokens, min_chunk=min_chunk,
-                                                      admit_oversized=admit_oversized))
+                                                      admit_oversized=admit_oversized, max_prompts=max_prompts,
+                                                      max_decodes=max_decodes))
+        # Costs outside the per-layer tables that Helix's simulator charges (1.0 and 0.0 charge nothing): a decode
+        # step of one item costs `solo_factor` times the table's, and the node holding layer 0 copies each token
+        # of a step in for `copy_s` seconds (its host-to-device input).
+        if not solo_decode_factor > 0 or not first_layer_copy_s >= 0:
+            raise ValueError(f"node {name}: solo_decode_factor must be > 0 and first_layer_copy_s >= 0")
+        self.solo_factor = solo_decode_factor
+        self.copy_s = first_layer_copy_s if first_layer == 0 else 0.0
         # (request, reason, cause) refused or preempted, for the coordinator's lifecycle policy
         self.failed: list[tuple[Any, str, Cause]] = []
         self.kv_pending = 0  # queued items waiting for KV (their kv_since is set)
@@ -262,6 +273,9 @@ class SimNode:
             if t is None:
                 t = self.decode_per_layer(n)
             dur: float = self.single_len * (t + self.context_s * (sum(map(_POS, batch)) + n))
+            if n == 1:
+                dur *= self.solo_factor
+            dur += self.copy_s * n
             self._account(now, dur, n, n, 0)
             return dur
         prompts = [r for r in batch if r.pf]
@@ -277,6 +291,9 @@ class SimNode:
                 dur = self._cost(b - a, ptok, n - len(prompts), batch, prompts)
             else:
                 dur = self._segmented(batch, slots)
+        if n == 1 and not ptok:
+            dur *= self.solo_factor
+        dur += self.copy_s * step.tokens
         self._account(now, dur, n, step.tokens, ptok)
         return dur
 

@@ -24,8 +24,9 @@ from hetnode.errors import ConfigError
 from hetnode.planner.cluster import ClusterSpec
 from hetnode.planner.costmodel import MEMORY_EFFICIENCY
 from hetnode.planner.model import ModelSpec
+from hetnode.planner.node_limits import limits_for
 from hetnode.planner.plan import PlacementPlan
-from hetnode.planner.profile import ProfileTable, kv_tokens
+from hetnode.planner.profile import ProfileTable, node_kv_tokens
 from hetnode.policy import MIN_CHUNK
 from hetnode.policy.kv_codec import AUTO, OPERATOR_CHOICES
 from hetnode.testnet.sim.coordinator import Scheduler, SimCoordinator, SimRequest
@@ -40,11 +41,15 @@ from hetnode.testnet.sim.metrics import (
     TimeSeries,
     percentiles,
     slo_attainment,
+    step_percentiles,
 )
 from hetnode.testnet.sim.node import MIXED_STEPS, SimNode
+from hetnode.testnet.sim.offline_loop import OfflineLoop
 from hetnode.testnet.sim.workload import Trace, Workload, offline
 
 SCHEDULERS = ("iwrr", "random", "shortest-queue", "swarm", "cls", "splitwise")
+KV_POOLS = ("estimate", "measured")  # a node's KV: memory minus weights, or the profile's measured pool
+LINK_MESSAGES = ("step", "item")  # one message per step and next hop, or one per item
 NAN = math.nan
 
 
@@ -80,6 +85,29 @@ class SimOptions:
     kv_codec: str = AUTO
     kv_transfer: str | TransferMode = field(default=POLICY, hash=False)
     kv_codec_rates: Mapping[str, tuple[float, float]] | None = field(default=None, hash=False)
+    # -- what Helix's simulator does differently (settings.py names them together as `--like helix`) --
+    # A node's KV where the cluster file gives none: "estimate" (memory minus weights, `kv_tokens`) or
+    # "measured" (the profile's measured pool, node_limits.py, where it has one for the node's layer count).
+    kv_pool: str = "estimate"
+    # Per-step request caps from the profile's measured limits (Helix's prompt_max_requests and
+    # decode_max_tokens); off: only the token budget bounds a step.
+    step_caps: bool = False
+    # The KV estimate charges each request this share of the expected output (the scheduler's output_ratio).
+    output_ratio: float = 1.0
+    # The expected output the KV estimate starts from (None: the workload's mean), and whether the scheduler
+    # then follows the outputs that end (the runtime's) or keeps it (Helix's: 240 tokens, fixed).
+    output_len: float | None = None
+    learn_output: bool = True
+    # Offline: Helix's loop (start N, add while the estimated KV use allows) instead of the backlog loop.
+    offline_loop: OfflineLoop | None = None
+    # "step": a node sends a step's items for one next hop as one message (the runtime's hops); "item": one
+    # message per item, each queued on the link behind the last (Helix's simulator sends one request at a
+    # time per idle link, so a receiving node often starts a step with one item).
+    link_messages: str = "step"
+    # Costs outside the profile tables that Helix's simulator charges: a one-item decode step costs this many
+    # times the table's, and the node holding layer 0 spends this long per token copying its input in.
+    solo_decode_factor: float = 1.0
+    first_layer_copy_s: float = 0.0
 
     def __post_init__(self) -> None:
         if (self.max_batch_tokens < 1 or self.block_size < 1 or self.drain_s < 0
@@ -96,6 +124,12 @@ class SimOptions:
         if not callable(self.kv_transfer) and self.kv_transfer not in TRANSFER_MODES:
             raise ConfigError(f"kv_transfer must be one of {', '.join(TRANSFER_MODES)} or a callable, not "
                               f"{self.kv_transfer!r}")
+        if self.kv_pool not in KV_POOLS:
+            raise ConfigError(f"kv_pool must be one of {', '.join(KV_POOLS)}, not {self.kv_pool!r}")
+        if self.link_messages not in LINK_MESSAGES:
+            raise ConfigError(f"link_messages must be one of {', '.join(LINK_MESSAGES)}, not {self.link_messages!r}")
+        if not 0 < self.output_ratio < math.inf or not self.solo_decode_factor > 0 or not self.first_layer_copy_s >= 0:
+            raise ConfigError(f"output_ratio and solo_decode_factor must be > 0, first_layer_copy_s >= 0: {self}")
         for codec, rates in (self.kv_codec_rates or {}).items():
             if len(rates) != 2 or not all(x > 0 for x in rates):
                 raise ConfigError(f"the rates of codec {codec} must be two positive numbers, not {rates}")
@@ -124,6 +158,10 @@ def make_runtime_scheduler(name: str, plan: PlacementPlan, nodes: Mapping[str, S
         kwargs["high_water"] = options.high_water
     if options.queue_limit is not None:
         kwargs["queue_limit"] = options.queue_limit
+    if options.output_ratio != 1.0:
+        kwargs["output_ratio"] = options.output_ratio
+    if not options.learn_output:
+        kwargs["learn_output"] = False
     if name == "shortest-queue":
         kwargs["queue_len"] = lambda node: float(nodes[node].queued_tokens())
     if name == "swarm":
@@ -162,21 +200,28 @@ def simulate(cluster: ClusterSpec, model: ModelSpec, profiles: ProfileTable, pla
             continue
         first, last = ranges[spec.name]
         profile = profiles.for_node(spec.name, spec.device)
-        cap = (opts.kv_capacity or {}).get(spec.name, kv_tokens(profile.memory_bytes, model, last - first))
+        cap = (opts.kv_capacity or {}).get(spec.name)
+        if cap is None:
+            cap = node_kv_tokens(profile, model, last - first, measured=opts.kv_pool == "measured")
         kv_capacity[spec.name] = cap
+        caps = limits_for(profile.limits, last - first) if opts.step_caps else None
         nodes.append(SimNode(len(nodes), spec.name, spec.device, profile, first, last, kv_capacity_tokens=cap,
                              block_size=opts.block_size, max_batch_tokens=opts.max_batch_tokens, window=window,
                              bin_s=bin_s, mixed_steps=opts.mixed_steps, min_chunk=opts.min_chunk,
-                             admit_oversized=opts.admit_oversized))
+                             admit_oversized=opts.admit_oversized,
+                             max_prompts=caps.max_prompts if caps else None,
+                             max_decodes=caps.max_decodes if caps else None,
+                             solo_decode_factor=opts.solo_decode_factor, first_layer_copy_s=opts.first_layer_copy_s))
     unknown = set(ranges) - {n.name for n in nodes}
     if unknown:
         raise ConfigError(f"the plan places layers on {', '.join(sorted(unknown))}, not in cluster {cluster.name}")
     by_name = {n.name: n for n in nodes}
 
     network = Network(cluster, model, nodes, window)
-    sim = Simulation(network)
+    sim = Simulation(network, per_item=opts.link_messages == "item")
     if isinstance(scheduler, str):
-        sched = make_runtime_scheduler(scheduler, plan, by_name, seed=seed, avg_output_len=workload.mean_output,
+        expected = workload.mean_output if opts.output_len is None else opts.output_len
+        sched = make_runtime_scheduler(scheduler, plan, by_name, seed=seed, avg_output_len=expected,
                                        kv_capacity=kv_capacity, options=opts,
                                        regions={s.name: s.region for s in cluster.nodes})
         scheduler_name = str(getattr(sched, "name", scheduler))
@@ -194,7 +239,9 @@ def simulate(cluster: ClusterSpec, model: ModelSpec, profiles: ProfileTable, pla
     sim.coordinator = coord
 
     inputs, outputs = workload.inputs, workload.outputs
-    if workload.offline:
+    if workload.offline and opts.offline_loop is not None:
+        _kv_bound_loop(coord, sched, workload, duration_s, opts.offline_loop)
+    elif workload.offline:
         _closed_loop(coord, workload, duration_s, _auto_inflight(workload, kv_capacity))
     else:
         def on_arrival(i: int, now: float) -> None:
@@ -223,10 +270,15 @@ def simulate(cluster: ClusterSpec, model: ModelSpec, profiles: ProfileTable, pla
     end = max(end, duration_s)
     wall = time.perf_counter() - wall0
 
+    description = workload.description
+    if workload.offline and opts.offline_loop is not None:
+        loop = opts.offline_loop
+        description = (f"offline, Helix's loop: {loop.start} requests, then one per {loop.every} while the "
+                       f"estimated KV use ({loop.measure}) <= {loop.kv_use:g}; lengths from {workload.name}")
     config = {
         "cluster": cluster.name, "model": model.name, "method": plan.method, "plan_max_flow": plan.max_flow,
         "scheduler": scheduler_name, "profiles": profiles.source, "workload": workload.name,
-        "workload_description": workload.description, "offline": workload.offline,
+        "workload_description": description, "offline": workload.offline,
         "rate": None if workload.offline else workload.rate, "duration_s": duration_s, "warmup_s": warmup_s,
         "seed": seed, "slos": dict(slos or {}),
         **{f"option_{k}": _option(v) for k, v in asdict(opts).items()},
@@ -293,6 +345,39 @@ def _closed_loop(coord: SimCoordinator, workload: Workload, duration_s: float, m
 
     coord.on_finish = top_up
     top_up(0.0)
+
+
+def _kv_bound_loop(coord: SimCoordinator, sched: Scheduler, workload: Workload, duration_s: float,
+                   loop: OfflineLoop) -> None:
+    """Helix's offline loop (offline_loop.py): `loop.start` requests at 0, then at each token (or finish) new
+    ones while the scheduler's KV estimate allows; it stops at one the scheduler had to queue."""
+    estimate = getattr(sched, "kv_estimate", None)
+    if estimate is None:
+        raise ConfigError(f"Helix's offline loop reads the scheduler's KV estimate; {type(sched).__name__} has none")
+    n = len(workload)
+    counter = [0]
+
+    def start(now: float) -> bool:
+        i = counter[0]
+        counter[0] += 1
+        r = SimRequest(i, now, workload.inputs[i % n], workload.outputs[i % n])
+        coord.arrive(r, now)
+        return not coord.waiting and not r.rejected
+
+    def top_up(now: float) -> None:
+        added = 0
+        while now < duration_s and not coord.waiting and loop.admits(
+                loop.use((k.tokens, k.capacity) for k in estimate().values()), added):
+            added += 1
+            if not start(now):
+                return
+
+    if loop.every == "token":
+        coord.on_token = top_up
+    else:
+        coord.on_finish = top_up
+    for _ in range(loop.start):
+        start(0.0)
 
 
 # -- results ----------------------------------------------------------------------------------------------
@@ -378,6 +463,11 @@ def _summary(records: list[RequestRecord], nodes: list[NodeStats], links: list[L
         "prompt_throughput": coord.window_prompt / length,  # prompt tokens/s
         "request_throughput": sum(1 for r in records if r.finished and window[0] <= r.finish < window[1]) / length,
         "latency": {m: percentiles([getattr(r, m) for r in done]) for m in LATENCY_METRICS},
+        "helix_latency": {
+            "prompt": step_percentiles([r.first_token - r.admitted for r in records
+                                        if window[0] <= r.first_token < window[1]]),
+            "decode_step": step_percentiles(coord.decode_gaps),
+        },
         "slo_attainment": slo_attainment(measured, slos),
         "mean_depth": sum(r.depth for r in done) / len(done) if done else None,
         "node_utilization_mean": sum(n.utilization for n in used) / len(used) if used else 0.0,

@@ -1,0 +1,61 @@
+"""Named settings of the simulator: `hetnode sim --like NAME` is these `SimOptions` fields, nothing more.
+
+- "hetnode" (the default): the runtime's own behaviour, the settings that predict the testnet best
+  (scripts/validate_sim.py): KV as memory minus weights (or the pool a cluster file or the testnet gives), a
+  token budget per step with prompts chunked to it, the backlog offline loop, one message per step and hop.
+- "helix": what Helix's public simulator does (its artifact, read side by side; issue 13), for reproducing
+  figures that came from it: each node's KV pool as vLLM allocated it and its per-step caps
+  (`vllm_capacity.csv`, `step_caps`), whole prompts (no token budget to chunk them: the caps bound a step),
+  its offline loop (20 requests, then one per generated token while the estimated KV use is <= 0.8), its KV
+  high-water marks and output-length ratios (0.85 and 1.0 offline, 0.9 and 0.6 online) on a fixed expected
+  output of 240 tokens (it does not learn from the outputs that end), one message per item
+  on a link, and its costs outside the layer tables (a one-item decode step twice the table's, 7.4 us per token
+  to copy a step's input in at layer 0).
+
+Every field is a plain `SimOptions` field that can also be set alone; `options_like(name, offline, **more)`
+builds the options, later keywords winning. The batch caps and marks are the runtime's own policy settings
+(`BatchConfig.max_prompts/max_decodes`, the scheduler's `high_water` and `output_ratio`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from hetnode.errors import ConfigError
+from hetnode.testnet.sim.offline_loop import OfflineLoop
+from hetnode.testnet.sim.runner import SimOptions
+
+LIKES = ("hetnode", "helix")
+WHOLE_PROMPTS = 1 << 30  # a token budget no step reaches: prompts run whole, the step caps bound a step
+
+_HELIX: dict[str, Any] = {
+    "kv_pool": "measured",
+    "step_caps": True,
+    "max_batch_tokens": WHOLE_PROMPTS,
+    "link_messages": "item",
+    "solo_decode_factor": 2.0,
+    "first_layer_copy_s": 7.4e-6,
+    "output_len": 240.0,
+    "learn_output": False,
+}
+_HELIX_OFFLINE: dict[str, Any] = {"high_water": 0.85, "output_ratio": 1.0, "offline_loop": OfflineLoop()}
+_HELIX_ONLINE: dict[str, Any] = {"high_water": 0.9, "output_ratio": 0.6}
+
+
+def like(name: str, *, offline: bool) -> dict[str, Any]:
+    """The `SimOptions` fields that setting `name` sets, for an offline or an online run."""
+    if name == "hetnode":
+        return {}
+    if name == "helix":
+        return {**_HELIX, **(_HELIX_OFFLINE if offline else _HELIX_ONLINE)}
+    raise ConfigError(f"unknown simulator setting {name!r}; known: {', '.join(LIKES)}", key="--like")
+
+
+def options_like(name: str, *, offline: bool, **more: Any) -> SimOptions:
+    """SimOptions of setting `name`, with the fields in `more` set on top (None in `more`: the setting's)."""
+    fields: Mapping[str, Any] = {**like(name, offline=offline), **{k: v for k, v in more.items() if v is not None}}
+    try:
+        return SimOptions(**fields)
+    except TypeError as exc:
+        raise ConfigError(f"bad simulator option: {exc}") from exc

@@ -1,0 +1,137 @@
+"""`--like helix`: named settings only (the same as passing them), Helix's offline loop, the output estimate."""
+
+from __future__ import annotations
+
+import json
+from itertools import pairwise
+from pathlib import Path
+
+import pytest
+
+from hetnode.cli import main
+from hetnode.coordinator.scheduler import OutputLength
+from hetnode.errors import ConfigError
+from hetnode.planner.cluster import load_cluster
+from hetnode.planner.model import model_spec
+from hetnode.planner.plan import PlacementPlan
+from hetnode.planner.profile_sources import profile_table_for
+from hetnode.testnet.sim import SimOptions, load_trace, offline, simulate
+from hetnode.testnet.sim.offline_loop import OfflineLoop
+from hetnode.testnet.sim.settings import like, options_like
+
+ROOT = Path(__file__).resolve().parents[2]
+CLUSTER = ROOT / "hetnode" / "testnet" / "clusters" / "helix-single.toml"
+# Helix's ILP placement for helix-single (the data folder's plan), enough of it to run: one pipeline.
+PIPELINE = [("t4-7", 0, 3), ("l4-4", 3, 7), ("l4-0", 7, 11), ("t4-8", 11, 14), ("a100-3", 14, 23),
+            ("l4-7", 23, 30), ("a100-1", 30, 42), ("l4-3", 42, 49), ("t4-11", 49, 53), ("l4-1", 53, 60),
+            ("a100-2", 60, 68), ("a100-0", 68, 77), ("t4-2", 77, 80)]
+
+
+def _plan() -> PlacementPlan:
+    names = [n for n, _, _ in PIPELINE]
+    flows = ([{"from": "source", "to": names[0], "flow": 100.0}]
+             + [{"from": a, "to": b, "flow": 100.0} for a, b in pairwise(names)]
+             + [{"from": names[-1], "to": "sink", "flow": 100.0}])
+    return PlacementPlan.from_json({
+        "cluster": "helix-single", "model": "llama-70b", "num_layers": 80, "method": "helix", "max_flow": 100.0,
+        "placements": [{"node": n, "first_layer": a, "last_layer": b} for n, a, b in PIPELINE], "flows": flows})
+
+
+def _run(options: SimOptions) -> dict[str, object]:
+    cluster = load_cluster(CLUSTER)
+    model = model_spec("llama-70b")
+    result = simulate(cluster, model, profile_table_for(cluster, model, "helix"), _plan(),
+                      workload=offline(load_trace("conv")), duration_s=40.0, warmup_s=5.0, options=options)
+    summary: dict[str, object] = result.summary
+    return summary
+
+
+def test_like_helix_is_exactly_its_named_settings() -> None:
+    explicit = SimOptions(kv_pool="measured", step_caps=True, max_batch_tokens=1 << 30, link_messages="item",
+                          solo_decode_factor=2.0, first_layer_copy_s=7.4e-6, output_len=240.0, learn_output=False,
+                          high_water=0.85, output_ratio=1.0, offline_loop=OfflineLoop(start=20, kv_use=0.8))
+    assert options_like("helix", offline=True) == explicit
+    # The same run either way, and not the default's.
+    assert _run(options_like("helix", offline=True)) == _run(explicit)
+    assert _run(options_like("helix", offline=True)) != _run(SimOptions())
+
+
+def test_helix_online_marks_and_overrides() -> None:
+    online = like("helix", offline=False)
+    assert (online["high_water"], online["output_ratio"]) == (0.9, 0.6) and "offline_loop" not in online
+    assert options_like("helix", offline=False, link_messages="step").link_messages == "step"
+    assert options_like("hetnode", offline=True) == SimOptions()
+
+
+def test_an_unknown_setting_is_a_config_error_naming_it() -> None:
+    with pytest.raises(ConfigError, match=r"unknown simulator setting 'vllm'.*hetnode, helix"):
+        like("vllm", offline=True)
+
+
+# -- Helix's offline loop --------------------------------------------------------------------------------------
+
+
+def test_offline_loop_admission_by_token_adds_one_per_completion() -> None:
+    loop = OfflineLoop(start=20, kv_use=0.8)
+    assert loop.admits(0.5, 0) and not loop.admits(0.5, 1)  # one per token
+    assert loop.admits(0.8, 0) and not loop.admits(0.81, 0)  # "at or under 0.8"
+    by_finish = OfflineLoop(every="finish")
+    assert by_finish.admits(0.5, 7) and not by_finish.admits(0.9, 0)
+
+
+def test_offline_loop_measures_the_fullest_node_or_the_total() -> None:
+    nodes = [(80.0, 100), (10.0, 100), (5.0, None)]  # an unlimited node does not count
+    assert OfflineLoop().use(nodes) == pytest.approx(0.8)
+    assert OfflineLoop(measure="total").use(nodes) == pytest.approx(0.45)
+    assert OfflineLoop().use([]) == 0.0
+
+
+@pytest.mark.parametrize("bad", [{"start": 0}, {"kv_use": 0.0}, {"kv_use": 1.5}, {"every": "step"},
+                                 {"measure": "mean"}])
+def test_offline_loop_refuses_bad_settings(bad: dict[str, object]) -> None:
+    with pytest.raises(ValueError):
+        OfflineLoop(**bad)  # type: ignore[arg-type]
+
+
+def test_helix_offline_loop_keeps_the_estimate_under_its_bound_and_queues_nothing() -> None:
+    summary = _run(options_like("helix", offline=True))
+    requests = summary["requests"]
+    assert isinstance(requests, dict)
+    assert requests["still_queued"] == 0 and requests["arrived"] > 20
+
+
+# -- the scheduler's output estimate ---------------------------------------------------------------------------
+
+
+def test_output_estimate_ratio_and_fixed_length() -> None:
+    learned = OutputLength(240.0, ratio=0.6)
+    assert learned.mean == pytest.approx(144.0)
+    learned.add(40.0)
+    assert learned.mean < 144.0  # learns
+    fixed = OutputLength(240.0, ratio=0.6, learn=False)
+    fixed.add(40.0)
+    assert fixed.mean == pytest.approx(144.0)
+    with pytest.raises(ValueError):
+        OutputLength(240.0, ratio=0.0)
+
+
+# -- the command line ------------------------------------------------------------------------------------------
+
+
+def test_cli_like_helix_runs_and_reports_helix_latencies(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps(_plan().to_json()))
+    code = main(["sim", "--cluster", str(CLUSTER), "--model", "llama-70b", "--profile", "helix", "--plan", str(plan),
+                 "--offline", "--duration", "30", "--warmup", "5", "--like", "helix", "--progress", "off", "--json"])
+    assert code == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["config"]["option_kv_pool"] == "measured" and out["config"]["option_high_water"] == 0.85
+    assert "Helix's loop" in out["config"]["workload_description"]
+    assert out["summary"]["helix_latency"]["decode_step"]["count"] > 0
+
+
+def test_cli_unknown_like_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["sim", "--cluster", str(CLUSTER), "--model", "llama-70b", "--like", "vllm"])
+    assert info.value.code == 2
+    assert "invalid choice: 'vllm'" in capsys.readouterr().err
