@@ -11,8 +11,9 @@ best upper bound:
 1. the four heuristics: the best (every node placed: a node a heuristic leaves out takes one layer where
    coverage is least, which never lowers a max flow) is the incumbent, and the warm start;
 2. stage placements (stages.py): the best placement in which consecutive groups of nodes hold whole stages,
-   by device class (a decomposition of the compute problem), and on a multi-region cluster region by region
-   with the links between the regions checked;
+   by device class (a decomposition of the compute problem), and on a multi-region cluster branch placements
+   (branches.py: regions side by side, each running the first layers on its share of the flow and feeding one
+   region's tail) and then region by region, in series, with the links between the regions checked;
 3. local search (local_search.py) from the best placement and from the best heuristic's;
 4. the coverage bound (coverage.py): a proof that no placement carries the next level, first asked at the
    best flow plus the gap;
