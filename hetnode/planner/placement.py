@@ -11,8 +11,9 @@ best upper bound:
 1. the four heuristics: the best (every node placed: a node a heuristic leaves out takes one layer where
    coverage is least, which never lowers a max flow) is the incumbent, and the warm start;
 2. stage placements (stages.py): the best placement in which consecutive groups of nodes hold whole stages,
-   by device class (a decomposition of the compute problem), and on a multi-region cluster region by region
-   with the links between the regions checked;
+   by device class (a decomposition of the compute problem), and on a multi-region cluster branch placements
+   (branches.py: regions side by side, each running the first layers on its share of the flow and feeding one
+   region's tail) and then region by region, in series, with the links between the regions checked;
 3. local search (local_search.py) from the best placement and from the best heuristic's;
 4. the coverage bound (coverage.py): a proof that no placement carries the next level, first asked at the
    best flow plus the gap;
@@ -78,6 +79,7 @@ from dataclasses import dataclass, field
 from hetnode.errors import ConfigError
 from hetnode.planner import flowgraph
 from hetnode.planner.bounds import region_flow_bound
+from hetnode.planner.branches import Branches, branch_placements
 from hetnode.planner.cluster import ClusterSpec
 from hetnode.planner.coverage import assign, assign_ranges, coverage_search, least_coverage
 from hetnode.planner.flowgraph import FlowResult
@@ -253,14 +255,14 @@ class Techniques:
 # Shares of the time limit: stage placements (device classes, then regions), local search (per start),
 # coverage bound. The neighbourhood search and the §4.4 model get what is left. With a work limit they are
 # not used: every step runs to its limit in WORK.
-SHARES = {"stages": 0.1, "stages_with_regions": 0.05, "regional": 0.4, "local": 0.08, "coverage": 0.1}
+SHARES = {"stages": 0.1, "stages_with_regions": 0.05, "branches": 0.15, "regional": 0.4, "local": 0.08, "coverage": 0.1}
 # Deterministic limits of each step (search states, branch-and-bound nodes, flow evaluations per node of the
 # cluster), so that what a step returns depends on its inputs only: the clock decides how many steps run
 # (without a work limit), never what one of them finds. Sized so that on one core of this project's machine
 # each step usually ends on its own limit well inside its time share (a step the clock does cut short is
 # the exception, and its note says so).
-WORK = {"stage_states": 2_000_000, "coverage_nodes": 50, "coverage_steps": 4, "local_per_node": 250,
-        "round_local_per_node": 150, "neighbourhood_nodes": 100, "milp_nodes_per_round": 1000}
+WORK = {"stage_states": 2_000_000, "branch_states": 1_000_000, "coverage_nodes": 50, "coverage_steps": 4,
+        "local_per_node": 250, "round_local_per_node": 150, "neighbourhood_nodes": 100, "milp_nodes_per_round": 1000}
 
 
 Progress = Callable[[float, int, float], None]  # (seconds, rounds of the last phase so far, best flow)
@@ -408,12 +410,22 @@ class _Helix:
             def region_links(a: str, b: str) -> float:
                 return between[(a, b)]
 
+            # Regions side by side, feeding one region's tail (branches.py): what the regional stage search,
+            # which runs regions in series, cannot express (helix-geo-pruned: 6838 against its 6104-6312).
+            def on_branch(found: Branches) -> None:
+                if found.estimate > best_value * (1 + 1e-9):
+                    offer(complete(found.ranges, infos, layers), "branch placement")
+
+            branch_placements(infos, layers, link=region_links, partial=partial, time_limit=self.share("branches"),
+                              step_limit=WORK["branch_states"], on_found=on_branch)
+
             def on_regional(ranges: Ranges, value: float) -> None:
                 offer(complete(ranges, infos, layers), "regional stage placement")
 
-            best_stage_placement(infos, layers, low=best_value, high=bound, precision=gap / 4,
-                                 region_links=region_links, on_found=on_regional,
-                                 time_limit=self.share("regional"), step_limit=WORK["stage_states"])
+            if not done():
+                best_stage_placement(infos, layers, low=best_value, high=bound, precision=gap / 4,
+                                     region_links=region_links, on_found=on_regional,
+                                     time_limit=self.share("regional"), step_limit=WORK["stage_states"])
 
         self.notes.append(f"stage placements done at {self.elapsed():.1f} s")
         # 3. local search, from the best placement so far and from the best heuristic's

@@ -64,14 +64,15 @@ def _classes(infos: Sequence[NodeInfo], by_region: bool) -> list[_Class]:
 
 def stage_placement(infos: Sequence[NodeInfo], num_layers: int, level: float, *, deadline: float,
                     region_links: Callable[[str, str], float] | None = None,
-                    steps: list[int] | None = None) -> tuple[str, Ranges | None]:
+                    steps: list[int] | None = None, last_min: int = 1) -> tuple[str, Ranges | None]:
     """("feasible", ranges) for a stage placement serving `level` tokens/s at every stage, ("infeasible",
     None) when there is none, ("unknown", None) when `deadline` (perf_counter) passes first or the search
     runs out of `steps` (a one-element list counting down the search states it may still expand: a
     deterministic limit, the same on a loaded machine as on an idle one).
 
     `region_links(a, b)`: tokens/s one link from region a to region b carries; given, stages stay within a
-    region and cross-region boundaries must carry `level`."""
+    region and cross-region boundaries must carry `level`. `last_min`: the last stage's group has at least
+    this many nodes (a branch's last group feeds another region's nodes, each over links of its own)."""
     classes = _classes(infos, region_links is not None)
     count = len(classes)
     rates = [c.best_rate for c in classes]
@@ -131,10 +132,11 @@ def stage_placement(infos: Sequence[NodeInfo], num_layers: int, level: float, *,
         They depend on `left` only through the region's classes (`mine`) and on `layer` only through whether
         the stage is the first or the last, so they are remembered by that key: most states of the search
         share them, and building them was 80% of its time (profiled on helix-geo-pruned)."""
-        key = (region, z, mine, layer == 0, layer + z == num_layers)
+        last = layer + z == num_layers
+        key = (region, z, mine, layer == 0, last)
         found = known.get(key)
         if found is None:
-            unique = {group: cost for m in sizes
+            unique = {group: cost for m in (range(last_min, last_min + 1) if last and last_min > 1 else sizes)
                       for cost, group in groups(layer, z, left, region if region_links is not None else None, m)}
             found = known[key] = [(group, cost, sum(n for _, n in group),
                                    sum(n * classes[c].t(z) for c, n in group)) for group, cost in unique.items()]
