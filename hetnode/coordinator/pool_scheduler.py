@@ -118,14 +118,14 @@ class PoolScheduler(SplitScheduler):
         usable = [i for i, r in enumerate(self._replicas) if not r.down and self._fits(r, need, avg)]
         if prefer is not None and self._pool[prefer] == MIXED and prefer in usable:
             return prefer
-        own = self._shortest_of([i for i in usable if self._pool[i] == kind], kind, need, avg, region)
+        own = self._shortest_of([i for i in usable if self._pool[i] == kind], avg, region)
         if own is not None and not self._over(own, kind, need):
             return own
         mixed = [i for i in usable if self._pool[i] == MIXED and not self._over(i, kind, need)]
-        best = self._shortest_of(mixed, kind, need, avg, region)
+        best = self._shortest_of(mixed, avg, region)
         if best is not None:
             return best
-        lend = self._shortest_of([i for i in usable if self._pool[i] == _other(kind)], kind, need, avg, region)
+        lend = self._shortest_of([i for i in usable if self._pool[i] == _other(kind)], avg, region)
         if lend is not None:
             self._pool[lend] = MIXED
             self._mixed_since[lend] = self._now
@@ -133,7 +133,7 @@ class PoolScheduler(SplitScheduler):
             return lend
         return own  # over its queue threshold, but nothing can take it sooner
 
-    def _shortest_of(self, candidates: list[int], kind: str, need: float, avg: float, region: str) -> int | None:
+    def _shortest_of(self, candidates: list[int], avg: float, region: str) -> int | None:
         """Join-the-shortest-queue on pending tokens, one in `region` first; ties to the first of the plan."""
         best: tuple[bool, float, int] | None = None
         for i in candidates:

@@ -12,9 +12,13 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from hetnode.argtypes import positive as _positive
 from hetnode.argtypes import positive_int as _positive_int
+
+if TYPE_CHECKING:
+    from hetnode.testnet.sim.provision import Design
 
 MACHINE_NAMES = ("8xa100-80g", "8xh100")
 
@@ -65,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
     workload = poisson(args.rate, lengths=load_trace(args.trace, length_filter=False), duration_s=args.duration,
                        seed=args.seed)
 
-    def one(prompt: int, token: int) -> object:
+    def one(prompt: int, token: int) -> Design:
         design = evaluate(args.prompt_machine, args.token_machine, prompt, token, model=model, profiles=profiles,
                           workload=workload, duration_s=args.duration, warmup_s=args.warmup,
                           scheduler=args.scheduler)
@@ -75,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
 
     print(f"provisioning {model.name} for {args.rate:g} req/s of {args.trace} ({profiles.source}); "
           f"prompt machines {args.prompt_machine}, token machines {args.token_machine}", file=sys.stderr)
-    best, designs = search(one, max_prompt=args.max_prompt, max_token=args.max_token,  # type: ignore[arg-type]
+    best, designs = search(one, max_prompt=args.max_prompt, max_token=args.max_token,
                            goal=args.goal)
     if args.picture:
         title = (f"{args.prompt_machine} prompt / {args.token_machine} token machines, {args.rate:g} req/s "
@@ -102,10 +106,7 @@ def run(args: argparse.Namespace) -> int:
     return 0 if best is not None else 1
 
 
-def _design_json(d: object) -> dict[str, object]:
-    from hetnode.testnet.sim.provision import Design
-
-    assert isinstance(d, Design)
+def _design_json(d: Design) -> dict[str, object]:
     return {"prompt": d.prompt, "token": d.token, "cost_per_hour": d.cost_per_hour, "power": d.power,
             "meets": d.meets, "worst": d.worst, "slowdowns": dict(d.slowdowns), "finished": d.finished,
             "arrived": d.arrived}
