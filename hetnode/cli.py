@@ -27,6 +27,7 @@ from hetnode.policy.kv_codec import OPERATOR_CHOICES
 from hetnode.policy.kv_transfer import TRANSFER_CHOICES, transfer_policy
 
 if TYPE_CHECKING:
+    from hetnode.coordinator.deployment import Plan
     from hetnode.planner.cluster import ClusterSpec
     from hetnode.planner.model import ModelSpec
     from hetnode.planner.profile import ProfileTable
@@ -90,8 +91,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="admission token nodes must present (env HETNODE_TOKEN; default: a random one, printed)")
     c.add_argument("--api-key", default=os.environ.get("HETNODE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on the REST API (env HETNODE_API_KEY)")
-    c.add_argument("--identity", type=Path, default=DEFAULT_HOME / "coordinator.key", metavar="PATH",
-                   help="Ed25519 identity key file, created on first run (default: ~/.hetnode/coordinator.key)")
+    c.add_argument("--identity", type=Path, default=None, metavar="PATH",
+                   help="Ed25519 identity key file, created on first run (default: coordinator.key in --state-dir, "
+                        "else ~/.hetnode/coordinator.key)")
+    c.add_argument("--state-dir", type=Path, default=None, metavar="DIR",
+                   help="keep the identity, admission token, API key, bound ports and last plan here, so that a "
+                        "restarted coordinator is the same peer at the same addresses and serves the plan its "
+                        "nodes still hold (default: keep nothing)")
     c.add_argument("--heartbeat-interval", type=_positive, default=1.0, metavar="S",
                    help="seconds between node heartbeats (default: 1)")
     c.add_argument("--heartbeat-deadline", type=_positive, default=5.0, metavar="S",
@@ -175,10 +181,17 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--kv-transfer", default="policy", choices=list(TRANSFER_CHOICES),
                     help="every node's --kv-transfer (default: policy)")
     _planning_args(up)
-    for name, help_ in (("down", "stop a detached testnet"), ("status", "show a detached testnet")):
+    for name, help_ in (("down", "stop a detached testnet"), ("status", "show a detached testnet"),
+                        ("restart", "restart one process of a detached testnet (after a crash, or to test one)")):
         p = tsub.add_parser(name, help=help_, description=help_.capitalize() + ".")
         p.add_argument("--state-dir", type=Path, default=DEFAULT_HOME / "testnet", metavar="DIR",
                        help="state directory of the testnet (default: ~/.hetnode/testnet)")
+        if name == "restart":
+            p.add_argument("name", metavar="NAME", help="'coordinator' or a node's name")
+            p.add_argument("--kill", action="store_true",
+                           help="SIGKILL it if it is running (default: SIGTERM, then SIGKILL after 10 s)")
+            p.add_argument("--ready-timeout", type=_positive, default=120.0, metavar="S",
+                           help="fail if it is not ready within this many seconds (default: 120)")
 
     pl = sub.add_parser("plan", help="plan layer placement over a cluster file and show the max-flow plan",
                         description="Place a model's layers on a cluster's nodes (Helix's max-flow MILP or a "
@@ -447,15 +460,24 @@ def _check_plan(path: str, cluster: ClusterSpec, model: ModelSpec, profiles: Pro
 async def _run_coordinator(args: argparse.Namespace) -> None:
     from hetnode.coordinator.api import build_app, serve_api
     from hetnode.coordinator.daemon import Coordinator, CoordinatorConfig
+    from hetnode.coordinator.state_dir import CoordinatorState, SavedPlan, StateDir, same_api_port, same_port
     from hetnode.protocol.identity import load_or_create_identity
     from hetnode.protocol.libp2p_transport import open_libp2p_transport
     from hetnode.runtime import announce_ready, maybe_shaped, parse_hostport, shutdown_on_signal
 
-    host, port = parse_hostport(args.api, "--api")
-    token = args.token
+    store = StateDir(args.state_dir) if args.state_dir is not None else None
+    saved = store.load() if store is not None else CoordinatorState()
+    listen = args.listen or ["/ip4/0.0.0.0/tcp/4001"]
+    api = args.api
+    if store is not None:
+        listen = [same_port(a, saved.listen) for a in listen]
+        api = same_api_port(api, saved.api)
+    host, port = parse_hostport(api, "--api")
+    token = args.token or saved.token
     if not token:
         token = secrets.token_urlsafe(16)
         print(f"no --token given; nodes must join with --token {token}", flush=True)
+    api_key = args.api_key or saved.api_key
     try:
         config = CoordinatorConfig(token=token, heartbeat_interval_s=min(args.heartbeat_interval,
                                                                           args.heartbeat_deadline / 3),
@@ -469,8 +491,8 @@ async def _run_coordinator(args: argparse.Namespace) -> None:
     planning = PlanningConfig(method=args.placement, scheduler=args.scheduler, time_limit_s=args.plan_time_limit,
                               split_workload=args.split_workload, reschedule_shift=args.reschedule_shift,
                               workload_window_s=args.workload_window)
-    key = load_or_create_identity(args.identity)
-    listen = args.listen or ["/ip4/0.0.0.0/tcp/4001"]
+    identity = args.identity or (store.identity if store is not None else DEFAULT_HOME / "coordinator.key")
+    key = load_or_create_identity(identity)
     serving = None
     if args.model.lower() != "none":
         from hetnode.models.resolve import load_config
@@ -490,13 +512,36 @@ async def _run_coordinator(args: argparse.Namespace) -> None:
                                                    planning=planning)
             generator.kv_codecs = KVCodecPolicy(args.kv_codec)
             routes = openai_routes(generator)
-        app = build_app(coordinator, api_key=args.api_key, extra_routes=routes)
+            deployment = coordinator.deployment
+            assert deployment is not None
+            if store is not None:
+                if saved.plan is not None:
+                    from hetnode.planner.plan import PlacementPlan
+
+                    try:
+                        placement = PlacementPlan.from_json(saved.plan.placement)
+                    except (KeyError, TypeError, ValueError) as exc:
+                        raise ConfigError(f"unreadable saved plan: {exc!r}", file=str(store.state_file),
+                                          key="plan") from exc
+                    # Nodes rejoin within a heartbeat deadline or two of the coordinator coming back.
+                    deployment.restore(placement, saved.plan.version, wait_s=3 * args.heartbeat_deadline)
+
+                def keep(plan: Plan) -> None:
+                    saved.plan = SavedPlan(plan.version, plan.placement.to_json())
+                    store.save(saved)
+
+                deployment.on_serving = keep
+        app = build_app(coordinator, api_key=api_key, extra_routes=routes)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(partial(shutdown_on_signal, nursery.cancel_scope, lifeline_fd=args.lifeline_fd))
             await nursery.start(coordinator.run)
             url = await nursery.start(serve_api, app, host, port)
             log.info("coordinator %s listening on %s; API at %s", transport.peer_id,
                      " ".join(transport.listen_addrs()), url)
+            if store is not None:
+                saved.token, saved.api_key = token, api_key
+                saved.listen, saved.api = transport.listen_addrs(), url.removeprefix("http://")
+                store.save(saved)
             announce_ready(args.ready_fd, role="coordinator", peer_id=transport.peer_id,
                            addrs=transport.listen_addrs(), api=url)
 

@@ -155,6 +155,14 @@ def _short(node: str, names: dict[str, str]) -> str:
     return names.get(node, node)
 
 
+def _fits(placement: PlacementPlan, spec: ModelSpec, method: str, members: list[NodeRecord]) -> bool:
+    """Whether `placement` can serve as it is: made by `method` for this model, every node it places among
+    `members`."""
+    up = {str(r.peer_id) for r in members}
+    return (placement.method == method and placement.model == spec.name and placement.num_layers == spec.num_layers
+            and all(p.node in up for p in placement.placements))
+
+
 class Deployment:
     def __init__(self, registry: Registry, send: SendAssignment, *, model: str, model_config: ModelConfig,
                  coordinator: NodeId, home_region: str = "", debounce_s: float = 0.5,
@@ -186,6 +194,20 @@ class Deployment:
         # The requests' lengths and arrivals (GET /v1/plan; a phase-split plan follows a shift of the mix).
         self.workload = WorkloadMonitor(self.planning.split_workload, window_s=self.planning.workload_window_s,
                                         shift=self.planning.reschedule_shift or 0.5)
+        # Told each plan that starts serving (a coordinator with --state-dir saves it).
+        self.on_serving: Callable[[Plan], None] | None = None
+        # The plan that served before a restart, served again once its nodes are back (restore()).
+        self._restored: PlacementPlan | None = None
+        self._restore_wait_s = 0.0
+
+    def restore(self, placement: PlacementPlan, version: int, wait_s: float) -> None:
+        """Serve `placement` again, the plan that served before this coordinator restarted: its nodes still hold
+        their shards, so they are ready at once, where a new plan (the helix search is not deterministic in
+        time) would make most of them reload. The first plan waits up to `wait_s` for those nodes to rejoin;
+        if one is missing by then, or the method has changed, the coordinator plans anew."""
+        self._restored = placement
+        self._versions = max(self._versions, version)
+        self._restore_wait_s = wait_s
 
     def request_arrived(self, input_len: int) -> None:
         """A request came in (not a move of one): its prompt length joins the window; a phase-split deployment
@@ -209,6 +231,14 @@ class Deployment:
         self._dirty.set()
 
     async def run(self) -> None:
+        restored = self._restored
+        if restored is not None:
+            with trio.move_on_after(self._restore_wait_s):
+                while not _fits(restored, self.spec, self.planning.method, self.registry.up_members()):
+                    await self._dirty.wait()
+                    self._dirty = trio.Event()
+            self._pending_reason = "restored after a coordinator restart"
+            self._dirty.set()
         while True:
             await self._dirty.wait()
             # Joins and leaves come in bursts (a testnet starting): plan once for the burst.
@@ -298,6 +328,12 @@ class Deployment:
         if not usable:
             raise ConfigError("no up member can hold a layer" if members else "no nodes are up")
         cluster = live_cluster(self.registry, self.coordinator, self.home_region, usable)
+        restored, self._restored = self._restored, None  # once: later plans follow the members
+        if restored is not None:
+            if _fits(restored, self.spec, self.planning.method, usable):
+                return self._served_again(restored, cluster, profiles), profiles
+            log.info("not serving the plan from before the restart: %s", "the method changed"
+                     if restored.method != self.planning.method else "some of its nodes did not come back")
         if self.planning.method == "pipeline":
             return self._pipeline_placement(usable, cluster, profiles), profiles
         if self.planning.method == "split":
@@ -309,6 +345,16 @@ class Deployment:
         placement = await trio.to_thread.run_sync(functools.partial(
             plan_placement, cluster, self.spec, profiles, method=self.planning.method, options=options))
         return placement, profiles
+
+    def _served_again(self, restored: PlacementPlan, cluster: ClusterSpec, profiles: ProfileTable) -> PlacementPlan:
+        """The restored plan's layers with flows recomputed over today's links (a replica plan routes by its
+        replicas, not by flows, and is kept as it was)."""
+        if restored.replicas:
+            return restored
+        ranges = {p.node: (p.first_layer, p.last_layer) for p in restored.placements}
+        flow = evaluate(cluster, self.spec, profiles, ranges, partial=False)
+        return replace(restored, flows=dict(flow.flows), max_flow=flow.value,
+                       notes=(*restored.notes, "restored after a coordinator restart"))
 
     def _pipeline_placement(self, usable: list[NodeRecord], cluster: ClusterSpec, profiles: ProfileTable,
                             ) -> PlacementPlan:
@@ -439,6 +485,8 @@ class Deployment:
                 log.info("plan %d ready", plan.version)
                 old, self.serving = self.serving, plan
                 self._retire(old)  # its queued requests try the new plan; its running ones finish where they are
+                if self.on_serving is not None:
+                    self.on_serving(plan)
         elif status.state == "failed":
             plan.ready.discard(peer)
             plan.failed[peer] = status.detail or "failed"

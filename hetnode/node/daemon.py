@@ -75,7 +75,10 @@ class NodeConfig:
     """Give up when no bootstrap address has answered for this long (exit 1); 0: never give up. Long, so that
     a coordinator restarted after minutes (an upgrade, a crash) finds its nodes still there."""
     backoff_initial_s: float = 0.25
-    backoff_max_s: float = 30.0
+    backoff_max_s: float = 5.0
+    """A restarted coordinator is found within this long of coming back (measured: it then serves its old plan
+    again within about a second of the last node's rejoin); a refused dial costs next to nothing, so a short
+    cap hammers no one."""
     probe: ProbeSettings = field(default_factory=ProbeSettings)
 
 

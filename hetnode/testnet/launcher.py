@@ -1,9 +1,11 @@
-"""`hetnode testnet up|down|status`: a coordinator and N node processes on 127.0.0.1.
+"""`hetnode testnet up|down|status|restart`: a coordinator and N node processes on 127.0.0.1.
 
 Every child gets a pipe on which it writes one JSON readiness line once it serves (the coordinator once its API
 is up, a node once it is admitted); the launcher waits on those lines, never on a timer. Keys, logs and the state
 file live in the state directory. Attached children die with the launcher (PR_SET_PDEATHSIG); detached ones are
-stopped by `testnet down`, which waits on their pidfds.
+stopped by `testnet down`, which waits on their pidfds. `testnet restart NAME` stops one process of a detached
+testnet (or finds it dead) and starts it again with the same command: the coordinator keeps its state directory
+(identity, token, ports, last plan), a node its identity, so both come back as the same peers.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -41,6 +43,7 @@ class Proc:
     pid: int
     log: str
     peer_id: str = ""
+    cmd: list[str] = field(default_factory=list)  # its command line, without the readiness and lifeline fds
 
 
 @dataclass
@@ -88,6 +91,8 @@ def main(args: argparse.Namespace) -> int:
         return trio.run(up, args)
     if args.testnet_command == "down":
         return trio.run(down, args.state_dir)
+    if args.testnet_command == "restart":
+        return trio.run(restart, args)
     return status(args.state_dir)
 
 
@@ -216,6 +221,9 @@ async def start(args: argparse.Namespace) -> Running:
         cluster = uniform_cluster(n)
 
     (state_dir / "keys").mkdir(parents=True, exist_ok=True)
+    # A new testnet's coordinator starts afresh (its token, ports and plan were another testnet's); only
+    # `testnet restart` brings one back with them.
+    (state_dir / "coordinator" / "state.json").unlink(missing_ok=True)
     log_dir = state_dir / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     for old_log in log_dir.glob("*.log"):
@@ -245,16 +253,18 @@ async def start(args: argparse.Namespace) -> Running:
     procs: list[tuple[Proc, trio.Process]] = []
     try:
         coord_log = log_dir / "coordinator.log"
-        cproc, ready = await _spawn(
-            [*base, "coordinator", "--listen", "/ip4/127.0.0.1/tcp/0", "--api", args.api,
-             "--identity", str(state_dir / "keys" / "coordinator.key"),
-             "--heartbeat-deadline", str(args.heartbeat_deadline), "--log-level", args.log_level,
-             "--model", args.model, "--region", cluster.coordinator_region, "--placement",
-             getattr(args, "placement", "helix"), "--scheduler", getattr(args, "scheduler", "iwrr"),
-             "--kv-codec", getattr(args, "kv_codec", "auto"),
-             "--plan-time-limit", str(getattr(args, "plan_time_limit", 10.0)), *emulate],
-            coord_log, env, lifeline=lifeline, ready_timeout_s=args.ready_timeout, name="coordinator")
-        procs.append((Proc("coordinator", "coordinator", cproc.pid, str(coord_log), ready["peer_id"]), cproc))
+        coord_cmd = [
+            *base, "coordinator", "--listen", "/ip4/127.0.0.1/tcp/0", "--api", args.api,
+            "--identity", str(state_dir / "keys" / "coordinator.key"), "--state-dir", str(state_dir / "coordinator"),
+            "--heartbeat-deadline", str(args.heartbeat_deadline), "--log-level", args.log_level,
+            "--model", args.model, "--region", cluster.coordinator_region, "--placement",
+            getattr(args, "placement", "helix"), "--scheduler", getattr(args, "scheduler", "iwrr"),
+            "--kv-codec", getattr(args, "kv_codec", "auto"),
+            "--plan-time-limit", str(getattr(args, "plan_time_limit", 10.0)), *emulate]
+        cproc, ready = await _spawn(coord_cmd, coord_log, env, lifeline=lifeline,
+                                    ready_timeout_s=args.ready_timeout, name="coordinator")
+        procs.append((Proc("coordinator", "coordinator", cproc.pid, str(coord_log), ready["peer_id"], coord_cmd),
+                       cproc))
         api, bootstrap = ready["api"], ready["addrs"][0]
 
         async def start_node(spec_index: int) -> None:
@@ -263,7 +273,7 @@ async def start(args: argparse.Namespace) -> Running:
             cmd = [*base, *join_args(args, spec, bootstrap, state_dir, emulate)]
             proc, node_ready = await _spawn(cmd, log_path, env, lifeline=lifeline,
                                             ready_timeout_s=args.ready_timeout, name=f"node {spec.name}")
-            procs.append((Proc(spec.name, "node", proc.pid, str(log_path), node_ready["peer_id"]), proc))
+            procs.append((Proc(spec.name, "node", proc.pid, str(log_path), node_ready["peer_id"], cmd), proc))
 
         async with trio.open_nursery() as nursery:
             for i in range(len(cluster.nodes)):
@@ -392,6 +402,44 @@ async def down(state_dir: Path) -> int:
                 await _wait_pid(p.pid, 5)
     state_path.unlink(missing_ok=True)
     print(f"stopped {len(state.procs)} processes")
+    return 0
+
+
+async def restart(args: argparse.Namespace) -> int:
+    """Stop one process of a detached testnet if it runs, start it again with its command, wait until ready."""
+    state_path = args.state_dir / "state.json"
+    state = TestnetState.load(state_path)
+    if not state.detached:
+        raise ConfigError("only a detached testnet's processes can be restarted (its launcher supervises the "
+                          "others); start it with 'hetnode testnet up --detach'", file=str(state_path))
+    proc = next((p for p in state.procs if p.name == args.name), None)
+    if proc is None:
+        raise ConfigError(f"no process {args.name!r} (there are: {', '.join(p.name for p in state.procs)})",
+                          key="NAME")
+    if not proc.cmd:
+        raise ConfigError("this state file does not record the command lines (a testnet started by an older "
+                          "hetnode); restart the whole testnet", file=str(state_path))
+    if _alive(proc.pid):
+        os.kill(proc.pid, signal.SIGKILL if args.kill else signal.SIGTERM)
+        if not await _wait_pid(proc.pid, 0 if args.kill else STOP_GRACE_S):
+            os.kill(proc.pid, signal.SIGKILL)
+            await _wait_pid(proc.pid, 5)
+    env = dict(os.environ, HETNODE_TOKEN=state.token, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
+               OMP_WAIT_POLICY="PASSIVE")
+    if state.api_key:
+        env["HETNODE_API_KEY"] = state.api_key
+    else:
+        env.pop("HETNODE_API_KEY", None)
+    t0 = time.monotonic()
+    child, ready = await _spawn(proc.cmd, Path(proc.log), env, lifeline=None, ready_timeout_s=args.ready_timeout,
+                                name=f"{proc.role} {proc.name}")
+    if ready.get("peer_id") != proc.peer_id:
+        raise HetnodeError(f"{proc.name} came back as {ready.get('peer_id')}, not {proc.peer_id}")
+    if proc.role == "coordinator" and ready.get("api") != state.api:
+        raise HetnodeError(f"the coordinator came back at {ready.get('api')}, not {state.api}")
+    proc.pid = child.pid
+    state.save(state_path)
+    print(f"{proc.role} {proc.name} restarted in {time.monotonic() - t0:.1f} s (pid {child.pid})", flush=True)
     return 0
 
 
