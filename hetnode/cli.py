@@ -180,6 +180,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "modelled step time, or the real time if longer (default: the node's, 100)")
     up.add_argument("--kv-transfer", default="policy", choices=list(TRANSFER_CHOICES),
                     help="every node's --kv-transfer (default: policy)")
+    up.add_argument("--netns", action="store_true",
+                    help="every process in its own Linux network namespace on a bridge, with its own address, "
+                         "the cluster's bandwidths enforced by the kernel (tc htb); needs root")
     _planning_args(up)
     for name, help_ in (("down", "stop a detached testnet"), ("status", "show a detached testnet"),
                         ("restart", "restart one process of a detached testnet (after a crash, or to test one)")):

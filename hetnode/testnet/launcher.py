@@ -31,6 +31,7 @@ from hetnode.planner.cluster import ClusterSpec, NodeSpec, load_cluster, uniform
 from hetnode.planner.devices import parse_device
 from hetnode.protocol.identity import load_or_create_identity, peer_id_of
 from hetnode.testnet.emulation import write_link_emulation
+from hetnode.testnet.netns import NetnsLayout, create, destroy, netns_problem, plan_layout, shape
 
 SHIPPED = ("demo", "local3")
 STOP_GRACE_S = 10.0
@@ -57,6 +58,7 @@ class TestnetState:
     detached: bool
     cluster: str
     procs: list[Proc]
+    netns: dict[str, Any] | None = None  # NetnsLayout.to_json() of a --netns testnet: what `down` removes
 
     def save(self, path: Path) -> None:
         tmp = path.with_suffix(".tmp")
@@ -176,13 +178,13 @@ class Running:
 
 
 def join_args(args: argparse.Namespace, spec: NodeSpec, bootstrap: str, state_dir: Path,
-              emulate: list[str]) -> list[str]:
+              emulate: list[str], *, listen: str = "/ip4/127.0.0.1/tcp/0") -> list[str]:
     """The `hetnode join ...` arguments of one testnet node.
 
     No --retry-budget: nodes keep the default (an hour), so that a coordinator restarted by hand, or killed by
     a failover test, finds its nodes waiting for it rather than gone (they gave up after 30 s once).
     """
-    cmd = ["join", "--bootstrap", bootstrap, "--listen", "/ip4/127.0.0.1/tcp/0",
+    cmd = ["join", "--bootstrap", bootstrap, "--listen", listen,
            "--identity", str(state_dir / "keys" / f"{spec.name}.key"), "--name", spec.name,
            "--region", spec.region, "--log-level", args.log_level, *emulate,
            "--kv-transfer", getattr(args, "kv_transfer", "policy")]
@@ -230,13 +232,33 @@ async def start(args: argparse.Namespace) -> Running:
         old_log.unlink()
 
     names = ["coordinator", *[n.name for n in cluster.nodes]]
+    layout: NetnsLayout | None = None
+    if getattr(args, "netns", False):
+        problem = netns_problem()
+        if problem:
+            raise ConfigError(f"cannot run in network namespaces: {problem}", key="--netns")
+        layout = plan_layout(names)
+        create(layout)
     peer_ids = {name: str(peer_id_of(load_or_create_identity(state_dir / "keys" / f"{name}.key")))
                 for name in names}
     emulate: list[str] = []
     if cluster_file is not None:
         links_file = state_dir / "links.json"
-        write_link_emulation(links_file, cluster_file.resolve(), {pid: name for name, pid in peer_ids.items()})
+        write_link_emulation(links_file, cluster_file.resolve(), {pid: name for name, pid in peer_ids.items()},
+                             kernel_bandwidth=layout is not None)
         emulate = ["--emulate-links", str(links_file)]
+    if layout is not None:
+        try:
+            shape(layout, cluster)
+        except BaseException:
+            destroy(layout)
+            raise
+
+    def where(name: str) -> tuple[list[str], str]:
+        """The command prefix that runs a process in its namespace, and its listen address."""
+        if layout is None:
+            return [], "/ip4/127.0.0.1/tcp/0"
+        return layout.exec_prefix(name), f"/ip4/{layout.address(name)}/tcp/0"
 
     token = args.token or secrets.token_urlsafe(16)
     # Many processes share this machine's cores: one compute thread each, and no OpenMP spin-waiting after a
@@ -253,8 +275,10 @@ async def start(args: argparse.Namespace) -> Running:
     procs: list[tuple[Proc, trio.Process]] = []
     try:
         coord_log = log_dir / "coordinator.log"
+        prefix, listen = where("coordinator")
+        api_bind = args.api if layout is None else f"{layout.address('coordinator')}:{args.api.rpartition(':')[2]}"
         coord_cmd = [
-            *base, "coordinator", "--listen", "/ip4/127.0.0.1/tcp/0", "--api", args.api,
+            *prefix, *base, "coordinator", "--listen", listen, "--api", api_bind,
             "--identity", str(state_dir / "keys" / "coordinator.key"), "--state-dir", str(state_dir / "coordinator"),
             "--heartbeat-deadline", str(args.heartbeat_deadline), "--log-level", args.log_level,
             "--model", args.model, "--region", cluster.coordinator_region, "--placement",
@@ -270,7 +294,8 @@ async def start(args: argparse.Namespace) -> Running:
         async def start_node(spec_index: int) -> None:
             spec = cluster.nodes[spec_index]
             log_path = log_dir / f"{spec.name}.log"
-            cmd = [*base, *join_args(args, spec, bootstrap, state_dir, emulate)]
+            prefix, listen = where(spec.name)
+            cmd = [*prefix, *base, *join_args(args, spec, bootstrap, state_dir, emulate, listen=listen)]
             proc, node_ready = await _spawn(cmd, log_path, env, lifeline=lifeline,
                                             ready_timeout_s=args.ready_timeout, name=f"node {spec.name}")
             procs.append((Proc(spec.name, "node", proc.pid, str(log_path), node_ready["peer_id"], cmd), proc))
@@ -283,13 +308,15 @@ async def start(args: argparse.Namespace) -> Running:
             await _stop([p for _, p in procs])
         if lifeline is not None:
             lifeline.close()
+        if layout is not None:
+            destroy(layout)
         raise
     if lifeline is not None:
         os.close(lifeline.read_fd)  # only the children need it; the launcher keeps the write end
     state = TestnetState(api=api, bootstrap=bootstrap, token=token, api_key=args.api_key,
                          state_dir=str(state_dir), started_at=time.time(), detached=args.detach,
                          cluster=str(cluster_file) if cluster_file else f"{len(cluster.nodes)} cpu nodes",
-                         procs=[p for p, _ in procs])
+                         procs=[p for p, _ in procs], netns=layout.to_json() if layout is not None else None)
     state.save(state_path)
     return Running(state, cluster, procs, time.monotonic() - t0)
 
@@ -297,6 +324,8 @@ async def start(args: argparse.Namespace) -> Running:
 async def stop(running: Running) -> None:
     with trio.CancelScope(shield=True):
         await _stop([proc for _, proc in running.procs])
+        if running.state.netns is not None:
+            destroy(NetnsLayout.from_json(running.state.netns))
         running.state_path.unlink(missing_ok=True)
 
 
@@ -400,6 +429,8 @@ async def down(state_dir: Path) -> int:
             if not await _wait_pid(p.pid, STOP_GRACE_S):
                 os.kill(p.pid, signal.SIGKILL)
                 await _wait_pid(p.pid, 5)
+    if state.netns is not None:
+        destroy(NetnsLayout.from_json(state.netns))
     state_path.unlink(missing_ok=True)
     print(f"stopped {len(state.procs)} processes")
     return 0
