@@ -150,9 +150,12 @@ class _Live(Collector):
             moves.add_metric(["reprefill"], g.reroutes)
             moves.add_metric(["with_kv"], g.migrations)
             yield moves
-            recomputed = CounterMetricFamily("hetnode_reprefill_tokens",
-                                             "Positions computed again because a request moved")
-            recomputed.add_metric([], g.recomputed_tokens)
+            recomputed = CounterMetricFamily("hetnode_move_recomputed_tokens",
+                                             "Positions computed again because a request moved: its whole context "
+                                             "(reprefill), or what followed the KV it took along (with_kv)",
+                                             labels=["kind"])
+            recomputed.add_metric(["reprefill"], g.reprefilled_tokens)
+            recomputed.add_metric(["with_kv"], g.recomputed_tokens)
             yield recomputed
             kv = CounterMetricFamily("hetnode_kv_transfer_bytes",
                                      "Packed KV bytes handed from one node to another, by codec (as the hops "

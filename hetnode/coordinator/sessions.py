@@ -200,6 +200,7 @@ class PipelineGenerator:
         self.reroutes = 0  # moves of requests to another route that re-prefilled the context, since start
         self.migrations = 0  # moves that took the request's KV along (its nodes left gracefully)
         self.recomputed_tokens = 0  # positions such moves computed again (those past the KV the hops had)
+        self.reprefilled_tokens = 0  # positions re-prefilled by the moves that left their KV behind (/metrics)
         self._progress = trio.Event()  # set when a session gets its first token or ends
         # The latest hand-offs, for GET /v1/plan: each session's links, codecs and bytes (or its re-prefill).
         self.handoffs: deque[dict[str, object]] = deque(maxlen=64)
@@ -769,6 +770,7 @@ class PipelineGenerator:
         route = await self._reroute(lost, session_id, context)
         request.session = self._open(session_id, route, request.params.max_tokens)
         self.reroutes += 1
+        self.reprefilled_tokens += context
         self.traces.moved(request.trace, "reprefill", lost.reason, old.id, session_id, context, trio.current_time())
         names = {str(p): self._name(p) for p in request.session.peers}
         log.warning("session %s moved to %s as %s (re-route %d of %d, re-prefilling %d tokens): %s", old.id,
