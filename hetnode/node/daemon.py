@@ -117,7 +117,8 @@ class NodeDaemon:
         assert self.hops is not None
         return NodeView(self.hops.load(), {str(p): LinkView(m.bandwidth_mbps, m.rtt_ms) for p, m in self.links.items()},
                         self.assignment.plan_version if self.assignment is not None else None,
-                        {str(p): m.name for p, m in self.members.items()})
+                        {**{str(p): m.name for p, m in self.members.items()},
+                         **({str(self.coordinator): "coordinator"} if self.coordinator is not None else {})})
 
     def _link_mbps(self, peer: NodeId) -> float | None:
         m = self.links.get(peer)
