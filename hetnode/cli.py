@@ -108,6 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="model to serve: a preset (smollm2-135m), a .gguf file or a Hugging Face directory "
                         "(nodes load their shard of it; default: smollm2-135m); 'none' serves no model")
     c.add_argument("--region", default="", help="the coordinator's region: the pipeline starts there")
+    c.add_argument("--trace-history", type=_positive_int, default=1024, metavar="N",
+                   help="how many of the latest requests GET /v1/requests/{id} can show (default: 1024)")
     _planning_args(c)
     _common(c)
 
@@ -148,6 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
     j.add_argument("--retry-budget", type=_non_negative, default=3600.0, metavar="S",
                    help="give up (exit 1) when no bootstrap peer answers for this long; 0: never give up "
                         "(default: 3600, so that a coordinator back after minutes finds its nodes)")
+    j.add_argument("--metrics", default=None, metavar="HOST:PORT",
+                   help="serve Prometheus metrics at http://HOST:PORT/metrics (port 0 picks a free one; default: "
+                        "off). Unauthenticated: bind it to an address only your Prometheus reaches")
     _common(j)
 
     t = sub.add_parser("testnet", help="run a local multi-process testnet on 127.0.0.1",
@@ -183,6 +188,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--netns", action="store_true",
                     help="every process in its own Linux network namespace on a bridge, with its own address, "
                          "the cluster's bandwidths enforced by the kernel (tc htb); needs root")
+    up.add_argument("--metrics", action="store_true",
+                    help="give every node a Prometheus /metrics listener on a free port of 127.0.0.1 (shown by "
+                         "'testnet status' and in the state file); the coordinator's is on its REST API")
     _planning_args(up)
     for name, help_ in (("down", "stop a detached testnet"), ("status", "show a detached testnet"),
                         ("restart", "restart one process of a detached testnet (after a crash, or to test one)")):
@@ -506,15 +514,22 @@ async def _run_coordinator(args: argparse.Namespace) -> None:
         serving = (model_config, tokenizer)
     async with open_libp2p_transport(key, listen) as raw, maybe_shaped(raw, args.emulate_links) as transport:
         coordinator = Coordinator(config, transport)
+        from hetnode.coordinator.metrics import CoordinatorMetrics
+        from hetnode.coordinator.observe_api import observe_routes
+
+        metrics = CoordinatorMetrics(coordinator)
         routes = []
+        generator = None
         if serving is not None:
             from hetnode.coordinator.openai_api import openai_routes
+            from hetnode.coordinator.traces import TraceStore
 
             generator = coordinator.enable_serving(model=args.model, model_config=serving[0],
                                                    tokenizer=serving[1], home_region=args.region,
                                                    planning=planning)
             generator.kv_codecs = KVCodecPolicy(args.kv_codec)
-            routes = openai_routes(generator)
+            generator.traces = TraceStore(args.trace_history)
+            routes = openai_routes(generator, metrics=metrics)
             deployment = coordinator.deployment
             assert deployment is not None
             if store is not None:
@@ -534,6 +549,7 @@ async def _run_coordinator(args: argparse.Namespace) -> None:
                     store.save(saved)
 
                 deployment.on_serving = keep
+        routes += observe_routes(metrics, generator)
         app = build_app(coordinator, api_key=api_key, extra_routes=routes)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(partial(shutdown_on_signal, nursery.cancel_scope, lifeline_fd=args.lifeline_fd))
@@ -554,7 +570,7 @@ async def _run_node(args: argparse.Namespace) -> None:
     from hetnode.node.profile import emulated_profile, measure_profile
     from hetnode.protocol.identity import load_or_create_identity
     from hetnode.protocol.libp2p_transport import open_libp2p_transport
-    from hetnode.runtime import announce_ready, maybe_shaped, shutdown_on_signal
+    from hetnode.runtime import announce_ready, maybe_shaped, parse_hostport, shutdown_on_signal
 
     profile = (emulated_profile(args.emulate, args.dtype) if args.emulate
                else await trio.to_thread.run_sync(measure_profile, args.device, args.dtype))
@@ -581,8 +597,17 @@ async def _run_node(args: argparse.Namespace) -> None:
                                        partial(daemon.leave, drain_s=args.drain), lifeline_fd=args.lifeline_fd,
                                        grace_s=args.drain + 3))
             await nursery.start(hops.run)
+            metrics_url = None
+            if args.metrics is not None:
+                from hetnode.node.metrics_http import serve_metrics
+
+                mhost, mport = parse_hostport(args.metrics, "--metrics")
+                try:
+                    metrics_url = await nursery.start(serve_metrics, hops.metrics.registry, mhost, mport)
+                except OSError as exc:
+                    raise ConfigError(f"cannot listen on {args.metrics}: {exc}", key="--metrics") from exc
             await nursery.start(daemon.run)
-            log.info("node %s (%s, %s) joined; coordinator %s", name, transport.peer_id, profile.device,
-                     daemon.coordinator)
+            log.info("node %s (%s, %s) joined; coordinator %s%s", name, transport.peer_id, profile.device,
+                     daemon.coordinator, f"; metrics at {metrics_url}/metrics" if metrics_url else "")
             announce_ready(args.ready_fd, role="node", name=name, peer_id=transport.peer_id,
-                           addrs=transport.listen_addrs(), device=profile.device)
+                           addrs=transport.listen_addrs(), device=profile.device, metrics=metrics_url)

@@ -24,6 +24,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from hetnode.coordinator.daemon import Coordinator
 from hetnode.coordinator.deployment import METHODS
+from hetnode.coordinator.request_ids import RequestIdMiddleware
 
 log = logging.getLogger(__name__)
 
@@ -172,7 +173,9 @@ def build_app(coordinator: Coordinator, *, api_key: str | None = None,
     ]
     return Starlette(
         routes=routes,
-        middleware=[Middleware(BodyLimitMiddleware), Middleware(ApiKeyMiddleware, api_key=api_key)],
+        # Outermost first: every answer, a refusal for size or key included, carries its X-Request-Id.
+        middleware=[Middleware(RequestIdMiddleware), Middleware(BodyLimitMiddleware),
+                    Middleware(ApiKeyMiddleware, api_key=api_key)],
         exception_handlers={HTTPException: http_error, Exception: server_error},
     )
 

@@ -223,6 +223,8 @@ class Coordinator:
                 self.registry.heartbeat(peer, msg.load, now=trio.current_time(), wall=time.time())
                 if self.deployment is not None:
                     self.deployment.on_load(peer, msg.load)
+                if self.generator is not None and msg.hops:
+                    self.generator.hop_reports(peer, msg.hops)
                 self._poke()
             elif isinstance(msg, LinkReport):
                 stored = self.registry.report_links(peer, msg.links)

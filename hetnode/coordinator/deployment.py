@@ -22,6 +22,7 @@ import functools
 import logging
 import math
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass, field, replace
 
@@ -151,6 +152,20 @@ class Plan:
         return out
 
 
+def replan_kind(reason: str) -> str:
+    """The label a re-plan is counted under (/metrics' hetnode_replans_total), from the reasons this module and
+    the coordinator daemon give: a bounded set, where the reasons themselves name nodes."""
+    if reason == "initial":
+        return "initial"
+    if reason.startswith("workload shift"):
+        return "workload_shift"
+    for suffix, kind in ((" joined", "node_joined"), (" leaving", "node_leaving"), (" left", "node_left"),
+                         (" lost its control stream", "node_lost"), (" missed the heartbeat deadline", "node_lost")):
+        if reason.endswith(suffix):
+            return kind
+    return "other"
+
+
 def _short(node: str, names: dict[str, str]) -> str:
     return names.get(node, node)
 
@@ -184,6 +199,7 @@ class Deployment:
         self._dirty = trio.Event()
         self._changed = trio.Event()
         self._pending_reason = "initial"
+        self.replans: Counter[str] = Counter()  # new plan versions by replan_kind, since start (for /metrics)
         self._pending_method: str | None = None
         self._planning = trio.Lock()
         # Requests routed by a scheduler, by session: the scheduler to tell when the session ends.
@@ -244,16 +260,17 @@ class Deployment:
             # Joins and leaves come in bursts (a testnet starting): plan once for the burst.
             await trio.sleep(self.debounce_s)
             self._dirty = trio.Event()
-            await self.replan(self._pending_reason)
+            await self.replan(self._pending_reason, kind=replan_kind(self._pending_reason))
 
-    async def replan(self, reason: str, method: str | None = None) -> Plan | None:
-        """Plan over the up members; `method` (an operator's request) becomes the method from now on."""
+    async def replan(self, reason: str, method: str | None = None, *, kind: str = "operator") -> Plan | None:
+        """Plan over the up members; `method` (an operator's request) becomes the method from now on. `kind`
+        (`replan_kind`) counts a new plan version in `replans`."""
         async with self._planning:
             if method is not None:
                 self.planning = PlanningConfig(**{**self.planning.__dict__, "method": method})
-            return await self._replan(reason)
+            return await self._replan(reason, kind)
 
-    async def _replan(self, reason: str) -> Plan | None:
+    async def _replan(self, reason: str, kind: str = "operator") -> Plan | None:
         members = self.registry.up_members()
         try:
             placement, profiles = await self._place(members)
@@ -276,6 +293,7 @@ class Deployment:
             self._notify()
             return self.plan
         self._versions += 1
+        self.replans[kind] += 1
         names = [self.registry.nodes[NodeId(s.peer)].name for s in shards]
         scheduler = make_scheduler(
             scheduler_for(placement, self.planning.scheduler), placement, seed=self._versions,

@@ -28,6 +28,7 @@ class GenerationParams:
 
     max_tokens: int
     sampling: SamplingParams
+    trace_id: str = ""  # the REST request's id (X-Request-Id), carried to every hop; "" gets a fresh one
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,6 +15,7 @@ context and so frees the session's KV at once, streaming or not.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -27,7 +28,7 @@ import trio
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from hetnode.coordinator.generation import GenerationError, Generator
 from hetnode.coordinator.openai_output import (
@@ -122,6 +123,9 @@ class _OpenAIApi:
             # request refused for its size never waits for, or takes, a tokenizing thread.
             pending = parse(load_body(await request.body()), self.generator, max_chars=self.tokenizing.max_chars)
             req = pending.finish(await self._tokenize(pending), self.generator)
+            # The request id (request_ids.py) goes with the generation to every hop, and keys its trace.
+            trace_id = getattr(request.state, "request_id", "")
+            req = dataclasses.replace(req, params=dataclasses.replace(req.params, trace_id=trace_id))
         except ApiError as exc:
             self._record_refusal(endpoint, start, exc.status)
             return exc.response()
@@ -164,8 +168,15 @@ class _GenerationResponse(Response):
         self.headers_sent = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        gone = answered = False
+        gone = answered = handed = False
         failure: Exception | None = None
+
+        async def send_final(message: Message) -> None:
+            nonlocal handed
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                handed = True  # the whole answer is the server's now: a disconnect from here on is not a leave
+            await send(message)
+
         async with trio.open_nursery() as nursery:
 
             async def watch() -> None:
@@ -174,13 +185,13 @@ class _GenerationResponse(Response):
                 while (await receive())["type"] != "http.disconnect":
                     pass
                 # Some servers (and httpx's ASGI transport) report a disconnect once the answer is complete.
-                if not answered:
+                if not answered and not handed:
                     gone = True
                     nursery.cancel_scope.cancel()
 
             nursery.start_soon(watch)
             try:
-                await (self._stream(send) if self.req.stream else self._whole(send))
+                await (self._stream(send_final) if self.req.stream else self._whole(send_final))
                 answered = True
             except Exception as exc:  # re-raised below: raised inside the nursery it would come out in a group
                 failure = exc

@@ -25,7 +25,7 @@ import itertools
 import logging
 import secrets
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass
@@ -37,6 +37,8 @@ from transformers import PreTrainedTokenizerBase
 from hetnode.coordinator.deployment import Deployment
 from hetnode.coordinator.generation import GenerationError, GenerationParams, TokenEvent
 from hetnode.coordinator.registry import Registry
+from hetnode.coordinator.request_ids import new_request_id, valid_request_id
+from hetnode.coordinator.traces import RequestTrace, TraceStore, route_json
 from hetnode.errors import HetnodeError
 from hetnode.ids import NodeId, SessionId
 from hetnode.models.config import ModelConfig
@@ -59,6 +61,7 @@ from hetnode.protocol.messages import (
     Freeze,
     Frozen,
     Hop,
+    HopReport,
     Install,
     Item,
     Items,
@@ -148,19 +151,21 @@ class _Lost:
 
 
 class _Request:
-    def __init__(self, prompt: list[int], params: GenerationParams, session: _Session) -> None:
+    def __init__(self, prompt: list[int], params: GenerationParams, session: _Session, trace: RequestTrace) -> None:
         self.prompt = prompt
         self.params = params
         self.session = session
+        self.trace = trace
         self.generated: list[int] = []
 
 
 class RoutedEvents:
     """A generation's tokens, and the route it runs on (`route`: node names and layers, per phase)."""
 
-    def __init__(self, events: AsyncIterator[TokenEvent], route: str) -> None:
+    def __init__(self, events: AsyncIterator[TokenEvent], route: str, trace_id: str = "") -> None:
         self._events = events
         self.route = route
+        self.trace_id = trace_id
 
     def __aiter__(self) -> AsyncIterator[TokenEvent]:
         return self._events
@@ -170,7 +175,7 @@ class PipelineGenerator:
     def __init__(self, transport: Transport, registry: Registry, deployment: Deployment, *, model_name: str,
                  model_config: ModelConfig, tokenizer: PreTrainedTokenizerBase, step_timeout_s: float = 120.0,
                  ready_timeout_s: float = 30.0, max_reroutes: int = 3, lease_s: float = 30.0,
-                 route_for: RouteFor | None = None, kv_codec: str = AUTO) -> None:
+                 route_for: RouteFor | None = None, kv_codec: str = AUTO, trace_history: int = 1024) -> None:
         self.transport = transport
         self.registry = registry
         self.deployment = deployment
@@ -195,9 +200,24 @@ class PipelineGenerator:
         self.reroutes = 0  # moves of requests to another route that re-prefilled the context, since start
         self.migrations = 0  # moves that took the request's KV along (its nodes left gracefully)
         self.recomputed_tokens = 0  # positions such moves computed again (those past the KV the hops had)
+        self.reprefilled_tokens = 0  # positions re-prefilled by the moves that left their KV behind (/metrics)
         self._progress = trio.Event()  # set when a session gets its first token or ends
         # The latest hand-offs, for GET /v1/plan: each session's links, codecs and bytes (or its re-prefill).
         self.handoffs: deque[dict[str, object]] = deque(maxlen=64)
+        # GET /v1/requests/{id}: the latest `trace_history` requests' routes, phases, hops and moves.
+        self.traces = TraceStore(trace_history)
+        # Packed KV bytes the hops reported sending, by (sender, receiver, codec) node names, since start.
+        self.kv_moved: Counter[tuple[str, str, str]] = Counter()
+
+    def hop_reports(self, peer: NodeId, reports: list[HopReport]) -> None:
+        """A heartbeat's reports of sessions that ended on `peer`: into their traces and the KV totals."""
+        names = {str(p): r.name for p, r in self.registry.nodes.items()}
+        src = names.get(str(peer), str(peer))
+        for report in reports:
+            if self.traces.hop_report(report, str(peer), names):
+                # Counted only for sessions this coordinator routed through `peer` (the trace checked it).
+                for k in report.kv_sent:
+                    self.kv_moved[(src, names.get(k.dst, k.dst), k.codec)] += k.bytes
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
@@ -385,6 +405,7 @@ class PipelineGenerator:
         """Forget the session, tell the scheduler (after `output_len` tokens, or None: moved away), and free
         its KV on every hop of its route."""
         self.deployment.route_done(session.id, output_len)
+        self.traces.session_ended(session.id, "finished" if output_len is not None else "moved", trio.current_time())
         self._progressed()
         if self._sessions.pop(session.id, None) is None or self._nursery is None:
             return
@@ -446,25 +467,37 @@ class PipelineGenerator:
             raise GenerationError("max_tokens must be at least 1", status=400, code="invalid_max_tokens")
         route = None
         session_id = self._new_id()
+        trace_id = params.trace_id if valid_request_id(params.trace_id) else new_request_id()
+        trace = self.traces.open(trace_id, len(prompt_ids), params.max_tokens, trio.current_time())
         self.deployment.request_arrived(len(prompt_ids))
         try:
             with trio.move_on_after(self.ready_timeout_s):
                 route = await self._route(session_id, len(prompt_ids), set())
-        except BaseException:
+        except BaseException as exc:
             self.deployment.route_done(session_id, None)
+            self.traces.finished(trace, "failed" if isinstance(exc, Exception) else "cancelled", 0, str(exc),
+                                 trio.current_time())
             raise
         if route is None:
-            raise GenerationError(f"no pipeline is ready to serve: {self.deployment.why_not_ready()}",
-                                  status=503, code="no_capacity")
-        request = _Request(list(prompt_ids), params, self._open(session_id, route, params.max_tokens))
+            why = f"no pipeline is ready to serve: {self.deployment.why_not_ready()}"
+            self.traces.finished(trace, "failed", 0, why, trio.current_time())
+            raise GenerationError(why, status=503, code="no_capacity")
+        request = _Request(list(prompt_ids), params, self._open(session_id, route, params.max_tokens), trace)
         self._active += 1
         names = {str(p): self._name(p) for p in request.session.peers}
+        status, error = "cancelled", "the client went away"
         try:
-            yield RoutedEvents(self._events(request), describe(route, names))
+            yield RoutedEvents(self._events(request), describe(route, names), trace_id)
+            status, error = "completed", ""
+        except Exception as exc:
+            status, error = "failed", str(exc)
+            raise
         finally:
             self._active -= 1
             self._close(request.session, len(request.generated))
             self.deployment.request_finished(len(request.generated))
+            self.traces.finished(trace, status, len(request.generated), error,  # type: ignore[arg-type]
+                                 trio.current_time())
 
     async def _events(self, request: _Request) -> AsyncIterator[TokenEvent]:
         moves = 0
@@ -525,6 +558,7 @@ class PipelineGenerator:
                                   status=502, code="protocol_error")
         request.generated.append(msg.token)
         if not request.session.prefilled:
+            self.traces.first_token(request.trace, request.session.id, trio.current_time())
             request.session.prefilled = True
             self.deployment.route_prefilled(request.session.id)
             self._progressed()
@@ -594,6 +628,9 @@ class PipelineGenerator:
         self._sessions.pop(old.id, None)
         self.migrations += 1
         self.recomputed_tokens += total - end
+        now = trio.current_time()
+        self.traces.session_ended(old.id, "moved", now)
+        self.traces.moved(request.trace, "with_kv", lost.reason, old.id, session_id, total - end, now)
         names = {str(p): self._name(p) for p in request.session.peers}
         log.info("session %s moved with its KV to %s as %s (KV of %d positions handed over, %d computed again): %s",
                  old.id, describe(route, names), session_id, end, total - end, lost.reason)
@@ -608,6 +645,8 @@ class PipelineGenerator:
         context = request.prompt + request.generated
         left = self.lifecycle.restart(len(request.prompt), len(request.generated), request.params.max_tokens)
         session.set_route(self.with_codecs(session.route, left.prefill_end))
+        self.traces.session(request.trace, session.id, route_json(session.route, {
+            str(p): self._name(p) for p in session.peers}), trio.current_time())
         for p, phase in enumerate(session.route.phases[:-1]):
             _, end = phase_span(session.route, p, left.prefill_end)
             assert end is not None
@@ -622,7 +661,7 @@ class PipelineGenerator:
                 for k in links))
         install = Install(session=session.id, route=session.route, sampling=wire_sampling(request.params.sampling),
                           prefill_end=left.prefill_end, max_tokens=left.max_tokens, lease_s=self.lease_s,
-                          adopts=adopts.id if adopts is not None else None)
+                          adopts=adopts.id if adopts is not None else None, trace=request.trace.id)
         try:
             # Exactly the checks the hops make on arrival: a value they would refuse (a NaN that slipped past
             # the API) fails this request here, instead of resetting a stream other requests share.
@@ -731,6 +770,8 @@ class PipelineGenerator:
         route = await self._reroute(lost, session_id, context)
         request.session = self._open(session_id, route, request.params.max_tokens)
         self.reroutes += 1
+        self.reprefilled_tokens += context
+        self.traces.moved(request.trace, "reprefill", lost.reason, old.id, session_id, context, trio.current_time())
         names = {str(p): self._name(p) for p in request.session.peers}
         log.warning("session %s moved to %s as %s (re-route %d of %d, re-prefilling %d tokens): %s", old.id,
                     describe(route, names), request.session.id, move, self.max_reroutes, context, lost.reason)

@@ -112,6 +112,8 @@ class BatchLoop:
         self.rate = StepRate()  # tokens/s of this loop's steps (heartbeats report it; SWARM's scheduler reads it)
         # tokens/s of the steps that prefill: what the coordinator weighs a re-prefill here against a KV hand-off by
         self.prefill_rate = StepRate()
+        self.last_step_s = 0.0  # the duration of the step whose results `deliver` is handed
+        self.on_step: Callable[[Sequence[StepItem], float], None] | None = None  # an owner's metrics
         self.kv = engine.kv_usage()
         self.ledger = KVLedger(self.kv.total_blocks, self.kv.block_size)
         # The batch policy (the simulator's nodes take the same factory): the shared one unless a design brings
@@ -295,9 +297,12 @@ class BatchLoop:
             # Device emulation: the step lasts as long as the emulated device's (dilated) step would.
             await trio.sleep_until(t0 + self._pace(items))
         tokens = sum(item.num_tokens for item in items)
-        self.rate.step(tokens, trio.current_time() - t0)
+        self.last_step_s = elapsed = trio.current_time() - t0
+        self.rate.step(tokens, elapsed)
         if any(item.num_tokens > 1 for item in items):
-            self.prefill_rate.step(tokens, trio.current_time() - t0)
+            self.prefill_rate.step(tokens, elapsed)
+        if self.on_step is not None:
+            self.on_step(items, elapsed)
         done: list[tuple[Work, ItemResult]] = []
         for work, outcome in zip(batch, outcomes, strict=True):
             if isinstance(outcome, ItemResult):

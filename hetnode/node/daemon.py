@@ -26,6 +26,7 @@ from hetnode.errors import (
 from hetnode.ids import NodeId
 from hetnode.node.backoff import backoff_delay
 from hetnode.node.hops import HopServer
+from hetnode.node.metrics import LinkView, NodeView
 from hetnode.protocol.discover import serve_discover
 from hetnode.protocol.framing import FramedStream
 from hetnode.protocol.messages import (
@@ -94,6 +95,7 @@ class NodeDaemon:
             hops.is_coordinator = lambda peer: peer == self.coordinator
             hops.mailbox.wait_allowed = hops.kv_mailbox.wait_allowed = self.wait_member
             hops.link_mbps = self._link_mbps  # how the KV hand-off to a peer is sent depends on the link
+            hops.metrics.view = self._metrics_view
         self.coordinator: NodeId | None = None
         self.coordinator_addrs: list[str] = []
         self.members: dict[NodeId, MemberInfo] = {}
@@ -113,6 +115,13 @@ class NodeDaemon:
 
     def is_member(self, peer: NodeId) -> bool:
         return peer == self.coordinator or peer in self.members
+
+    def _metrics_view(self) -> NodeView:
+        assert self.hops is not None
+        return NodeView(self.hops.load(), {str(p): LinkView(m.bandwidth_mbps, m.rtt_ms) for p, m in self.links.items()},
+                        self.assignment.plan_version if self.assignment is not None else None,
+                        {**{str(p): m.name for p, m in self.members.items()},
+                         **({str(self.coordinator): "coordinator"} if self.coordinator is not None else {})})
 
     def _link_mbps(self, peer: NodeId) -> float | None:
         m = self.links.get(peer)
@@ -338,7 +347,8 @@ class NodeDaemon:
 
     async def _heartbeat(self, framed: FramedStream) -> None:
         self._heartbeat_seq += 1
-        await framed.send_msg(Heartbeat(seq=self._heartbeat_seq, load=self.load()))
+        reports = self.hops.take_reports() if self.hops is not None else []
+        await framed.send_msg(Heartbeat(seq=self._heartbeat_seq, load=self.load(), hops=reports))
 
     async def _run_probe_order(self, framed: FramedStream, order: ProbeOrder) -> None:
         """Measure the ordered links one after another (concurrent probes would measure each other)."""

@@ -10,6 +10,7 @@ import trio
 from hetnode.ids import NodeId, SessionId
 from hetnode.node.batcher import BatchLoop, Work
 from hetnode.node.engine import SamplingParams
+from hetnode.node.hop_stats import HopStats
 from hetnode.protocol.messages import Item, Phase, Route, Sampling
 from hetnode.protocol.routes import KVPeer, Place
 
@@ -55,6 +56,8 @@ class HopSession:
     computed: int = 0
     kv_streamed: dict[str, int] = field(default_factory=dict)
     kv_stream_end: int = 0
+    trace: str = ""  # the request's trace id (Install), for logs and the hop's report
+    stats: HopStats = field(default_factory=lambda: HopStats(trio.current_time()))
 
     @property
     def phase(self) -> Phase:

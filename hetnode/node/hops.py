@@ -24,7 +24,7 @@ KV hand-offs between phases, and the moves that keep a session's KV, are in kv_h
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -43,12 +43,14 @@ from hetnode.node.engine import (
 )
 from hetnode.node.hop_session import HopSession, sampling_params
 from hetnode.node.kv_handoff import KVHandoffs
+from hetnode.node.metrics import NodeMetrics, NodeView
 from hetnode.policy import Cause, KVTransferPolicy, Lifecycle
 from hetnode.protocol.mailbox import Mailbox
 from hetnode.protocol.messages import (
     INFER_PROTOCOL,
     KV,
     KV_PROTOCOL,
+    MAX_HOP_REPORTS,
     Assignment,
     AssignmentStatus,
     CodecRate,
@@ -56,6 +58,7 @@ from hetnode.protocol.messages import (
     Export,
     Failed,
     Freeze,
+    HopReport,
     Install,
     Item,
     Items,
@@ -120,6 +123,10 @@ class HopServer(KVHandoffs):
         self.loop: BatchLoop | None = None
         self.sessions: dict[SessionId, HopSession] = {}
         self.leases_expired = 0
+        self.metrics = NodeMetrics()
+        self.metrics.view = lambda: NodeView(self.load(), {}, None, {})  # NodeDaemon adds its links and plan
+        # Reports of the sessions that ended here, for the next heartbeat (the oldest go first when it is late).
+        self.reports: deque[HopReport] = deque(maxlen=MAX_HOP_REPORTS)
         self._released: OrderedDict[SessionId, None] = OrderedDict()
         self._handed: OrderedDict[SessionId, NodeId] = OrderedDict()  # session -> its coordinator
         self._parked: dict[SessionId, _Parked] = {}
@@ -193,6 +200,8 @@ class HopServer(KVHandoffs):
             loop = BatchLoop(engine, deliver=self._deliver, fail=self._fail,
                              pace=self.pace_factory(engine) if self.pace_factory else None,
                              layer_hook=self._stream_for)
+            loop.on_step = lambda items, s: self.metrics.observe_step(
+                len(items), sum(i.num_tokens for i in items), any(i.num_tokens > 1 for i in items), s)
             await loop.measure_prefill()
             old_engine, old_loop, old_scope = self.engine, self.loop, self._loop_scope
             self.assignment, self.engine, self.loop = a, engine, loop
@@ -314,7 +323,7 @@ class HopServer(KVHandoffs):
             id=sid, coordinator=peer, route=route, place=place, sampling=sampling_params(msg.sampling),
             prefill_end=msg.prefill_end, max_tokens=msg.max_tokens, lease_s=msg.lease_s, loop=loop,
             deadline=trio.current_time() + msg.lease_s, next_start=start, span_end=end, kv_sent=start,
-            kv_to=kv_targets(route, place.phase, hop))
+            kv_to=kv_targets(route, place.phase, hop), trace=msg.trace)
         if start > 0:
             # This phase starts from the previous one's KV: hold the memory for it before the prefill starts
             # (the coordinator waits for Ready), so a transfer never fails half-way for want of memory.
@@ -337,6 +346,7 @@ class HopServer(KVHandoffs):
                 return
         parked = self._unpark(sid)
         self.sessions[sid] = session
+        log.debug("session %s (trace %s) installed: phase %d hop %d", sid, msg.trace or "-", place.phase, place.hop)
         if start > 0:
             self.outbox.post(peer, Ready(session=sid))
         by_sender: dict[NodeId, list[Work]] = {}
@@ -456,6 +466,7 @@ class HopServer(KVHandoffs):
             item = work.item
             end = item.start + item.num_tokens
             session.computed = max(session.computed, end)
+            session.stats.step(item.num_tokens, session.loop.last_step_s, trio.current_time())
             if session.frozen:
                 continue  # its results would race the move: the session goes on from its KV elsewhere
             if session.kv_to:
@@ -519,8 +530,8 @@ class HopServer(KVHandoffs):
 
     def _fail_session(self, session: HopSession, reason: str, unreachable: NodeId | None = None,
                       cause: Cause = "lost") -> None:
-        log.warning("session %s failed here: %s", session.id, reason)
-        self._drop(session.id)
+        log.warning("session %s (trace %s) failed here: %s", session.id, session.trace or "-", reason)
+        self._drop(session.id, "failed")
         self._report(session.coordinator, session.id, reason, unreachable, cause)
 
     def _fail_local(self, sid: SessionId, reason: str) -> None:
@@ -533,9 +544,13 @@ class HopServer(KVHandoffs):
         self.outbox.post(coordinator, Failed(session=sid, hop_peer=self.transport.peer_id, reason=reason,
                                              unreachable=unreachable or "", cause=cause))
 
-    def _drop(self, sid: SessionId) -> None:
-        """Forget the session and free its KV (released, failed or expired)."""
+    def _drop(self, sid: SessionId, end: str = "released") -> None:
+        """Forget the session and free its KV (released, failed, expired or handed over)."""
         session = self.sessions.pop(sid, None)
+        if session is not None:
+            self.metrics.sessions_ended.labels(end).inc()
+            self.reports.append(session.stats.report(session.id, session.trace, session.place.phase,
+                                                     session.place.hop, end))
         self._unpark(sid)
         self._released[sid] = None
         if len(self._released) > _RELEASED_MEMORY:
@@ -552,6 +567,12 @@ class HopServer(KVHandoffs):
                 await self._gone.wait()
         return not self.sessions
 
+    def take_reports(self) -> list[HopReport]:
+        """The reports of the sessions that ended here since the last call (for a heartbeat)."""
+        out = list(self.reports)
+        self.reports.clear()
+        return out
+
     # -- leases ------------------------------------------------------------------------------------------
 
     async def _expire(self) -> None:
@@ -563,7 +584,7 @@ class HopServer(KVHandoffs):
                 self.leases_expired += 1
                 log.warning("session %s: no word from its coordinator %s for %.0f s; its lease expired, KV freed",
                             session.id, session.coordinator, session.lease_s)
-                self._drop(session.id)
+                self._drop(session.id, "expired")
             for sid in [sid for sid, p in self._parked.items() if now - p.since > _PARK_S]:
                 parked = self._unpark(sid)
                 assert parked is not None

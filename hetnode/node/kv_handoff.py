@@ -33,6 +33,7 @@ from hetnode.kv.stream import LayerStream, StreamPart
 from hetnode.node.batcher import Work
 from hetnode.node.engine import Engine, EngineError, LayerDone, TorchEngine
 from hetnode.node.hop_session import HopSession
+from hetnode.node.metrics import NodeMetrics
 from hetnode.policy import KVTransferPolicy
 from hetnode.protocol.messages import KV, ErrorReply, Export, Freeze, Frozen, TensorMeta
 from hetnode.protocol.outbox import Outbox
@@ -59,6 +60,7 @@ class KVHandoffs:
     kv_bytes_sent: int
     kv_bytes_received: int
     kv_frames_sent: int
+    metrics: NodeMetrics
     _released: OrderedDict[SessionId, None]
     _handed: OrderedDict[SessionId, NodeId]
     _nursery: trio.Nursery | None
@@ -72,7 +74,7 @@ class KVHandoffs:
         def _fail_session(self, session: HopSession, reason: str, unreachable: NodeId | None = None,
                           cause: Cause = "lost") -> None: ...
         def _fail_local(self, sid: SessionId, reason: str) -> None: ...
-        def _drop(self, sid: SessionId) -> None: ...
+        def _drop(self, sid: SessionId, end: str = "released") -> None: ...
         async def _submit(self, peer: NodeId, works: list[Work]) -> None: ...
 
     # -- KV hand-offs ------------------------------------------------------------------------------------
@@ -145,12 +147,18 @@ class KVHandoffs:
         """Queue the KV of layers [first, last) at positions [start, end) for `peer`; False (and the session
         failed) when its queue is full."""
         msg = kv_frame(session.id, codec, first, last, start, end, data)
-        self.kv_bytes_sent += len(data)
-        self.kv_frames_sent += 1
+        self._count_sent(session, peer, codec, len(data))
         if not self.kv_outbox.post(NodeId(peer), msg, data):
             self._fail_session(session, f"could not queue the KV for {peer}", unreachable=NodeId(peer))
             return False
         return True
+
+    def _count_sent(self, session: HopSession, peer: str, codec: str, nbytes: int) -> None:
+        self.kv_bytes_sent += nbytes
+        self.kv_frames_sent += 1
+        if peer != self.transport.peer_id:  # a hop that keeps the KV itself moves nothing over a link
+            self.metrics.kv_sent.labels(peer, codec).inc(nbytes)
+        session.stats.sent(peer, codec, nbytes)
 
     async def _hand_off(self, handing: list[tuple[HopSession, int]]) -> None:
         """Send the next phase the KV this step computed that its layer hook has not streamed already, each layer
@@ -200,7 +208,7 @@ class KVHandoffs:
             if session.span_end is not None and end >= session.span_end:
                 # Everything this hop computed for the session is on its way: its KV is not needed here.
                 # Its coordinator is remembered a while, so a send that fails later is still reported.
-                self._drop(session.id)
+                self._drop(session.id, "handed_over")
                 self._handed[session.id] = session.coordinator
                 if len(self._handed) > _HANDED_MEMORY:
                     self._handed.popitem(last=False)
@@ -261,6 +269,9 @@ class KVHandoffs:
         if self.sessions.get(sid) is not session:
             return  # released while it was written
         self.kv_bytes_received += len(payload)
+        if peer != self.transport.peer_id:
+            self.metrics.kv_received.labels(str(peer), msg.codec).inc(len(payload))
+        session.stats.received(len(payload), not session.kv_waiting, trio.current_time())
         if not session.kv_waiting:
             session.computed = max(session.computed, session.kv_end)  # what it holds, should it move on
             session.kv_done.set()
@@ -344,7 +355,7 @@ class KVHandoffs:
                 return
             for target, data in packed:
                 kv = kv_frame(to, target.codec, target.first_layer, target.last_layer, start, stop, data)
-                self.kv_bytes_sent += len(data)
+                self._count_sent(session, target.peer, target.codec, len(data))
                 if NodeId(target.peer) == me:  # this hop holds the same layers in the new session: no network
                     try:
                         await self._on_kv(me, kv, bytes(data))
@@ -359,7 +370,7 @@ class KVHandoffs:
         if len(self._handed) > _HANDED_MEMORY:
             self._handed.popitem(last=False)
         log.info("session %s: handed the KV of %d positions over to session %s", sid, end, to)
-        self._drop(sid)
+        self._drop(sid, "handed_over")
 
 
 def _handoff_end(session: HopSession, end: int) -> int:

@@ -113,6 +113,39 @@ class LinkMeasurement(msgspec.Struct, frozen=True, kw_only=True):
     measured_at: NonNeg  # unix time
 
 
+# Trace ids: the REST API's request ids (`X-Request-Id`), carried to every hop in Install.
+TraceStr = Annotated[str, msgspec.Meta(max_length=128)]
+MAX_HOP_REPORTS = 1024
+
+
+class KVSent(msgspec.Struct, frozen=True, array_like=True):
+    """KV one hop sent for one session to one peer with one codec (the packed bytes on the wire)."""
+
+    dst: PeerStr
+    codec: Annotated[str, msgspec.Meta(max_length=16)]
+    bytes: Count
+    frames: Count
+
+
+class HopReport(msgspec.Struct, frozen=True, kw_only=True):
+    """How one session went on one hop, measured on the hop's own clock (durations only, so the coordinator needs
+    no synchronised clocks): sent up with the next heartbeat once the session ends there."""
+
+    session: Annotated[str, msgspec.Meta(max_length=128)]
+    trace: TraceStr = ""
+    phase: Count = 0  # its place on the route
+    hop: Count = 0
+    steps: Count = 0  # batch steps that ran some of the session's positions here
+    tokens: Count = 0  # positions those steps ran for the session
+    step_s: NonNeg = 0.0  # the durations of those steps, summed (each step also ran other sessions' items)
+    wait_s: NonNeg = 0.0  # from the Install to the session's first step here (upstream hops, handed-over KV)
+    active_s: NonNeg = 0.0  # from the Install to its last step here
+    kv_wait_s: NonNeg = 0.0  # a phase that starts from handed-over KV: from the Install until all of it arrived
+    kv_received_bytes: Count = 0
+    kv_sent: Annotated[list[KVSent], msgspec.Meta(max_length=1024)] = []
+    end: Literal["released", "failed", "expired", "handed_over"] = "released"
+
+
 # -- /hetnode/ctl/1: node <-> coordinator, one long-lived stream per membership ---------------------------
 
 
@@ -139,6 +172,9 @@ class Refuse(_Msg, tag="refuse", frozen=True, kw_only=True):
 class Heartbeat(_Msg, tag="heartbeat", frozen=True, kw_only=True):
     seq: Count
     load: Load
+    # How the sessions that ended here since the last heartbeat went, for their requests' traces (best effort:
+    # a heartbeat that is lost takes its reports with it).
+    hops: Annotated[list[HopReport], msgspec.Meta(max_length=MAX_HOP_REPORTS)] = []
 
 
 class Members(_Msg, tag="members", frozen=True, kw_only=True):
@@ -317,6 +353,7 @@ class Install(_Msg, tag="install", frozen=True, kw_only=True):
     # The session starts from that session's KV, which its hops (the route's first phase, not installed)
     # hand over on an Export: a hop that is on both phases serves the last.
     adopts: SessionStr | None = None
+    trace: TraceStr = ""  # the request's trace id: the hop logs it and reports it back (HopReport)
 
 
 class Item(msgspec.Struct, frozen=True, array_like=True):

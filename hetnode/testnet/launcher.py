@@ -45,6 +45,7 @@ class Proc:
     log: str
     peer_id: str = ""
     cmd: list[str] = field(default_factory=list)  # its command line, without the readiness and lifeline fds
+    metrics: str = ""  # a node's /metrics base URL (testnet up --metrics)
 
 
 @dataclass
@@ -188,6 +189,8 @@ def join_args(args: argparse.Namespace, spec: NodeSpec, bootstrap: str, state_di
            "--identity", str(state_dir / "keys" / f"{spec.name}.key"), "--name", spec.name,
            "--region", spec.region, "--log-level", args.log_level, *emulate,
            "--kv-transfer", getattr(args, "kv_transfer", "policy")]
+    if getattr(args, "metrics", False):
+        cmd += ["--metrics", f"{listen.split('/')[2]}:0"]  # the node's own address (its namespace's, with --netns)
     if spec.device != "cpu":
         cmd += ["--emulate", spec.device]
         if abs(spec.memory_gb * (1 << 30) - parse_device(spec.device).memory_bytes) >= 1 << 20:
@@ -298,7 +301,8 @@ async def start(args: argparse.Namespace) -> Running:
             cmd = [*prefix, *base, *join_args(args, spec, bootstrap, state_dir, emulate, listen=listen)]
             proc, node_ready = await _spawn(cmd, log_path, env, lifeline=lifeline,
                                             ready_timeout_s=args.ready_timeout, name=f"node {spec.name}")
-            procs.append((Proc(spec.name, "node", proc.pid, str(log_path), node_ready["peer_id"], cmd), proc))
+            procs.append((Proc(spec.name, "node", proc.pid, str(log_path), node_ready["peer_id"], cmd,
+                               node_ready.get("metrics") or ""), proc))
 
         async with trio.open_nursery() as nursery:
             for i in range(len(cluster.nodes)):
@@ -358,6 +362,9 @@ def print_summary(state: TestnetState, cluster: ClusterSpec, elapsed: float) -> 
         print(f"  {spec.name:<14} {spec.device:<8} region {spec.region or '-'}")
     auth = f" -H 'Authorization: Bearer {state.api_key}'" if state.api_key else ""
     print(f"API:       {state.api}")
+    for proc in state.procs:
+        if proc.metrics:
+            print(f"metrics:   {proc.name:<14} {proc.metrics}/metrics")
     print(f"bootstrap: {state.bootstrap}")
     print(f"token:     {state.token}")
     print(f"logs:      {Path(state.state_dir) / 'logs'}")
@@ -469,6 +476,7 @@ async def restart(args: argparse.Namespace) -> int:
     if proc.role == "coordinator" and ready.get("api") != state.api:
         raise HetnodeError(f"the coordinator came back at {ready.get('api')}, not {state.api}")
     proc.pid = child.pid
+    proc.metrics = ready.get("metrics") or proc.metrics  # a node's listener port is a new free one
     state.save(state_path)
     print(f"{proc.role} {proc.name} restarted in {time.monotonic() - t0:.1f} s (pid {child.pid})", flush=True)
     return 0
@@ -481,7 +489,8 @@ def status(state_dir: Path) -> int:
     print(f"testnet from {state_dir} ({state.cluster}), started {time.ctime(state.started_at)}")
     print(f"API: {state.api}   bootstrap: {state.bootstrap}")
     for p in state.procs:
-        print(f"  {p.role:<12} {p.name:<14} pid {p.pid:<8} {'running' if _alive(p.pid) else 'NOT RUNNING'}")
+        print(f"  {p.role:<12} {p.name:<14} pid {p.pid:<8} {'running' if _alive(p.pid) else 'NOT RUNNING'}"
+              + (f"  metrics {p.metrics}/metrics" if p.metrics else ""))
     headers = {"Authorization": f"Bearer {state.api_key}"} if state.api_key else {}
     try:
         view = httpx.get(f"{state.api}/v1/cluster", headers=headers, timeout=5).json()

@@ -16,11 +16,14 @@ from pathlib import Path
 import pytest
 import trio
 import trio.testing
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 from hetnode.coordinator.daemon import Coordinator, CoordinatorConfig
 from hetnode.coordinator.deployment import PlanningConfig
 from hetnode.coordinator.generation import GenerationError, GenerationParams
 from hetnode.coordinator.local import LocalGenerator
+from hetnode.coordinator.metrics import CoordinatorMetrics
 from hetnode.coordinator.sessions import PipelineGenerator
 from hetnode.ids import NodeId
 from hetnode.models.resolve import load_config
@@ -286,3 +289,31 @@ async def test_a_node_down_is_masked_not_the_whole_plan(tiny_model: Path, undist
                 nursery.start_soon(one, i, p)
         assert got == undisturbed
         assert deployment.plan is plan and c.gen.reroutes == 0
+
+
+async def test_a_moved_request_shows_its_move_in_its_trace_and_in_the_metrics(
+        tiny_model: Path, undisturbed: dict[int, list[int]]) -> None:
+    async with cluster(tiny_model, [30.0, 20.0, 10.0]) as c:
+        params = GenerationParams(max_tokens=MAX_TOKENS, sampling=SamplingParams(), trace_id="moved-1")
+        out: list[int] = []
+        async with c.gen.generate(PROMPTS[1], params) as events:
+            async for e in events:
+                out.append(e.token)
+                if len(out) == 3:
+                    await c.kill("n1")
+        assert out == undisturbed[1]
+        trace = c.gen.traces.get("moved-1")
+        assert trace is not None and trace.status == "completed" and trace.completion_tokens == len(out)
+        first, second = trace.sessions
+        [move] = trace.moves
+        assert move["kind"] == "reprefill" and "n1" in move["reason"]
+        assert (move["from_session"], move["to_session"]) == (first.session, second.session)
+        assert move["recomputed_tokens"] == len(PROMPTS[1]) + 3
+        assert (first.end, second.end) == ("moved", "finished")
+        assert "n1" not in {h["node"] for p in second.route["phases"] for h in p["hops"]}
+        scrape = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in text_string_to_metric_families(
+            generate_latest(CoordinatorMetrics(c.coord).registry).decode()) for s in f.samples}
+        assert scrape[("hetnode_request_moves_total", (("kind", "reprefill"),))] == 1
+        assert scrape[("hetnode_request_moves_total", (("kind", "with_kv"),))] == 0
+        assert scrape[("hetnode_move_recomputed_tokens_total", (("kind", "reprefill"),))] == len(PROMPTS[1]) + 3
+        assert scrape[("hetnode_replans_total", (("reason", "node_lost"),))] >= 1

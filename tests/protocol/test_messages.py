@@ -55,6 +55,11 @@ kv_link = st.builds(m.KVLink, src=peer, dst=peer, codec=codec)
 phase = st.builds(m.Phase, kind=st.sampled_from(["prefill", "decode", "mixed"]), hops=st.lists(hop, min_size=1,
                   max_size=4), first_token=count, last_token=st.none() | count,
                   kv_links=st.lists(kv_link, max_size=3))
+kv_sent = st.builds(m.KVSent, peer, codec, count, count)
+hop_report = st.builds(m.HopReport, session=short_text, trace=short_text, phase=count, hop=count, steps=count,
+                       tokens=count, step_s=unit, wait_s=unit, active_s=unit, kv_wait_s=unit, kv_received_bytes=count,
+                       kv_sent=st.lists(kv_sent, max_size=3),
+                       end=st.sampled_from(["released", "failed", "expired", "handed_over"]))
 route = st.builds(m.Route, phases=st.lists(phase, min_size=1, max_size=m.MAX_PHASES))
 position = st.integers(0, m.MAX_TOKENS_PER_SESSION)
 positive = st.integers(1, m.MAX_TOKENS_PER_SESSION)
@@ -77,7 +82,7 @@ MESSAGES = st.one_of(
     built(m.Welcome, peer_id=peer, heartbeat_interval_s=st.floats(0.01, 100),
               heartbeat_deadline_s=st.floats(0.01, 100), members=st.lists(member, max_size=4)),
     built(m.Refuse, reason=short_text),
-    built(m.Heartbeat, seq=count, load=load),
+    built(m.Heartbeat, seq=count, load=load, hops=st.lists(hop_report, max_size=3)),
     built(m.Members, version=count, members=st.lists(member, max_size=4)),
     built(m.ProbeOrder, order=count, targets=st.lists(peer, max_size=4)),
     built(m.LinkReport, order=count, links=st.lists(link, max_size=4), failed=st.lists(peer, max_size=3)),
@@ -93,7 +98,7 @@ MESSAGES = st.one_of(
     built(m.DiscoverRequest),
     built(m.DiscoverReply, coordinator=peer, addrs=addrs),
     built(m.Install, session=short_text, route=route, sampling=sampling, prefill_end=positive, max_tokens=positive,
-              lease_s=st.floats(0.001, 3600)),
+              lease_s=st.floats(0.001, 3600), trace=short_text),
     built(m.Items, items=st.lists(st.builds(m.Item, short_text, position, positive), min_size=1, max_size=4),
               tensor=meta),
     built(m.Tokens, tokens=st.lists(st.builds(
