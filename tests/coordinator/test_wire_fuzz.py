@@ -4,9 +4,10 @@ A coordinator and two nodes serve a tiny Llama as a pipeline, over the memory tr
 Noise, yamux on loopback). Member n2 and a stranger that never joined open streams of every protocol the
 coordinator and node n1 serve, and send, per stream, one of: random bytes in a frame, a frame cut short, a frame
 over the size limit, valid MessagePack of the wrong shape (a known tag with fields of the wrong types, or not a
-map), or a well-formed message of another protocol. Every stream must get an ErrorReply and then end (closed or
-reset); afterwards both peers still serve, and a greedy request gives the same tokens as before the attack.
-Frames come from a seeded generator, so a failure replays exactly.
+map), a well-formed message of another protocol, or (on the data path and KV) a tensor header followed by a
+payload of another size or announcing a tensor over the limit. Every stream must get an ErrorReply and then end
+(closed or reset); afterwards both peers still serve, and a greedy request gives the same tokens as before the
+attack. Frames come from a seeded generator, so a failure replays exactly.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from hetnode.protocol.transport import Transport
 PROFILE = m.HardwareProfile(device="cpu", device_type="cpu", memory_bytes=8 << 30, matmul_tflops=0.1,
                             mem_bandwidth_gbps=20, dtype="float32")
 SEED = 1616
-STREAMS_PER_HANDLER = 12  # per sender: two of each kind of frame
+STREAMS_PER_HANDLER = 16  # per sender: two of each kind of frame
 PROMPT = [5, 6, 7, 8]
 
 # Each protocol's tags that name a message with required fields (one without would take any map of that tag).
@@ -56,6 +57,14 @@ FOREIGN = {
     m.INFER_PROTOCOL: m.Ping(seq=2),
     m.KV_PROTOCOL: m.Leave(reason="x"),
 }
+# The messages that carry a tensor, with a given header (for payloads of the wrong size or over the limit).
+TENSOR_MESSAGES: dict[ProtocolId, Callable[[m.TensorMeta], msgspec.Struct]] = {
+    m.INFER_PROTOCOL: lambda meta: m.Items(items=[m.Item("s-fuzz", 0, meta.shape[0])], tensor=meta),
+    m.KV_PROTOCOL: lambda meta: m.KV(session="s-fuzz", first_layer=0, layers=1, start=0, count=meta.shape[0],
+                                     codec="fp16",
+                                     tensor=m.TensorMeta(dtype="uint8", shape=[min(meta.nbytes(), 1 << 31)])),
+}
+KINDS = 8
 SERVED = {"coord": [m.CTL_PROTOCOL, m.PROBE_PROTOCOL, m.DISCOVER_PROTOCOL, m.INFER_PROTOCOL],
           "n1": [m.PROBE_PROTOCOL, m.DISCOVER_PROTOCOL, m.INFER_PROTOCOL, m.KV_PROTOCOL]}
 
@@ -86,6 +95,14 @@ def hostile(kind: int, protocol: ProtocolId, rng: random.Random) -> tuple[bytes,
         return _frame(msgspec.msgpack.encode(body)), False
     if kind == 4:  # valid MessagePack that is not a map at all
         return _frame(msgspec.msgpack.encode(rng.choice([[1, 2, 3], 7, "join", None, 1.5]))), False
+    if kind in (6, 7) and protocol in TENSOR_MESSAGES:
+        rows = rng.randint(1, 8)
+        if kind == 6:  # a tensor header and a payload of another size than it says
+            header = encode(TENSOR_MESSAGES[protocol](m.TensorMeta(dtype="float16", shape=[rows, 64])))
+            return _frame(header) + _frame(b"\0" * (rows * 128 + rng.choice([-1, 1, 64]))), False
+        # kind 7: a header announcing a tensor over the limit (its bytes must never be awaited)
+        header = encode(TENSOR_MESSAGES[protocol](m.TensorMeta(dtype="float32", shape=[1 << 20, 1 << 12])))
+        return _frame(header) + b"\0" * 64, False
     return _frame(encode(FOREIGN[protocol])), False  # a well-formed message of another protocol
 
 
@@ -175,7 +192,7 @@ async def test_every_handler_survives_hostile_frames_from_members_and_strangers(
                     got = replies[(target_name, protocol, sender_name)] = []
                     async with trio.open_nursery() as attacks:
                         for i in range(STREAMS_PER_HANDLER):
-                            attacks.start_soon(attack, sender, target, protocol, i % 6,
+                            attacks.start_soon(attack, sender, target, protocol, i % KINDS,
                                                random.Random(rng.random()), got)
         assert all(len(codes) == STREAMS_PER_HANDLER for codes in replies.values())
         # Strangers are turned away before their frames are read, except where the protocol is public.
