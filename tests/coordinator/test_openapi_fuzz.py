@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import requests
@@ -45,8 +46,19 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 EXAMPLES = 15  # per operation and mode
 CTX = 24  # the model's context: at most 23 generated tokens per request
 REQUEST_TIMEOUT_S = 60  # far above any answer's time here; reaching it is a hang
+
+
+def openai_error_shape(ctx: object, response: Any, case: object) -> None:
+    """Every refusal is OpenAI's error object (also checked through the document's 4XX schema; said twice so
+    that a document that lost its error schema cannot let this through)."""
+    if response.status_code >= 400:
+        error = response.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"}, error
+        assert isinstance(error["message"], str) and error["message"] and isinstance(error["type"], str), error
+
+
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance,
-          negative_data_rejection]
+          negative_data_rejection, openai_error_shape]
 PROFILE = HardwareProfile(device="cpu", device_type="cpu", memory_bytes=8 << 30, matmul_tflops=0.1,
                           mem_bandwidth_gbps=20, dtype="float32")
 
