@@ -22,8 +22,11 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from hetnode import __version__
+from hetnode.coordinator import admin_spec
 from hetnode.coordinator.daemon import Coordinator
 from hetnode.coordinator.deployment import METHODS
+from hetnode.coordinator.openapi import DocumentedRoute, openapi_document
 from hetnode.coordinator.request_ids import RequestIdMiddleware
 
 log = logging.getLogger(__name__)
@@ -41,14 +44,13 @@ def error_response(status: int, message: str, *, type_: str = "invalid_request_e
 class ApiKeyMiddleware:
     """Bearer-token check in front of every route except the open ones."""
 
-    OPEN_PATHS = frozenset({"/healthz"})
-
-    def __init__(self, app: ASGIApp, api_key: str | None) -> None:
+    def __init__(self, app: ASGIApp, api_key: str | None, open_paths: frozenset[str] = frozenset()) -> None:
         self.app = app
         self.api_key = api_key.encode() if api_key else None
+        self.open_paths = open_paths  # the routes whose OpenAPI operation says `open`
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or self.api_key is None or scope["path"] in self.OPEN_PATHS:
+        if scope["type"] != "http" or self.api_key is None or scope["path"] in self.open_paths:
             await self.app(scope, receive, send)
             return
         headers = dict(scope["headers"])
@@ -94,7 +96,10 @@ class BodyLimitMiddleware:
 
 
 def build_app(coordinator: Coordinator, *, api_key: str | None = None,
-              extra_routes: list[Route] | None = None) -> Starlette:
+              extra_routes: list[Route] | None = None, max_wait_s: float = admin_spec.MAX_CLUSTER_WAIT_S,
+              ) -> Starlette:
+    """The app; `max_wait_s` bounds GET /v1/cluster's long-poll (tests that fuzz the API keep it short)."""
+
     async def healthz(request: Request) -> Response:
         view = coordinator.registry
         return JSONResponse({"status": "ok", "peer_id": coordinator.transport.peer_id,
@@ -103,15 +108,19 @@ def build_app(coordinator: Coordinator, *, api_key: str | None = None,
     async def cluster(request: Request) -> Response:
         """With min_up / max_up / min_links and timeout (seconds, at most 60), wait until the view matches."""
         q = request.query_params
+        unknown = set(q) - {"min_up", "max_up", "min_links", "timeout"}
+        if unknown:  # a misspelt condition would otherwise answer at once as if it held
+            return error_response(400, f"unknown query parameter(s): {', '.join(sorted(unknown))}; known: "
+                                       "min_up, max_up, min_links, timeout")
         try:
             min_up = int(q["min_up"]) if "min_up" in q else None
             max_up = int(q["max_up"]) if "max_up" in q else None
             min_links = int(q["min_links"]) if "min_links" in q else None
-            timeout = float(q.get("timeout", "10"))
+            timeout = float(q["timeout"]) if "timeout" in q else min(10.0, max_wait_s)
         except ValueError as exc:
             return error_response(400, f"bad query parameter: {exc}")
-        if not 0 <= timeout <= 60:
-            return error_response(400, "timeout must be between 0 and 60 seconds")
+        if not 0 <= timeout <= max_wait_s:
+            return error_response(400, f"timeout must be between 0 and {max_wait_s:g} seconds")
         reg = coordinator.registry
 
         def matches() -> bool:
@@ -157,25 +166,32 @@ def build_app(coordinator: Coordinator, *, api_key: str | None = None,
         method, reason = body.get("method"), body.get("reason", "requested through POST /v1/plan")
         if method is not None and method not in METHODS:
             return error_response(400, f"unknown method {method!r}; known: {', '.join(METHODS)}")
-        if not isinstance(reason, str) or len(reason) > 200:
-            return error_response(400, "reason must be a string of at most 200 characters")
+        if not isinstance(reason, str) or len(reason) > admin_spec.MAX_REASON_CHARS:
+            return error_response(400, f"reason must be a string of at most {admin_spec.MAX_REASON_CHARS} characters")
         plan = await deployment.replan(reason, method=method)
         if plan is None:
             return error_response(409, f"no plan: {deployment.problem}", type_="conflict_error")
         return JSONResponse(deployment.to_json())
 
-    routes = [
-        Route("/healthz", healthz, methods=["GET"]),
-        Route("/v1/cluster", cluster, methods=["GET"]),
-        Route("/v1/plan", plan, methods=["GET"]),
-        Route("/v1/plan", replan, methods=["POST"]),
+    async def openapi(request: Request) -> Response:
+        return JSONResponse(document)
+
+    routes: list[Route] = [
+        DocumentedRoute("/healthz", healthz, method="GET", operation=admin_spec.HEALTHZ),
+        DocumentedRoute("/openapi.json", openapi, method="GET", operation=admin_spec.OPENAPI),
+        DocumentedRoute("/v1/cluster", cluster, method="GET", operation=admin_spec.cluster(max_wait_s)),
+        DocumentedRoute("/v1/plan", plan, method="GET", operation=admin_spec.PLAN),
+        DocumentedRoute("/v1/plan", replan, method="POST", operation=admin_spec.REPLAN),
         *(extra_routes or []),
     ]
+    document = openapi_document(routes, title="hetnode coordinator", version=__version__,
+                                secured=api_key is not None)
     return Starlette(
         routes=routes,
         # Outermost first: every answer, a refusal for size or key included, carries its X-Request-Id.
         middleware=[Middleware(RequestIdMiddleware), Middleware(BodyLimitMiddleware),
-                    Middleware(ApiKeyMiddleware, api_key=api_key)],
+                    Middleware(ApiKeyMiddleware, api_key=api_key, open_paths=frozenset(
+                        r.path for r in routes if isinstance(r, DocumentedRoute) and r.operation.open))],
         exception_handlers={HTTPException: http_error, Exception: server_error},
     )
 

@@ -16,6 +16,7 @@ from starlette.routing import Route
 
 from hetnode.coordinator.metrics import CoordinatorMetrics
 from hetnode.coordinator.openai_schema import ApiError
+from hetnode.coordinator.openapi import DocumentedRoute, Operation
 from hetnode.coordinator.request_ids import valid_request_id
 from hetnode.coordinator.sessions import PipelineGenerator
 
@@ -39,6 +40,17 @@ def observe_routes(metrics: CoordinatorMetrics, generator: PipelineGenerator | N
         return JSONResponse(trace.to_json())
 
     return [
-        Route("/metrics", scrape, methods=["GET"]),
-        Route("/v1/requests/{id}", request_trace, methods=["GET"]),
+        DocumentedRoute("/metrics", scrape, method="GET", operation=METRICS),
+        DocumentedRoute("/v1/requests/{id}", request_trace, method="GET", operation=REQUEST_TRACE),
     ]
+
+
+METRICS = Operation(summary="Prometheus metrics in the text exposition format (docs/observability.md)",
+                    ok={"text/plain": {"type": "string"}})
+REQUEST_TRACE = Operation(
+    summary="one request's trace by its X-Request-Id: status, phases, routes, hops, KV codecs, moves",
+    ok={"application/json": {"type": "object", "required": ["id", "status"],
+                             "properties": {"id": {"type": "string"}, "status": {"type": "string"}}}},
+    statuses={400: "the id is not 1 to 128 characters of A-Z, a-z, 0-9, '.', '_', ':', '-'",
+              404: "no such request is remembered here"},
+)

@@ -30,6 +30,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Message, Receive, Scope, Send
 
+from hetnode.coordinator import openai_spec
 from hetnode.coordinator.generation import GenerationError, Generator
 from hetnode.coordinator.openai_output import (
     Generation,
@@ -50,6 +51,7 @@ from hetnode.coordinator.openai_schema import (
     parse_chat,
     parse_completion,
 )
+from hetnode.coordinator.openapi import DocumentedRoute
 from hetnode.coordinator.tokenizing import SHORT_PROMPT_CHARS, PromptTokenizer
 
 log = logging.getLogger(__name__)
@@ -80,11 +82,14 @@ def openai_routes(generator: Generator, *, metrics: ApiMetrics | None = None,
 
     short_prompt_chars: prompts up to this long are tokenized in a lane of their own (see tokenizing.py)."""
     api = _OpenAIApi(generator, metrics, short_prompt_chars)
+    ops = openai_spec.operations(generator.model_name, vocab_size=generator.model_config.vocab_size,
+                                 max_chars=api.tokenizing.max_chars)
     return [
-        Route("/v1/models", api.list_models, methods=["GET"]),
-        Route("/v1/models/{model:path}", api.get_model, methods=["GET"]),
-        Route("/v1/completions", api.completions, methods=["POST"]),
-        Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
+        DocumentedRoute("/v1/models", api.list_models, method="GET", operation=ops["list_models"]),
+        DocumentedRoute("/v1/models/{model:path}", api.get_model, method="GET", operation=ops["get_model"]),
+        DocumentedRoute("/v1/completions", api.completions, method="POST", operation=ops["completions"]),
+        DocumentedRoute("/v1/chat/completions", api.chat_completions, method="POST",
+                        operation=ops["chat_completions"]),
     ]
 
 

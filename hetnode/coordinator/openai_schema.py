@@ -35,9 +35,9 @@ MAX_LOGPROBS = 20
 MAX_TEMPERATURE = 2.0
 MAX_PENALTY = 2.0  # presence_penalty and frequency_penalty: OpenAI's bounds (we take and ignore them)
 MAX_LOGIT_BIAS = 100.0  # logit_bias values: OpenAI's bounds (taken and ignored)
-_SEED_LO, _SEED_HI = -(1 << 63), 1 << 64  # OpenAI takes int64 seeds; we also take uint64
+SEED_LO, SEED_HI = -(1 << 63), 1 << 64  # OpenAI takes int64 seeds; we also take uint64
 # OpenAI's newer "developer" role is the system prompt under another name; chat templates know "system".
-_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
 _TYPE_NAMES = {bool: "a boolean", int: "an integer", float: "a decimal", str: "a string", list: "an array",
                dict: "an object"}
@@ -260,10 +260,10 @@ def _chat_messages(body: Mapping[str, Any]) -> list[dict[str, str]]:
             raise ApiError(f"Invalid type for '{where}': expected an object, but got {_type_name(m)} instead.",
                            param=where)
         role = m.get("role")
-        if role not in _ROLES:
+        if role not in ROLES:
             raise ApiError(f"Invalid value for '{where}.role': {role!r}. Supported values are: 'system', "
                            "'developer', 'user' and 'assistant'.", param=f"{where}.role")
-        out.append({"role": _ROLES[role], "content": _message_text(m.get("content"), role, f"{where}.content")})
+        out.append({"role": ROLES[role], "content": _message_text(m.get("content"), role, f"{where}.content")})
     return out
 
 
@@ -302,7 +302,7 @@ def _options(body: Mapping[str, Any], *, max_tokens_key: str, logprobs: int | No
     if top_p is not None and not 0.0 < top_p <= 1.0:
         raise ApiError(f"Invalid 'top_p': expected a value in (0, 1], but got {top_p} instead.", param="top_p")
     top_k = _opt_int(body, "top_k", 0, None)  # an extension (vLLM, llama.cpp); 0: off
-    seed = _opt_int(body, "seed", _SEED_LO, _SEED_HI - 1)
+    seed = _opt_int(body, "seed", SEED_LO, SEED_HI - 1)
     # Taken and ignored, but checked as OpenAI checks them: a client's mistake should not pass silently.
     _opt_float(body, "presence_penalty", -MAX_PENALTY, MAX_PENALTY)
     _opt_float(body, "frequency_penalty", -MAX_PENALTY, MAX_PENALTY)
@@ -352,7 +352,7 @@ def _finish(pending: PendingRequest, prompt_ids: list[int], generator: Generator
             temperature=1.0 if o.temperature is None else o.temperature,
             top_p=1.0 if o.top_p is None else o.top_p,
             top_k=o.top_k or 0,
-            seed=None if o.seed is None else o.seed % _SEED_HI,
+            seed=None if o.seed is None else o.seed % SEED_HI,
             stop_token_ids=tuple(sorted(eos)),
             logprobs=o.logprobs,
         )

@@ -220,12 +220,17 @@ class PipelineGenerator:
                     self.kv_moved[(src, names.get(k.dst, k.dst), k.codec)] += k.bytes
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        async with trio.open_nursery() as nursery:
-            self._nursery = nursery
-            self.mailbox.install()
-            nursery.start_soon(self._renew_leases)
-            task_status.started()
-            await trio.sleep_forever()
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                self.mailbox.install()
+                nursery.start_soon(self._renew_leases)
+                task_status.started()
+                await trio.sleep_forever()
+        finally:
+            # The control handlers outlive this during shutdown; a node they see go must not start a task in a
+            # closed nursery (that raised inside the handler).
+            self._nursery = None
 
     @property
     def lifecycle(self) -> Lifecycle:

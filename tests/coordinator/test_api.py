@@ -43,6 +43,8 @@ async def test_api_key_error_shape_and_cluster_view() -> None:
             assert r.status_code == 405 and "error" in r.json()
             r = await client.get("/v1/cluster?min_up=x", headers=auth)
             assert r.status_code == 400 and "bad query parameter" in r.json()["error"]["message"]
+            r = await client.get("/v1/cluster?min_ups=1", headers=auth)  # misspelt: refused, not ignored
+            assert r.status_code == 400 and "unknown query parameter(s): min_ups" in r.json()["error"]["message"]
             r = await client.post("/v1/cluster", headers={**auth, "Content-Length": str(64 << 20)}, content=b"")
             assert r.status_code == 413
 
