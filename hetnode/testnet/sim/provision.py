@@ -94,12 +94,15 @@ class Design:
 
 def design_cluster(prompt_machine: str, token_machine: str, prompt: int, token: int,
                    model: ModelSpec) -> tuple[ClusterSpec, PlacementPlan]:
-    """The cluster and phase-split plan of a design: machines p0.. prefill, t0.. decode, each the whole model."""
+    """The cluster and phase-split plan of a design: machines p0.. prefill, t0.. decode, each the whole model.
+
+    `token` 0 is Splitwise's baseline instead (Baseline-A100, Baseline-H100): `prompt` machines that each run
+    both phases with mixed batching, no phase split, requests spread by join-the-shortest-queue."""
     for name in (prompt_machine, token_machine):
         if name not in MACHINES:
             raise ConfigError(f"no cost and power known for machine {name!r}; known: {', '.join(MACHINES)}",
                               key="--prompt-machine" if name == prompt_machine else "--token-machine")
-    if prompt < 1 or token < 1:
+    if prompt < 1 or token < 0:
         raise ConfigError(f"a design needs at least one prompt and one token machine, not {prompt} and {token}")
     names = [(f"p{i}", prompt_machine) for i in range(prompt)] + [(f"t{i}", token_machine) for i in range(token)]
     gbps = min(MACHINES[prompt_machine].interconnect_gbps, MACHINES[token_machine].interconnect_gbps)
@@ -110,9 +113,10 @@ def design_cluster(prompt_machine: str, token_machine: str, prompt: int, token: 
         "links": {"default": {"bandwidth_mbps": gbps * 1000, "latency_ms": 0.005}},
     }, "provisioning design")
     layers = model.num_layers
-    plan = PlacementPlan(cluster=cluster.name, model=model.name, num_layers=layers, method="split",
-                         placements=tuple(NodePlacement(n, 0, layers) for n, _ in names),
-                         replicas=tuple(Replica("prefill" if n.startswith("p") else "decode", (n,)) for n, _ in names),
+    replicas = tuple(Replica("prefill" if n.startswith("p") else "decode", (n,)) for n, _ in names) if token else ()
+    plan = PlacementPlan(cluster=cluster.name, model=model.name, num_layers=layers,
+                         method="split" if token else "sp",
+                         placements=tuple(NodePlacement(n, 0, layers) for n, _ in names), replicas=replicas,
                          partial_inference=False)
     return cluster, plan
 
@@ -124,11 +128,26 @@ def alone(profile: DeviceProfile, layers: int, input_len: int, output_len: int) 
     return ttft, tbt, ttft + max(0, output_len - 1) * tbt
 
 
+def decode_batch_for(profiles: ProfileTable, machine: str, model: ModelSpec, context: float) -> int:
+    """The largest decode batch a `machine` steps through within the p50 TBT SLO (a slowdown against one request
+    alone on the reference machine at the same `context`): the queue past which Splitwise's pools lend."""
+    alone_s = profiles.profiles[REFERENCE].decode_time(1, model.num_layers, int(context))
+    profile = profiles.profiles[machine]
+    limit = SLOS["tbt"][0] * alone_s
+    batch = 1
+    while batch < 4096 and profile.decode_time(batch + 1, model.num_layers, int(context)) <= limit:
+        batch += 1
+    return batch
+
+
 def evaluate(prompt_machine: str, token_machine: str, prompt: int, token: int, *, model: ModelSpec,
              profiles: ProfileTable, workload: Workload, duration_s: float, warmup_s: float,
              scheduler: str = "splitwise", options: SimOptions | None = None, rate: float = 0.0) -> Design:
-    """One design serving `workload` (whose Poisson rate, `rate`, the design records)."""
+    """One design serving `workload` (whose Poisson rate, `rate`, the design records). A baseline (`token` 0)
+    is routed by join-the-shortest-queue whatever `scheduler` says (it has no pools)."""
     cluster, plan = design_cluster(prompt_machine, token_machine, prompt, token, model)
+    if not token:
+        scheduler = "shortest-queue"
     result = simulate(cluster, model, profiles, plan, workload=workload, scheduler=scheduler, duration_s=duration_s,
                       warmup_s=warmup_s, options=options)
     reference = profiles.profiles[REFERENCE]

@@ -79,6 +79,8 @@ class SimOptions:
     # machine-level scheduler with `prompt_tokens` prompt tokens a step at most (hetnode.policy.machine_batching).
     batching: str = "shared"
     prompt_tokens: int = PROMPT_TOKENS
+    # Splitwise's pools: the requests a decode queue holds before the pool lends (PoolScheduler.decode_batch).
+    decode_batch: int | None = None
     # The coordinator's own time, as one server in arrival order (0: it takes none): seconds to start a request
     # (parse, route, send its first item) and to handle one item that came back (stream the token, send the
     # next item). Measured, not guessed: scripts/validate_sim.py measures both on the testnet.
@@ -178,6 +180,8 @@ def make_runtime_scheduler(name: str, plan: PlacementPlan, nodes: Mapping[str, S
         kwargs["throughput"] = lambda node: float(nodes[node].rate.value)
     if name in ("cls", "splitwise"):  # the phase-split policies
         kwargs["regions"] = dict(regions or {})
+    if name == "splitwise" and options.decode_batch is not None:
+        kwargs["decode_batch"] = options.decode_batch
     scheduler: Scheduler = make_scheduler(name, plan, **kwargs)
     return scheduler
 
