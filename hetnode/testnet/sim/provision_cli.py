@@ -68,6 +68,7 @@ def run(args: argparse.Namespace) -> int:
     from hetnode.testnet.sim.provision import (
         REFERENCE,
         SLOS,
+        decode_batch_for,
         design_cluster,
         evaluate,
         picture,
@@ -105,7 +106,10 @@ def run(args: argparse.Namespace) -> int:
     # The whole length distribution, as Splitwise sizes for it (hetnode sim filters to Helix's lengths).
     lengths = load_trace(args.trace, length_filter=False)
     workloads: dict[float, Workload] = {}
-    options = SimOptions(batching=args.batching)
+    # The pools lend a decode past the batch a token machine steps through within the p50 TBT SLO.
+    context = sum(lengths.inputs) / len(lengths.inputs) + sum(lengths.outputs) / len(lengths.outputs) / 2
+    options = SimOptions(batching=args.batching,
+                         decode_batch=decode_batch_for(profiles, args.token_machine, model, context))
 
     def at(prompt: int, token: int, rate: float) -> Design:
         if rate not in workloads:
