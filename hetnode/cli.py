@@ -182,6 +182,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "modelled step time, or the real time if longer (default: the node's, 100)")
     up.add_argument("--kv-transfer", default="policy", choices=list(TRANSFER_CHOICES),
                     help="every node's --kv-transfer (default: policy)")
+    up.add_argument("--batching", default="shared", choices=list(BATCHINGS),
+                    help="every node's --batching (default: shared; splitwise: Splitwise's machine-level scheduler)")
     _planning_args(up)
     for name, help_ in (("down", "stop a detached testnet"), ("status", "show a detached testnet")):
         p = tsub.add_parser(name, help=help_, description=help_.capitalize() + ".")

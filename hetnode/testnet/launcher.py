@@ -180,7 +180,8 @@ def join_args(args: argparse.Namespace, spec: NodeSpec, bootstrap: str, state_di
     cmd = ["join", "--bootstrap", bootstrap, "--listen", "/ip4/127.0.0.1/tcp/0",
            "--identity", str(state_dir / "keys" / f"{spec.name}.key"), "--name", spec.name,
            "--region", spec.region, "--log-level", args.log_level, *emulate,
-           "--kv-transfer", getattr(args, "kv_transfer", "policy")]
+           "--kv-transfer", getattr(args, "kv_transfer", "policy"),
+           "--batching", getattr(args, "batching", "shared")]
     if spec.device != "cpu":
         cmd += ["--emulate", spec.device]
         if abs(spec.memory_gb * (1 << 30) - parse_device(spec.device).memory_bytes) >= 1 << 20:
