@@ -25,6 +25,7 @@ from hetnode.argtypes import positive_int as _positive_int
 from hetnode.errors import ConfigError, HetnodeError, PeerUnreachable, Refused
 from hetnode.policy.kv_codec import OPERATOR_CHOICES
 from hetnode.policy.kv_transfer import TRANSFER_CHOICES, transfer_policy
+from hetnode.policy.machine_batching import BATCHINGS, batch_policy_for
 
 if TYPE_CHECKING:
     from hetnode.coordinator.deployment import Plan
@@ -140,6 +141,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how this node sends a prefill step's KV to the decode phase: layer by layer while the step "
                         "runs when the transfer is long enough to gain by it (policy, the default), always "
                         "layer-wise, or always whole after the step (the last two to compare them)")
+    j.add_argument("--batching", default="shared", choices=list(BATCHINGS),
+                   help="how this node forms a step: the shared batch policy (chunked prefill in arrival order), "
+                        "or Splitwise's machine-level scheduler (prompts first come first served up to "
+                        "--prompt-tokens a step, decodes until memory is near full, a machine holding both "
+                        "prompts first with preemption and ageing)")
+    j.add_argument("--prompt-tokens", type=_positive_int, default=2048, metavar="N",
+                   help="with --batching splitwise: most prompt tokens batched in one step (default: 2048)")
     j.add_argument("--compute-dilation", type=_positive, default=100.0, metavar="X",
                    help="with --emulate: a step lasts X times the emulated device's modelled step time "
                         "(or the real time, if longer), so emulated devices keep their relative speeds "
@@ -191,6 +199,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--metrics", action="store_true",
                     help="give every node a Prometheus /metrics listener on a free port of 127.0.0.1 (shown by "
                          "'testnet status' and in the state file); the coordinator's is on its REST API")
+    up.add_argument("--batching", default="shared", choices=list(BATCHINGS),
+                    help="every node's --batching (default: shared; splitwise: Splitwise's machine-level scheduler)")
     _planning_args(up)
     for name, help_ in (("down", "stop a detached testnet"), ("status", "show a detached testnet"),
                         ("restart", "restart one process of a detached testnet (after a crash, or to test one)")):
@@ -589,7 +599,8 @@ async def _run_node(args: argparse.Namespace) -> None:
         hops = HopServer(transport, lambda peer: daemon.is_member(peer), device=args.device, dtype=args.dtype,
                          engine_config=EngineConfig(kv_cache_bytes=int(args.kv_cache_mb * (1 << 20))),
                          pace_factory=pace_factory(args.emulate, args.compute_dilation) if args.emulate else None,
-                         kv_transfer=transfer_policy(args.kv_transfer))
+                         kv_transfer=transfer_policy(args.kv_transfer),
+                         batch_policy=batch_policy_for(args.batching, args.prompt_tokens))
         daemon = NodeDaemon(config, transport, hops)
         async with trio.open_nursery() as nursery:
             # SIGTERM or Ctrl-C: the sessions here move to other nodes with their KV before the node goes.

@@ -180,3 +180,29 @@ def test_chaos_quick() -> None:
     chaos = next(line for line in r.stdout.splitlines() if line.startswith("chaos:"))
     assert "'wrong': 0" in chaos and "'hung': 0" in chaos
     assert "KV after the run: none held" in r.stdout
+
+
+@pytest.mark.slow
+def test_reproduce_splitwise_quick(tmp_path: Path) -> None:
+    out = tmp_path / "splitwise.json"
+    r = subprocess.run([sys.executable, str(SCRIPTS / "reproduce_splitwise.py"), "--quick", "--json", str(out)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    result = json.loads(out.read_text())
+    # Every design under both budgets it is judged in, on both traces, served something within the SLOs.
+    designs = result["designs"]
+    assert {k.split("/")[0] for k in designs} == {"power", "cost"}
+    assert {k.split("/")[1] for k in designs} == {"code", "conv"}
+    assert all(d["rate"] > 0 for d in designs.values())
+    assert all(d["token"] == 0 for k, d in designs.items() if "Baseline" in k)
+    assert all(d["token"] >= 1 for k, d in designs.items() if "Splitwise" in k)
+    budgets = result["settings"]["budgets"]
+    assert all(d[k] <= budgets[k] + 1e-9 for d in designs.values() for k in ("power",)
+               if d["budget"] == "power")
+    assert set(result["moved"]) == {f"{s}/{d}" for s in ("splitwise", "cls")
+                                    for d in ("Splitwise-AA", "Splitwise-HH", "Splitwise-HA", "Splitwise-HHcap")}
+    assert result["fig12"]["prompt"] >= 1
+    assert len(result["claims"]) == 18
+    for claim in result["claims"]:
+        assert isinstance(claim["same_winner"], bool) and isinstance(claim["within_25pct"], bool)
+    assert "same winner" in r.stdout and "within 25%" in r.stdout and "2.15" in r.stdout

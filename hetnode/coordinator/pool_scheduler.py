@@ -8,8 +8,11 @@ overloaded borrows:
   this prompt, the request goes to a mixed replica whose queue stays under that; failing one, the decode
   replica with the shortest queue moves into the mixed pool and prefills it.
 - Decode: token machines batch until their memory is near full (Splitwise §IV-B), so the decode pool is
-  overloaded when no decode replica has KV room under the high-water mark; then a mixed replica with room takes
-  the decode, failing one the prefill replica with the shortest queue that has room moves into the mixed pool.
+  overloaded when no decode replica has KV room under the high-water mark, or, where `decode_batch` is set,
+  when even the shortest decode queue already holds that many requests (a batch past which a decode step is
+  slower than the TBT SLO allows: memory is rarely what runs out first on a whole DGX); then a mixed replica with
+  room takes the decode, failing one the prefill replica with the shortest queue that has room moves into the
+  mixed pool.
 - A replica that prefills and decodes the same request runs it as one mixed pipeline (no KV hand-off).
 
 A mixed replica keeps its home role and goes back to its home pool once no task of the other kind is left on
@@ -51,6 +54,8 @@ class PoolScheduler(SplitScheduler):
     """Splitwise's CLS with prefill, decode and mixed pools; see the module docstring.
 
     prefill_queue_tokens: the prompt tokens a prefill queue may hold before the request looks to the mixed pool.
+    decode_batch: the requests a decode queue may hold before the request looks to the mixed pool (None: until
+    its KV is full).
     repurpose_after_s: how long a replica may stay mixed before its home role flips. The other options are
     `SplitScheduler`'s.
     """
@@ -58,7 +63,8 @@ class PoolScheduler(SplitScheduler):
     name: ClassVar[str] = "splitwise"
 
     def __init__(self, plan: PlacementPlan, *, prefill_queue_tokens: float = PREFILL_QUEUE_TOKENS,
-                 repurpose_after_s: float = REPURPOSE_AFTER_S, kv_capacity: Mapping[str, int] | None = None,
+                 repurpose_after_s: float = REPURPOSE_AFTER_S, decode_batch: int | None = None,
+                 kv_capacity: Mapping[str, int] | None = None,
                  high_water: float = 0.9, avg_output_len: float = 240.0, queue_limit: int = 1024, seed: int = 0,
                  regions: Mapping[str, str] | None = None, output_ratio: float = 1.0,
                  learn_output: bool = True) -> None:
@@ -66,11 +72,14 @@ class PoolScheduler(SplitScheduler):
             raise ValueError(f"prefill_queue_tokens must be positive, not {prefill_queue_tokens}")
         if not 0 < repurpose_after_s <= math.inf:
             raise ValueError(f"repurpose_after_s must be positive, not {repurpose_after_s}")
+        if decode_batch is not None and decode_batch < 1:
+            raise ValueError(f"decode_batch must be >= 1 or None, not {decode_batch}")
         super().__init__(plan, kv_capacity=kv_capacity, high_water=high_water, avg_output_len=avg_output_len,
                          queue_limit=queue_limit, seed=seed, regions=regions, output_ratio=output_ratio,
                          learn_output=learn_output)
         self.prefill_queue_tokens = prefill_queue_tokens
         self.repurpose_after_s = repurpose_after_s
+        self.decode_batch = decode_batch
         self._home = [r.role for r in self._replicas]
         self._pool = list(self._home)
         self._mixed_since: list[float | None] = [None] * len(self._replicas)
@@ -147,9 +156,11 @@ class PoolScheduler(SplitScheduler):
         return r.pending + avg * self._decoding(r)
 
     def _over(self, i: int, kind: str, need: float) -> bool:
-        """A prefill queue is over its threshold past `prefill_queue_tokens`; a decode one only when it has no
-        KV room, which the caller already excluded."""
-        return kind == PREFILL and self._prompts[i] + need > self.prefill_queue_tokens
+        """A prefill queue is over its threshold past `prefill_queue_tokens`; a decode one when it holds
+        `decode_batch` requests already, or has no KV room (which the caller already excluded)."""
+        if kind == PREFILL:
+            return self._prompts[i] + need > self.prefill_queue_tokens
+        return self.decode_batch is not None and self._decoding(self._replicas[i]) >= self.decode_batch
 
     def _release_prefill(self, running: _Running) -> None:
         assert isinstance(running, _PoolRunning)

@@ -44,7 +44,7 @@ from hetnode.node.engine import (
 from hetnode.node.hop_session import HopSession, sampling_params
 from hetnode.node.kv_handoff import KVHandoffs
 from hetnode.node.metrics import NodeMetrics, NodeView
-from hetnode.policy import Cause, KVTransferPolicy, Lifecycle
+from hetnode.policy import BatchConfig, BatchPolicy, Cause, KVLedger, KVTransferPolicy, Lifecycle
 from hetnode.protocol.mailbox import Mailbox
 from hetnode.protocol.messages import (
     INFER_PROTOCOL,
@@ -98,8 +98,10 @@ class _Parked:
 class HopServer(KVHandoffs):
     def __init__(self, transport: Transport, is_member: Callable[[NodeId], bool], *, device: str = "cpu",
                  dtype: str = "float32", engine_config: EngineConfig | None = None,
-                 pace_factory: PaceFactory | None = None, kv_transfer: KVTransferPolicy | None = None) -> None:
+                 pace_factory: PaceFactory | None = None, kv_transfer: KVTransferPolicy | None = None,
+                 batch_policy: Callable[[KVLedger, BatchConfig], BatchPolicy] = BatchPolicy) -> None:
         self.transport = transport
+        self.batch_policy = batch_policy  # the shared one, or another design's (Splitwise's machine-level)
         self.device = device
         self.dtype = dtype
         self.engine_config = engine_config
@@ -199,7 +201,7 @@ class HopServer(KVHandoffs):
                 return
             loop = BatchLoop(engine, deliver=self._deliver, fail=self._fail,
                              pace=self.pace_factory(engine) if self.pace_factory else None,
-                             layer_hook=self._stream_for)
+                             layer_hook=self._stream_for, policy=self.batch_policy)
             loop.on_step = lambda items, s: self.metrics.observe_step(
                 len(items), sum(i.num_tokens for i in items), any(i.num_tokens > 1 for i in items), s)
             await loop.measure_prefill()

@@ -82,6 +82,9 @@ DEVICES: dict[str, DeviceSpec] = {
     spec.name: spec
     for spec in (
         _spec("h100", 1979.0, 80.0, 3350.0, _HELIX + "; FP16 figure is with sparsity"),
+        # Splitwise-HHcap's token machines: an H100 capped at 50% of its power. Memory-bound work is unchanged and
+        # compute-bound work takes 1.30x as long in Splitwise's measured model (planner/data/splitwise).
+        _spec("h100-pcap", 1979.0 / 1.3, 80.0, 3350.0, "Splitwise §IV-D, Fig. 9: H100 SXM at a 50% power cap"),
         _spec("a100", 312.0, 40.0, 1555.0, _HELIX + "; A100 SXM 40 GB"),
         _spec("l4", 242.0, 24.0, 300.0, _HELIX + "; FP16 figure is with sparsity"),
         _spec("t4", 65.0, 16.0, 300.0, _HELIX),

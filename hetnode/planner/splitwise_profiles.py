@@ -1,4 +1,5 @@
-"""Splitwise's measured performance model as profiles: Llama-2 70B on a DGX-A100 and a DGX-H100 (TP 8).
+"""Splitwise's measured performance model as profiles: Llama-2 70B on a DGX-A100, a DGX-H100 and a DGX-H100
+with its GPUs power-capped to 50% (TP 8).
 
 The Splitwise authors timed whole prompt phases and decode iterations on 8-GPU machines (`data/splitwise/`, MIT;
 its README gives the columns). A profile here is per layer, as Helix's are, so each measured time is divided by
@@ -13,7 +14,7 @@ the model's 80 layers:
   generated tokens, less that term at their mean context (576 tokens each), give the batch curve.
 
 Five repetitions of every point are averaged. Memory and the most layers a machine holds come from the device
-table (`8xa100-80g`: 640 GB; `8xh100`: 640 GB), as for roofline profiles.
+table (`8xa100-80g`, `8xh100`, `8xh100-pcap`: 640 GB each), as for roofline profiles.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from hetnode.planner.profile import Curve, DeviceProfile, ProfileTable, Workload
 
 SPLITWISE_SOURCE = "Splitwise's performance model (Patel et al., ISCA 2024; splitwise-sim, MIT), measured on DGX"
 # The machines measured, as hetnode devices: the model's hardware column -> device name.
-SPLITWISE_DEVICES = {"a100-80gb": "8xa100-80g", "h100-80gb": "8xh100"}
+SPLITWISE_DEVICES = {"a100-80gb": "8xa100-80g", "h100-80gb": "8xh100", "h100-80gb-pcap": "8xh100-pcap"}
 SPLITWISE_MODEL = "llama-70b"  # hetnode's preset for the table's llama2-70b
 _PROMPT_OF_DECODE_ROWS = 512  # the prompt before the decode rows' generations
 _BATCH_ROWS_GENERATED = 128  # generated tokens in the rows that vary the batch

@@ -188,7 +188,8 @@ def join_args(args: argparse.Namespace, spec: NodeSpec, bootstrap: str, state_di
     cmd = ["join", "--bootstrap", bootstrap, "--listen", listen,
            "--identity", str(state_dir / "keys" / f"{spec.name}.key"), "--name", spec.name,
            "--region", spec.region, "--log-level", args.log_level, *emulate,
-           "--kv-transfer", getattr(args, "kv_transfer", "policy")]
+           "--kv-transfer", getattr(args, "kv_transfer", "policy"),
+           "--batching", getattr(args, "batching", "shared")]
     if getattr(args, "metrics", False):
         cmd += ["--metrics", f"{listen.split('/')[2]}:0"]  # the node's own address (its namespace's, with --netns)
     if spec.device != "cpu":

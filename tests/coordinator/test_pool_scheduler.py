@@ -149,3 +149,15 @@ def test_splitwise_routes_only_phase_split_plans() -> None:
         make_scheduler("splitwise", helix)
     with pytest.raises(ValueError, match="prefill_queue_tokens"):
         make_scheduler("splitwise", plan, prefill_queue_tokens=0)
+
+
+def test_a_decode_queue_at_its_batch_threshold_lends_a_prefill_replica() -> None:
+    s = sched(decode_batch=2)
+    assert [picks(s.submit(f"r{i}", 10, 0))[1] for i in range(4)] == ["d1", "d2", "d1", "d2"]
+    # Both decode replicas hold two requests: the fifth looks to the mixed pool (empty), then lends the prefill
+    # replica with the shortest queue, which prefills it too (one mixed pipeline).
+    assert picks(s.submit("r4", 10, 0)) == ("p1", "p1") and pools(s)["p1"] == "mixed" and s.moved_to_mixed == 1
+    unbounded = sched()
+    assert {picks(unbounded.submit(f"r{i}", 10, 0))[1] for i in range(6)} == {"d1", "d2"}
+    with pytest.raises(ValueError, match="decode_batch"):
+        sched(decode_batch=0)

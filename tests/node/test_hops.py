@@ -284,3 +284,24 @@ def _drain(peer: RawPeer) -> list[tuple[NodeId, Any]]:
             return out
 
 
+
+
+def test_a_node_takes_splitwise_machine_batching_from_its_command_line(tmp_path: Path) -> None:
+    import argparse
+
+    from hetnode.cli import build_parser
+    from hetnode.policy import BatchConfig, BatchPolicy, KVLedger
+    from hetnode.policy.machine_batching import SplitwiseBatchPolicy, batch_policy_for
+    from hetnode.testnet.launcher import NodeSpec, join_args
+
+    up = build_parser().parse_args(["testnet", "up", "--batching", "splitwise"])
+    cmd = join_args(argparse.Namespace(log_level="info", compute_dilation=None, batching=up.batching),
+                    NodeSpec("n0", "cpu", "r1", 8.0), "/ip4/127.0.0.1/tcp/4001/p2p/x", tmp_path, [])
+    args = build_parser().parse_args([*cmd, "--prompt-tokens", "512"])
+    made = batch_policy_for(args.batching, args.prompt_tokens)(KVLedger(10, 16), BatchConfig())
+    assert isinstance(made, SplitwiseBatchPolicy) and made.machine.prompt_tokens == 512
+    assert batch_policy_for("shared") is BatchPolicy
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([*cmd, "--batching", "fcfs"])
+    with pytest.raises(ValueError, match="batching"):
+        batch_policy_for("fcfs")

@@ -51,7 +51,7 @@ def test_auto_picks_it_for_llama_70b_on_dgx_machines_and_refuses_other_models() 
     cluster = parse_cluster({"name": "ha", "nodes": [{"name": "p0", "device": "8xh100", "region": "r"},
                                                      {"name": "t0", "device": "8xa100-80g", "region": "r"}]}, "test")
     table = profile_table_for(cluster, LLAMA70, "auto")
-    assert table.source.startswith("splitwise") and set(table.profiles) == {"8xh100", "8xa100-80g"}
+    assert table.source.startswith("splitwise") and set(table.profiles) == {"8xh100", "8xa100-80g", "8xh100-pcap"}
     assert table.profiles["8xh100"].max_layers == 80 and table.profiles["8xh100"].tokens_per_s(80) > 0
     assert profile_table_for(cluster, PRESETS["llama-30b"], "auto").source.startswith("roofline")
     with pytest.raises(ConfigError, match="llama-70b only"):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,17 @@ from hetnode.cli import main
 from hetnode.errors import ConfigError
 from hetnode.planner.model import PRESETS
 from hetnode.planner.profile_sources import profile_table_for
-from hetnode.testnet.sim.provision import MACHINES, SLOS, Design, design_cluster, evaluate, picture, search
+from hetnode.testnet.sim.provision import (
+    MACHINES,
+    SLOS,
+    Design,
+    design_cluster,
+    evaluate,
+    picture,
+    price,
+    search,
+    search_throughput,
+)
 from hetnode.testnet.sim.workload import load_trace, poisson
 
 LLAMA70 = PRESETS["llama-70b"]
@@ -96,3 +107,85 @@ def test_hetnode_provision_prints_the_designs_and_the_choice(capsys: pytest.Capt
     assert main(args) == 0
     assert "chosen (least cost): 1 x 8xh100 prompt + 1 x 8xa100-80g token machines" in capsys.readouterr().out
     assert main([*args[:-4], "--max-prompt", "1", "--max-token", "1", "--warmup", "30"]) == 2  # warmup >= duration
+
+
+# -- Splitwise-HHcap and the throughput-under-a-budget goal ---------------------------------------------------
+
+
+def test_a_power_capped_h100_prefills_slower_and_decodes_alike() -> None:
+    cluster, _ = design_cluster("8xh100", "8xh100-pcap", 1, 1, LLAMA70)
+    table = profile_table_for(cluster, LLAMA70)
+    assert table.source.startswith("splitwise")
+    h, cap = table.profiles["8xh100"], table.profiles["8xh100-pcap"]
+    assert cap.prefill_time(2048, 80) == pytest.approx(1.3 * h.prefill_time(2048, 80))
+    assert cap.decode_time(32, 80, 1000) == pytest.approx(h.decode_time(32, 80, 1000))
+    assert MACHINES["8xh100-pcap"].power == 1.23
+    assert price("8xh100", "8xh100-pcap", 2, 3) == (190.0, 2 * 1.75 + 3 * 1.23)
+
+
+def test_the_throughput_search_takes_the_largest_designs_a_budget_allows_and_bisects_their_rate() -> None:
+    calls: list[tuple[int, int, float]] = []
+
+    def fake(p: int, t: int, rate: float) -> Design:  # serves up to 3 req/s a prompt machine and 5 a token one
+        calls.append((p, t, rate))
+        return replace(design(p, t, rate <= min(3 * p, 5 * t)), rate=rate)
+
+    # Power budget 6 DGX-A100s of H100 prompt (1.75) and A100 token (1) machines: (1, 4), (2, 2), (3, 0: none).
+    best, designs = search_throughput(fake, prompt_machine="8xh100", token_machine="8xa100-80g", budget=6.0,
+                                      of="power", max_prompt=5, max_token=8, max_rate=40, resolution=0.5)
+    assert [(d.prompt, d.token) for d in designs] == [(1, 4), (2, 2)]
+    assert [d.rate for d in designs] == [3.0, 6.0]  # min(3, 20) and min(6, 10), to the half
+    assert best is not None and (best.prompt, best.token, best.rate) == (2, 2, 6.0)
+    assert len(calls) < 2 * 10  # bisected, not swept (80 grid points each)
+    by_cost, _ = search_throughput(fake, prompt_machine="8xh100", token_machine="8xa100-80g", budget=100.0,
+                                   of="cost", max_prompt=5, max_token=8, max_rate=40, resolution=0.5)
+    # $100 buys (1, 3) at 3 req/s or (2, 1) at 5.
+    assert by_cost is not None and (by_cost.prompt, by_cost.token, by_cost.rate) == (2, 1, 5.0)
+    nothing, designs = search_throughput(lambda p, t, r: replace(design(p, t, False), rate=r),
+                                         prompt_machine="8xh100", token_machine="8xa100-80g", budget=6.0,
+                                         of="power", max_prompt=5, max_token=8, max_rate=40, resolution=1)
+    assert nothing is None and all(d.rate == 1 for d in designs)
+
+
+def test_the_throughput_search_refuses_bad_budgets() -> None:
+    def never(p: int, t: int, rate: float) -> Design:
+        raise AssertionError("nothing should be simulated")
+
+    kw = {"prompt_machine": "8xh100", "token_machine": "8xh100", "max_prompt": 4, "max_token": 4, "max_rate": 10.0,
+          "resolution": 1.0}
+    with pytest.raises(ConfigError, match="no design fits a cost budget of 50"):
+        search_throughput(never, budget=50.0, of="cost", **kw)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="cost or power"):
+        search_throughput(never, budget=50.0, of="space", **kw)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="resolution"):
+        search_throughput(never, budget=500.0, of="cost", **{**kw, "resolution": 20.0})  # type: ignore[arg-type]
+
+
+def test_hetnode_provision_maximizes_throughput_under_a_budget(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["provision", "--prompt-machine", "8xh100", "--token-machine", "8xh100-pcap", "--goal", "throughput",
+            "--budget-power", "3", "--max-prompt", "2", "--max-token", "2", "--duration", "20", "--warmup", "2",
+            "--max-rate", "8", "--rate-resolution", "2", "--trace", "conv"]
+    assert main([*args, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [(d["prompt"], d["token"]) for d in out["designs"]] == [(1, 1)]  # 1.75 + 1.23 <= 3; nothing larger
+    assert out["best"]["meets"] and 2 <= out["best"]["rate"] <= 8 and out["best"]["power"] == 2.98
+
+
+@pytest.mark.parametrize("extra, problem", [
+    (["--goal", "throughput"], "needs one budget"),
+    (["--goal", "throughput", "--budget-cost", "100", "--budget-power", "3"], "needs one budget"),
+    (["--goal", "throughput", "--budget-cost", "10"], "no design fits a cost budget of 10"),
+    (["--goal", "throughput", "--budget-cost", "100", "--rate", "3"], "give --max-rate, not --rate"),
+    (["--goal", "cost", "--budget-power", "3", "--rate", "3"], "--budget-power goes with --goal throughput"),
+    (["--goal", "power"], "needs a target load: --rate"),
+])
+def test_hetnode_provision_refuses_bad_goals_and_budgets(extra: list[str], problem: str,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["provision", "--duration", "20", "--warmup", "2", *extra]) == 2
+    assert problem in capsys.readouterr().err
+
+
+def test_hetnode_provision_rejects_a_negative_budget(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["provision", "--goal", "throughput", "--budget-power", "-1"])
+    assert "--budget-power" in capsys.readouterr().err

@@ -16,6 +16,7 @@ from hetnode.node.batcher import BatchLoop, Work
 from hetnode.node.engine.base import EngineConfig, StepItem
 from hetnode.planner.profile import interpolate
 from hetnode.policy import PREEMPTED, BatchConfig, BatchPolicy, KVLedger
+from hetnode.policy.machine_batching import MachineConfig, splitwise_policy
 from hetnode.testnet.sim.node import SimNode, add_to_bins
 
 WINDOW = (0.0, 1000.0)
@@ -380,3 +381,36 @@ def test_sim_item_stand_in_has_the_fields_a_node_reads() -> None:
     from hetnode.testnet.sim.coordinator import SimRequest
 
     assert set(Item.__slots__) <= set(SimRequest.__slots__)
+
+
+# -- Splitwise's machine-level scheduler (hetnode.policy.machine_batching) through both executors -------------
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(plan=st.lists(st.tuples(st.integers(0, 6), st.integers(1, 200), st.integers(1, 96), st.integers(0, 40)),
+                     min_size=1, max_size=10),
+       budget=st.integers(1, 160), blocks=st.integers(1, 40), prompt_tokens=st.integers(1, 200),
+       wait=st.integers(1, 4), preemptions=st.integers(0, 2))
+async def test_splitwise_machine_scheduling_decides_alike_in_the_runtime_and_the_simulator(
+        plan: list[Session], budget: int, blocks: int, prompt_tokens: int, wait: int, preemptions: int) -> None:
+    def make() -> Any:
+        return splitwise_policy(MachineConfig(prompt_tokens=prompt_tokens, max_wait_steps=wait,
+                                              max_preemptions=preemptions))
+
+    runtime = await _runtime_rounds(budget, blocks, 8, plan, make())
+    assert _sim_rounds(budget, blocks, 8, plan, make()) == runtime
+
+
+async def test_the_splitwise_mirror_sees_its_own_decisions() -> None:
+    """Not vacuous: the workload below batches prompts under the cap, preempts for a prompt on a mixed machine
+    and runs an aged decode first, and the rounds differ from the shared policy's."""
+    plan = [(0, 40, 40, 30), (0, 30, 30, 20), (1, 10, 10, 40), (2, 64, 64, 3), (3, 20, 20, 5), (4, 90, 90, 2)]
+
+    def make() -> Any:
+        return splitwise_policy(MachineConfig(prompt_tokens=48, max_wait_steps=2))
+
+    rounds = await _runtime_rounds(96, 12, 8, plan, make())
+    assert _sim_rounds(96, 12, 8, plan, make()) == rounds
+    assert rounds != await _runtime_rounds(96, 12, 8, plan)
+    assert [s for s, *_ in rounds[0][0]] == ["s0"]  # s1's 30 tokens do not fit beside s0's 40 under 48
+    assert any(cause == "preempted" for _, failures in rounds for *_, cause in failures)

@@ -8,13 +8,20 @@ hand-offs) and judged by Splitwise's nine SLOs (Table VI): the p50, p90 and p99 
 E2E latency as a slowdown against the same request alone on a DGX-A100 (2x/3x/6x for TTFT, 1.25x/1.5x/5x for
 TBT and E2E). A request's TBT here is its mean time per output token after the first.
 
-The search: for each number of prompt machines, the fewest token machines that meet every SLO, by bisection
-(more token machines never make a design worse in this model), then the design that meets them at the least
-cost or power. Costs are Splitwise's Table I ($17.6/hour a DGX-A100, $38/hour a DGX-H100); provisioned power is
-Table V's (a DGX-H100 1.75x a DGX-A100).
+Two searches, both assuming that more machines never make a design worse and a lighter load never makes one
+miss (true of this model, and what lets them bisect):
 
-Not modelled: Splitwise's power-capped H100 token machines (no profile of a capped machine here), and its
-"throughput under a budget" goal (a search over the rate as well).
+- At a target load (`search`, goals "cost" and "power"): for each number of prompt machines, the fewest token
+  machines that meet every SLO, by bisection, then the design that meets them at the least cost or power
+  (Splitwise's iso-throughput designs, Fig. 12).
+- Under a budget (`search_throughput`, goal "throughput"): for each number of prompt machines, the most token
+  machines the budget (cost or power) allows; for each such design the highest Poisson rate at which it meets
+  every SLO, by bisection over the rate; then the design with the highest (Splitwise's iso-power and iso-cost
+  throughput-optimized designs, Figs. 16-18).
+
+Costs are Splitwise's Table I ($17.6/hour a DGX-A100, $38/hour a DGX-H100, capped or not: the ratio, 2.16x, is
+the one its simulator's iso-cost clusters use); provisioned power is Table V's (a DGX-H100 1.75x a DGX-A100, one
+whose GPUs are capped at 50% of their power 1.23x: Splitwise-HHcap's token machines, `8xh100-pcap`).
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
 from hetnode.errors import ConfigError
 from hetnode.planner.cluster import ClusterSpec, parse_cluster
@@ -43,7 +51,9 @@ class Machine:
 MACHINES = {
     "8xa100-80g": Machine("8xa100-80g", 17.6, 1.0, 200.0),  # DGX-A100: Splitwise Tables I and V
     "8xh100": Machine("8xh100", 38.0, 1.75, 400.0),  # DGX-H100
+    "8xh100-pcap": Machine("8xh100-pcap", 38.0, 1.23, 400.0),  # DGX-H100, each GPU capped at 50% power
 }
+GOALS = ("cost", "power", "throughput")
 REFERENCE = "8xa100-80g"  # the SLOs are slowdowns against a request alone on this machine
 # Splitwise Table VI: the largest slowdown allowed at p50, p90, p99.
 SLOS: Mapping[str, tuple[float, float, float]] = {"ttft": (2.0, 3.0, 6.0), "tbt": (1.25, 1.5, 5.0),
@@ -60,6 +70,7 @@ class Design:
     slowdowns: Mapping[str, tuple[float, float, float]] = field(default_factory=dict)  # metric -> p50, p90, p99
     finished: int = 0
     arrived: int = 0
+    rate: float = 0.0  # the load it was simulated at, requests/s (the goal "throughput": the most it meets)
 
     @property
     def meets(self) -> bool:
@@ -83,12 +94,15 @@ class Design:
 
 def design_cluster(prompt_machine: str, token_machine: str, prompt: int, token: int,
                    model: ModelSpec) -> tuple[ClusterSpec, PlacementPlan]:
-    """The cluster and phase-split plan of a design: machines p0.. prefill, t0.. decode, each the whole model."""
+    """The cluster and phase-split plan of a design: machines p0.. prefill, t0.. decode, each the whole model.
+
+    `token` 0 is Splitwise's baseline instead (Baseline-A100, Baseline-H100): `prompt` machines that each run
+    both phases with mixed batching, no phase split, requests spread by join-the-shortest-queue."""
     for name in (prompt_machine, token_machine):
         if name not in MACHINES:
             raise ConfigError(f"no cost and power known for machine {name!r}; known: {', '.join(MACHINES)}",
                               key="--prompt-machine" if name == prompt_machine else "--token-machine")
-    if prompt < 1 or token < 1:
+    if prompt < 1 or token < 0:
         raise ConfigError(f"a design needs at least one prompt and one token machine, not {prompt} and {token}")
     names = [(f"p{i}", prompt_machine) for i in range(prompt)] + [(f"t{i}", token_machine) for i in range(token)]
     gbps = min(MACHINES[prompt_machine].interconnect_gbps, MACHINES[token_machine].interconnect_gbps)
@@ -99,9 +113,10 @@ def design_cluster(prompt_machine: str, token_machine: str, prompt: int, token: 
         "links": {"default": {"bandwidth_mbps": gbps * 1000, "latency_ms": 0.005}},
     }, "provisioning design")
     layers = model.num_layers
-    plan = PlacementPlan(cluster=cluster.name, model=model.name, num_layers=layers, method="split",
-                         placements=tuple(NodePlacement(n, 0, layers) for n, _ in names),
-                         replicas=tuple(Replica("prefill" if n.startswith("p") else "decode", (n,)) for n, _ in names),
+    replicas = tuple(Replica("prefill" if n.startswith("p") else "decode", (n,)) for n, _ in names) if token else ()
+    plan = PlacementPlan(cluster=cluster.name, model=model.name, num_layers=layers,
+                         method="split" if token else "sp",
+                         placements=tuple(NodePlacement(n, 0, layers) for n, _ in names), replicas=replicas,
                          partial_inference=False)
     return cluster, plan
 
@@ -113,10 +128,26 @@ def alone(profile: DeviceProfile, layers: int, input_len: int, output_len: int) 
     return ttft, tbt, ttft + max(0, output_len - 1) * tbt
 
 
+def decode_batch_for(profiles: ProfileTable, machine: str, model: ModelSpec, context: float) -> int:
+    """The largest decode batch a `machine` steps through within the p50 TBT SLO (a slowdown against one request
+    alone on the reference machine at the same `context`): the queue past which Splitwise's pools lend."""
+    alone_s = profiles.profiles[REFERENCE].decode_time(1, model.num_layers, int(context))
+    profile = profiles.profiles[machine]
+    limit = SLOS["tbt"][0] * alone_s
+    batch = 1
+    while batch < 4096 and profile.decode_time(batch + 1, model.num_layers, int(context)) <= limit:
+        batch += 1
+    return batch
+
+
 def evaluate(prompt_machine: str, token_machine: str, prompt: int, token: int, *, model: ModelSpec,
              profiles: ProfileTable, workload: Workload, duration_s: float, warmup_s: float,
-             scheduler: str = "splitwise", options: SimOptions | None = None) -> Design:
+             scheduler: str = "splitwise", options: SimOptions | None = None, rate: float = 0.0) -> Design:
+    """One design serving `workload` (whose Poisson rate, `rate`, the design records). A baseline (`token` 0)
+    is routed by join-the-shortest-queue whatever `scheduler` says (it has no pools)."""
     cluster, plan = design_cluster(prompt_machine, token_machine, prompt, token, model)
+    if not token:
+        scheduler = "shortest-queue"
     result = simulate(cluster, model, profiles, plan, workload=workload, scheduler=scheduler, duration_s=duration_s,
                       warmup_s=warmup_s, options=options)
     reference = profiles.profiles[REFERENCE]
@@ -129,10 +160,15 @@ def evaluate(prompt_machine: str, token_machine: str, prompt: int, token: int, *
         slow["e2e"].append(r.e2e / e2e)
         if math.isfinite(r.tpot):
             slow["tbt"].append(r.tpot / tbt)
-    cost = prompt * MACHINES[prompt_machine].cost_per_hour + token * MACHINES[token_machine].cost_per_hour
-    power = prompt * MACHINES[prompt_machine].power + token * MACHINES[token_machine].power
+    cost, power = price(prompt_machine, token_machine, prompt, token)
     slowdowns = {m: (_percentile(v, 50), _percentile(v, 90), _percentile(v, 99)) for m, v in slow.items()}
-    return Design(prompt, token, cost, power, slowdowns, len(finished), len(measured))
+    return Design(prompt, token, cost, power, slowdowns, len(finished), len(measured), rate)
+
+
+def price(prompt_machine: str, token_machine: str, prompt: int, token: int) -> tuple[float, float]:
+    """Dollars per hour and provisioned power (in DGX-A100s) of a design."""
+    p, t = MACHINES[prompt_machine], MACHINES[token_machine]
+    return prompt * p.cost_per_hour + token * t.cost_per_hour, prompt * p.power + token * t.power
 
 
 def _percentile(values: Sequence[float], p: float) -> float:
@@ -154,7 +190,7 @@ def search(evaluate_design: Evaluate, *, max_prompt: int, max_token: int, goal: 
     For each number of prompt machines, the fewest token machines that meet the SLOs, by bisection over
     [1, max_token]; a prompt count that misses even with max_token token machines is skipped."""
     if goal not in ("cost", "power"):
-        raise ConfigError(f"the goal must be cost or power, not {goal!r}", key="--goal")
+        raise ConfigError(f"the goal at a target load must be cost or power, not {goal!r}", key="--goal")
     if max_prompt < 1 or max_token < 1:
         raise ConfigError(f"the search needs at least one machine of each kind, not {max_prompt} and {max_token}")
     seen: dict[tuple[int, int], Design] = {}
@@ -182,11 +218,73 @@ def search(evaluate_design: Evaluate, *, max_prompt: int, max_token: int, goal: 
     return best, sorted(seen.values(), key=lambda d: (d.prompt, d.token))
 
 
+EvaluateAt = Callable[[int, int, float], Design]  # prompt machines, token machines, requests/s
+
+
+def search_throughput(evaluate_design: EvaluateAt, *, prompt_machine: str, token_machine: str, budget: float,
+                      of: str, max_prompt: int, max_token: int, max_rate: float, resolution: float,
+                      ) -> tuple[Design | None, list[Design]]:
+    """The design of at most `budget` cost or power (`of`) that meets every SLO at the highest rate, and, for each
+    design considered, its best (its `rate` the highest met; 0 and the slowdowns at `resolution` when none is).
+
+    The designs considered are the largest the budget allows: for each number of prompt machines the most token
+    machines that fit (fewer never serve more). Each one's rate is bisected over [resolution, max_rate] to
+    within `resolution` requests/s."""
+    if of not in ("cost", "power"):
+        raise ConfigError(f"a budget is of cost or power, not {of!r}")
+    if not budget > 0 or not max_rate > 0 or not 0 < resolution <= max_rate:
+        raise ConfigError(f"need budget > 0 ({budget}), max_rate > 0 ({max_rate}) and 0 < resolution <= max_rate "
+                          f"({resolution})")
+    if max_prompt < 1 or max_token < 1:
+        raise ConfigError(f"the search needs at least one machine of each kind, not {max_prompt} and {max_token}")
+    k = 0 if of == "cost" else 1
+    candidates: list[tuple[int, int]] = []
+    for p in range(1, max_prompt + 1):
+        fits = [t for t in range(1, max_token + 1) if price(prompt_machine, token_machine, p, t)[k] <= budget]
+        if fits:
+            candidates.append((p, max(fits)))
+    if not candidates:
+        cheapest = price(prompt_machine, token_machine, 1, 1)[k]
+        raise ConfigError(f"no design fits a {of} budget of {budget:g}: one prompt and one token machine take "
+                          f"{cheapest:g}", key=f"--budget-{of}")
+    best: Design | None = None
+    out: list[Design] = []
+    for p, t in candidates:
+        found = _highest_rate(partial(evaluate_design, p, t), max_rate, resolution)
+        out.append(found)
+        if found.meets and (best is None or found.rate > best.rate):
+            best = found
+    return best, out
+
+
+def _highest_rate(at: Callable[[float], Design], max_rate: float, resolution: float) -> Design:
+    """The design at the highest rate in [resolution, max_rate] that it meets (on a grid of `resolution`), or
+    as it fares at `resolution` when it meets none."""
+    lowest = at(resolution)
+    if not lowest.meets:
+        return lowest
+    top = at(max_rate)
+    if top.meets:
+        return top
+    lo, hi = 1, max(1, int(max_rate / resolution))  # lo meets, hi misses (in steps of resolution)
+    met = lowest
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        d = at(mid * resolution)
+        if d.meets:
+            lo, met = mid, d
+        else:
+            hi = mid
+    return met
+
+
 def picture(designs: Sequence[Design], best: Design | None, *, title: str) -> str:
     """The search space as an SVG grid (Splitwise Fig. 12): prompt machines across, token machines up, each
-    evaluated design a cell, green where it meets every SLO, with its cost; the chosen design starred."""
+    evaluated design a cell, green where it meets every SLO, with its cost (or, from a throughput search, the
+    highest rate it meets); the chosen design starred."""
     if not designs:
         raise ValueError("nothing to draw")
+    by_rate = len({d.rate for d in designs}) > 1  # a throughput search: each cell's own highest rate
     cols = max(d.prompt for d in designs)
     rows = max(d.token for d in designs)
     cell, left, top = 34, 60, 40
@@ -200,7 +298,8 @@ def picture(designs: Sequence[Design], best: Design | None, *, title: str) -> st
         out.append(f'<rect x="{x}" y="{y}" width="{cell - 2}" height="{cell - 2}" fill="{fill}" stroke="#999">'
                    f'<title>{d.prompt} prompt, {d.token} token: ${d.cost_per_hour:.0f}/h, power {d.power:g}; '
                    f'{_xml(d.worst or "meets every SLO")}</title></rect>')
-        out.append(f'<text x="{x + 3}" y="{y + 19}">${d.cost_per_hour:.0f}</text>')
+        label = f"{d.rate:.3g}/s" if by_rate else f"${d.cost_per_hour:.0f}"
+        out.append(f'<text x="{x + 3}" y="{y + 19}">{label}</text>')
         if best is not None and (d.prompt, d.token) == (best.prompt, best.token):
             out.append(f'<text x="{x + 22}" y="{y + 10}" font-size="12">*</text>')
     for i in range(cols):
@@ -208,7 +307,7 @@ def picture(designs: Sequence[Design], best: Design | None, *, title: str) -> st
     for j in range(rows):
         out.append(f'<text x="{left - 16}" y="{top + (rows - j - 1) * cell + 19}">{j + 1}</text>')
     out.append(f'<text x="{left}" y="{height - 8}">prompt machines (across), token machines (up); green: every '
-               f'SLO met; *: the chosen design</text>')
+               f'SLO met{" (at the rate shown)" if by_rate else ""}; *: the chosen design</text>')
     out.append("</svg>")
     return "\n".join(out)
 

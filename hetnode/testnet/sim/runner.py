@@ -29,6 +29,7 @@ from hetnode.planner.plan import PlacementPlan
 from hetnode.planner.profile import ProfileTable, node_kv_tokens
 from hetnode.policy import MIN_CHUNK
 from hetnode.policy.kv_codec import AUTO, OPERATOR_CHOICES
+from hetnode.policy.machine_batching import BATCHINGS, PROMPT_TOKENS, batch_policy_for
 from hetnode.testnet.sim.coordinator import Scheduler, SimCoordinator, SimRequest
 from hetnode.testnet.sim.core import Network, Simulation
 from hetnode.testnet.sim.handoff import POLICY, TRANSFER_MODES, SimHandoff, TransferMode, device_rates
@@ -74,6 +75,12 @@ class SimOptions:
     # whole pool (the simulator's rule before the policy was shared; the runtime refuses such a prompt).
     min_chunk: int = MIN_CHUNK
     admit_oversized: bool = False
+    # Which batch policy the nodes run (the runtime's `hetnode join --batching`): the shared one, or Splitwise's
+    # machine-level scheduler with `prompt_tokens` prompt tokens a step at most (hetnode.policy.machine_batching).
+    batching: str = "shared"
+    prompt_tokens: int = PROMPT_TOKENS
+    # Splitwise's pools: the requests a decode queue holds before the pool lends (PoolScheduler.decode_batch).
+    decode_batch: int | None = None
     # The coordinator's own time, as one server in arrival order (0: it takes none): seconds to start a request
     # (parse, route, send its first item) and to handle one item that came back (stream the token, send the
     # next item). Measured, not guessed: scripts/validate_sim.py measures both on the testnet.
@@ -124,6 +131,9 @@ class SimOptions:
         if not callable(self.kv_transfer) and self.kv_transfer not in TRANSFER_MODES:
             raise ConfigError(f"kv_transfer must be one of {', '.join(TRANSFER_MODES)} or a callable, not "
                               f"{self.kv_transfer!r}")
+        if self.batching not in BATCHINGS or self.prompt_tokens < 1:
+            raise ConfigError(f"batching must be one of {', '.join(BATCHINGS)} ({self.batching!r}) and "
+                              f"prompt_tokens >= 1 ({self.prompt_tokens})")
         if self.kv_pool not in KV_POOLS:
             raise ConfigError(f"kv_pool must be one of {', '.join(KV_POOLS)}, not {self.kv_pool!r}")
         if self.link_messages not in LINK_MESSAGES:
@@ -170,6 +180,8 @@ def make_runtime_scheduler(name: str, plan: PlacementPlan, nodes: Mapping[str, S
         kwargs["throughput"] = lambda node: float(nodes[node].rate.value)
     if name in ("cls", "splitwise"):  # the phase-split policies
         kwargs["regions"] = dict(regions or {})
+    if name == "splitwise" and options.decode_batch is not None:
+        kwargs["decode_batch"] = options.decode_batch
     scheduler: Scheduler = make_scheduler(name, plan, **kwargs)
     return scheduler
 
@@ -211,7 +223,8 @@ def simulate(cluster: ClusterSpec, model: ModelSpec, profiles: ProfileTable, pla
                              admit_oversized=opts.admit_oversized,
                              max_prompts=caps.max_prompts if caps else None,
                              max_decodes=caps.max_decodes if caps else None,
-                             solo_decode_factor=opts.solo_decode_factor, first_layer_copy_s=opts.first_layer_copy_s))
+                             solo_decode_factor=opts.solo_decode_factor, first_layer_copy_s=opts.first_layer_copy_s,
+                             policy=batch_policy_for(opts.batching, opts.prompt_tokens)))
     unknown = set(ranges) - {n.name for n in nodes}
     if unknown:
         raise ConfigError(f"the plan places layers on {', '.join(sorted(unknown))}, not in cluster {cluster.name}")
