@@ -4,6 +4,7 @@ groups whole; the plan read back from JSON reschedules the same; bad input is a 
 from __future__ import annotations
 
 import json
+import random
 from dataclasses import replace
 from importlib.resources import files
 
@@ -16,6 +17,8 @@ from hetnode.planner.placement import PlannerOptions, plan_placement
 from hetnode.planner.plan import PlacementPlan
 from hetnode.planner.profile_sources import profile_table_for
 from hetnode.planner.thunderserve.deploy import thunderserve_placement
+from hetnode.planner.thunderserve.deployment import holds_model, initial
+from hetnode.planner.thunderserve.gpus import gpu_pool
 from hetnode.planner.thunderserve.parallel import DECODE, PREFILL
 from hetnode.planner.thunderserve.reschedule import kept_groups, reschedule
 from hetnode.planner.thunderserve.settings import CODING, CONVERSATION, ThunderServeOptions
@@ -81,6 +84,23 @@ def test_a_plan_read_back_from_json_reschedules_the_same_and_a_seed_gives_one_an
     a = reschedule(PLAN, CLOUD, MODEL, shifted, steps=20)
     b = reschedule(again, CLOUD, MODEL, shifted, steps=20)
     assert a.to_json() | {"solve_time_s": 0} == b.to_json() | {"solve_time_s": 0}
+
+
+def test_a_full_search_starts_on_gpus_left_over_from_broken_hosts() -> None:
+    # A 4-GPU replica across two hosts gone: two A5000s (48 GB) are left of their host, and every cut of the
+    # bandwidth dendrogram has them alone or everything in one group; they join their nearest group.
+    # (In this order of the hosts no cut holds; the dendrogram's ties depend on the order.)
+    gone = {"4xa6000-1-gpu2", "4xa6000-1-gpu3", "4xa5000-1-gpu0", "4xa5000-1-gpu1"}
+    hosts = ["4xa6000-0", "4xa6000-1", "4xa5000-0", "4xa5000-1", "4x3090ti-0", "4x3090ti-1", "8xa40-0"]
+    left = replace(CLOUD, nodes=tuple(sorted((n for n in CLOUD.nodes if n.name not in gone),
+                                             key=lambda n: (hosts.index(n.host), n.name))))
+    pool = gpu_pool(left)
+    first = initial(pool, MODEL, random.Random(0))
+    assert first is not None and len(first.groups) >= 2
+    assert all(holds_model(pool, g.gpus, MODEL) for g in first.groups)
+    assert sorted(g for grp in first.groups for g in grp.gpus) == list(range(len(pool)))
+    plan = thunderserve_placement(left, MODEL, QUICK)
+    assert {r.role for r in plan.replicas} == {PREFILL, DECODE}
 
 
 def test_bad_input_is_a_config_error() -> None:

@@ -81,9 +81,13 @@ class LowerLevel:
         mu = [c.performance.prefill_rate for _, c in prefill]
         nu = [c.performance.decode_rate for _, c in decode]
         headroom = min(sum(mu), sum(nu))
-        # D at loads in proportion to capacity (orchestration.py says why)
-        load_p = [traffic.rate * x / sum(mu) for x in mu] if mu else []
-        load_d = [traffic.rate * x / sum(nu) for x in nu] if nu and sum(nu) > 0 else [0.0] * len(nu)
+        # D at loads in proportion to capacity (orchestration.py says why), of what the LP can route at most:
+        # past u x capacity it leaves requests unrouted, and those it routes see the capped load, not the
+        # whole rate (which would make every D 0 on an overloaded phase).
+        u = self.options.utilization
+        load_p = [min(traffic.rate, u * sum(mu)) * x / sum(mu) for x in mu] if mu else []
+        load_d = ([min(traffic.rate, u * sum(nu)) * x / sum(nu) for x in nu] if nu and sum(nu) > 0
+                  else [0.0] * len(nu))
         handoffs = tuple(tuple(self.handoff(p, d) for _, d in decode) for _, p in prefill)
         d = tuple(tuple(attainment(p.performance, load_p[i], q.performance, load_d[j], handoffs[i][j].seconds,
                                    self.slo, traffic.output_len)
