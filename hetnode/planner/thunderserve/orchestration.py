@@ -16,7 +16,8 @@ all requests. eps (far below any D) makes the LP route what it can even where no
 that X and Y are defined. X_i = sum_j Z_ij / sum Z and Y_ij = Z_ij / sum_j Z_ij; a prefill replica the LP
 leaves idle sends to its best pair. D is estimated once, at loads proportional to capacity (in all the rate, or
 u x capacity where that is less: what the LP can route; slo.py), which is what keeps this a linear program;
-Z is bilinear in X and Y, and any Z gives back X and Y, so the LP over Z is the TSTP with capacities added. Solved with HiGHS (the simplex, a few milliseconds).
+Z is bilinear in X and Y, and any Z gives back X and Y, so the LP over Z is the TSTP with capacities added.
+Solved with HiGHS (the simplex, a few milliseconds).
 """
 
 from __future__ import annotations
