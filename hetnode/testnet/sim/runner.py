@@ -48,7 +48,7 @@ from hetnode.testnet.sim.offline_loop import OfflineLoop
 from hetnode.testnet.sim.tp_stages import merge_tensor_parallel
 from hetnode.testnet.sim.workload import Trace, Workload, offline
 
-SCHEDULERS = ("iwrr", "random", "shortest-queue", "swarm", "cls", "splitwise")
+SCHEDULERS = ("iwrr", "random", "shortest-queue", "swarm", "cls", "splitwise", "tstp", "random-pairs")
 KV_POOLS = ("estimate", "measured")  # a node's KV: memory minus weights, or the profile's measured pool
 LINK_MESSAGES = ("step", "item")  # one message per step and next hop, or one per item
 NAN = math.nan
@@ -169,7 +169,7 @@ def make_runtime_scheduler(name: str, plan: PlacementPlan, nodes: Mapping[str, S
         for n in nodes.values():
             n.track_throughput = True
         kwargs["throughput"] = lambda node: float(nodes[node].rate.value)
-    if name in ("cls", "splitwise"):  # the phase-split policies
+    if name in ("cls", "splitwise", "tstp", "random-pairs"):  # the phase-split policies
         kwargs["regions"] = dict(regions or {})
     scheduler: Scheduler = make_scheduler(name, plan, **kwargs)
     return scheduler
