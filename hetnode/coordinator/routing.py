@@ -20,6 +20,7 @@ import math
 from collections.abc import Callable
 from typing import Any, Unpack
 
+from hetnode.coordinator.pair_schedulers import RandomPairScheduler, TstpScheduler
 from hetnode.coordinator.pool_scheduler import PoolScheduler
 from hetnode.coordinator.scheduler import EdgeSet, IwrrScheduler, PipelineScheduler, QueuedScheduler, SchedulerOptions
 from hetnode.coordinator.split_scheduler import SplitScheduler
@@ -117,7 +118,9 @@ Scheduler = QueuedScheduler
 
 
 # The policies of a phase-split plan: CLS's pairs, or Splitwise's pools (which lend replicas across roles).
-SPLIT_SCHEDULERS: dict[str, type[SplitScheduler]] = {cls.name: cls for cls in (SplitScheduler, PoolScheduler)}
+# ThunderServe's plans also by their orchestration (tstp) or, for its ablation, by random pairs.
+SPLIT_SCHEDULERS: dict[str, type[SplitScheduler]] = {
+    cls.name: cls for cls in (SplitScheduler, PoolScheduler, TstpScheduler, RandomPairScheduler)}
 
 
 def scheduler_for(plan: PlacementPlan, name: str) -> str:

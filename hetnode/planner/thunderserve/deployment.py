@@ -5,7 +5,8 @@ reaching the same solution compare equal in the tabu list.
 
 The first deployment clusters the GPUs hierarchically by their bandwidth (agglomerative, average linkage on
 distance 1 / bandwidth, scipy), so that the groups avoid the slowest links; it takes the finest cut of the
-dendrogram in which every group can hold one copy of the weights (the paper does not say where it cuts).
+dendrogram in which every group can hold one copy of the weights (the paper does not say where it cuts). When
+no cut does (GPUs left over from hosts that lost some), the groups too small join their nearest ones.
 Phases are drawn at random (seeded); when the draw gives every group the same phase one group is flipped,
 since a deployment without both phases serves nothing.
 """
@@ -63,15 +64,44 @@ def initial(pool: GpuPool, model: ModelSpec, rng: random.Random) -> Deployment |
             bw = (pool.bandwidth[a][b] + pool.bandwidth[b][a]) / 2
             distance[a, b] = distance[b, a] = 1.0 / bw if bw > 0 else 1e6
     tree = linkage(squareform(distance, checks=False), method="average")
+    cuts = []
     for k in range(n, 1, -1):
         labels = fcluster(tree, k, criterion="maxclust")
         groups: dict[int, list[int]] = {}
         for g, label in enumerate(labels):
             groups.setdefault(int(label), []).append(g)
-        members = [tuple(v) for _, v in sorted(groups.items())]
+        cuts.append([tuple(v) for _, v in sorted(groups.items())])
+    for members in cuts:
         if len(members) >= 2 and all(holds_model(pool, m, model) for m in members):
-            roles = [rng.choice((PREFILL, DECODE)) for _ in members]
-            if len(set(roles)) == 1:
-                roles[0] = flipped(roles[0])
-            return Deployment.of([Group(m, r) for m, r in zip(members, roles, strict=True)])
+            return _with_phases(members, rng)
+    # No cut holds the weights in every group (GPUs left over from hosts that lost some, say): in the finest
+    # cut that still has two groups once they are merged, each group too small joins its nearest one.
+    for members in cuts:
+        merged = _merge_small(pool, model, members, distance)
+        if len(merged) >= 2:
+            return _with_phases(merged, rng)
     return None
+
+
+def _with_phases(members: list[tuple[int, ...]], rng: random.Random) -> Deployment:
+    roles = [rng.choice((PREFILL, DECODE)) for _ in members]
+    if len(set(roles)) == 1:
+        roles[0] = flipped(roles[0])
+    return Deployment.of([Group(m, r) for m, r in zip(members, roles, strict=True)])
+
+
+def _merge_small(pool: GpuPool, model: ModelSpec, members: list[tuple[int, ...]],
+                 distance: np.ndarray) -> list[tuple[int, ...]]:
+    """Each group that cannot hold the weights, least memory first, merged into the group nearest it
+    (average distance)."""
+    groups = list(members)
+    while len(groups) > 1:
+        small = [i for i, m in enumerate(groups) if not holds_model(pool, m, model)]
+        if not small:
+            return groups
+        i = min(small, key=lambda i: (sum(pool.gpus[g].memory_bytes for g in groups[i]), groups[i]))
+        j = min((j for j in range(len(groups)) if j != i),
+                key=lambda j: (float(distance[np.ix_(groups[i], groups[j])].mean()), groups[j]))
+        groups[j] = tuple(sorted(groups[j] + groups[i]))
+        del groups[i]
+    return groups if groups and holds_model(pool, groups[0], model) else []

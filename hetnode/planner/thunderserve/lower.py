@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from hetnode.planner.model import ModelSpec
 from hetnode.planner.thunderserve.deployment import Deployment, Group
 from hetnode.planner.thunderserve.gpus import GpuPool
-from hetnode.planner.thunderserve.orchestration import Routing, orchestrate
+from hetnode.planner.thunderserve.orchestration import Routing, Solver, orchestrate
 from hetnode.planner.thunderserve.parallel import DECODE, PREFILL, Configured, configure, performance
 from hetnode.planner.thunderserve.settings import ThunderServeOptions
 from hetnode.planner.thunderserve.slo import Handoff, Slo, attainment, kv_handoff, slo_for
@@ -45,6 +45,9 @@ class LowerLevel:
     evaluations: int = 0
     _configs: dict[tuple[tuple[int, ...], str], Configured | None] = field(default_factory=dict)
     _handoffs: dict[tuple[tuple[int, ...], tuple[int, ...]], Handoff] = field(default_factory=dict)
+    # The search revisits deployments (a flip and its undo, tabu memory being short): each is solved once.
+    _solved: dict[Deployment, Solution | None] = field(default_factory=dict)
+    _lp: Solver = field(default_factory=Solver)
     slo: Slo = field(init=False)
 
     def __post_init__(self) -> None:
@@ -63,6 +66,11 @@ class LowerLevel:
         return self._configs[key]
 
     def solve(self, dep: Deployment) -> Solution | None:
+        if dep not in self._solved:
+            self._solved[dep] = self._solve(dep)
+        return self._solved[dep]
+
+    def _solve(self, dep: Deployment) -> Solution | None:
         self.evaluations += 1
         configs = [(g, self.configured(g)) for g in dep.groups]
         if any(c is None for _, c in configs):
@@ -73,15 +81,19 @@ class LowerLevel:
         mu = [c.performance.prefill_rate for _, c in prefill]
         nu = [c.performance.decode_rate for _, c in decode]
         headroom = min(sum(mu), sum(nu))
-        # D at loads in proportion to capacity (orchestration.py says why)
-        load_p = [traffic.rate * x / sum(mu) for x in mu] if mu else []
-        load_d = [traffic.rate * x / sum(nu) for x in nu] if nu and sum(nu) > 0 else [0.0] * len(nu)
+        # D at loads in proportion to capacity (orchestration.py says why), of what the LP can route at most:
+        # past u x capacity it leaves requests unrouted, and those it routes see the capped load, not the
+        # whole rate (which would make every D 0 on an overloaded phase).
+        u = self.options.utilization
+        load_p = [min(traffic.rate, u * sum(mu)) * x / sum(mu) for x in mu] if mu else []
+        load_d = ([min(traffic.rate, u * sum(nu)) * x / sum(nu) for x in nu] if nu and sum(nu) > 0
+                  else [0.0] * len(nu))
         handoffs = tuple(tuple(self.handoff(p, d) for _, d in decode) for _, p in prefill)
         d = tuple(tuple(attainment(p.performance, load_p[i], q.performance, load_d[j], handoffs[i][j].seconds,
                                    self.slo, traffic.output_len)
                         for j, (_, q) in enumerate(decode))
                   for i, (_, p) in enumerate(prefill))
-        routing = orchestrate(d, mu, nu, traffic.rate, self.options.utilization)
+        routing = orchestrate(d, mu, nu, traffic.rate, self.options.utilization, self._lp)
         score = (round(routing.attainment, 9), headroom)
         return Solution(dep, prefill, decode, d, handoffs, routing, score)
 

@@ -14,9 +14,10 @@ u (`utilization`, below 1) keeps every queue stable. A share the replicas cannot
 counts as missing its SLO, so the LP is always feasible and sum_ij D_ij Z_ij is the expected attainment of
 all requests. eps (far below any D) makes the LP route what it can even where no pair attains anything, so
 that X and Y are defined. X_i = sum_j Z_ij / sum Z and Y_ij = Z_ij / sum_j Z_ij; a prefill replica the LP
-leaves idle sends to its best pair. D is estimated once, at loads proportional to capacity (slo.py), which
-is what keeps this a linear program; Z is bilinear in X and Y, and any Z gives back X and Y, so the LP over
-Z is the TSTP with capacities added. Solved with HiGHS (the simplex, a few milliseconds).
+leaves idle sends to its best pair. D is estimated once, at loads proportional to capacity (in all the rate, or
+u x capacity where that is less: what the LP can route; slo.py), which is what keeps this a linear program;
+Z is bilinear in X and Y, and any Z gives back X and Y, so the LP over Z is the TSTP with capacities added.
+Solved with HiGHS (the simplex, a few milliseconds).
 """
 
 from __future__ import annotations
@@ -38,15 +39,30 @@ class Routing:
     routed: float  # sum_ij Z_ij: the share of requests the replicas can take
 
 
+class Solver:
+    """One HiGHS instance for many LPs: making one costs about as much as solving a small LP. Each LP starts
+    from a cleared model (no warm start), so the answer is the one a fresh instance gives."""
+
+    def __init__(self) -> None:
+        self._highs: highspy.Highs | None = None
+
+    def fresh(self) -> highspy.Highs:
+        if self._highs is None:
+            self._highs = highspy.Highs()  # type: ignore[no-untyped-call]
+            self._highs.setOptionValue("output_flag", False)
+            self._highs.setOptionValue("threads", 1)
+        else:
+            self._highs.clearModel()
+        return self._highs
+
+
 def orchestrate(d: Sequence[Sequence[float]], prefill_caps: Sequence[float], decode_caps: Sequence[float],
-                rate: float, utilization: float) -> Routing:
+                rate: float, utilization: float, solver: Solver | None = None) -> Routing:
     m, n = len(prefill_caps), len(decode_caps)
     if m == 0 or n == 0:
         # One phase has no replica: nothing is served (a deployment the search moves away from).
         return Routing((1.0 / m,) * m if m else (), tuple(() for _ in range(m)), 0.0, 0.0)
-    h = highspy.Highs()  # type: ignore[no-untyped-call]
-    h.setOptionValue("output_flag", False)
-    h.setOptionValue("threads", 1)
+    h = (solver or Solver()).fresh()
     lp = highspy.HighsLp()
     k = m * n
     lp.num_col_ = k

@@ -183,11 +183,14 @@ def performance(pool: GpuPool, layout: Layout, model: ModelSpec, options: Thunde
     context = traffic.input_len + traffic.output_len / 2
     stages = layout.stages
     hops = list(itertools.pairwise(stages))
+    shape = model.shape  # a property that builds a new object: built once, not per step
+    bpe = round(model.bytes_per_param)
+    devices = {s: _device(pool, s.gpus[0], len(s.gpus)) for s in stages}
 
     def stage_s(stage: Stage, tokens: float, ctx: float, pairs: float) -> float:
-        device = _device(pool, stage.gpus[0], len(stage.gpus))
-        compute = step_time(device, model.shape, stage.layers, max(1, round(tokens)), round(ctx),
-                            attended_pairs=round(pairs), bytes_per_elem=round(model.bytes_per_param))
+        device = devices[stage]
+        compute = step_time(device, shape, stage.layers, max(1, round(tokens)), round(ctx),
+                            attended_pairs=round(pairs), bytes_per_elem=bpe)
         return compute + _all_reduce_s(pool, stage, tokens * model.activation_bytes) * 2 * stage.layers
 
     def hop_s(a: Stage, b: Stage, tokens: float) -> float:

@@ -46,9 +46,10 @@ from hetnode.testnet.sim.metrics import (
 )
 from hetnode.testnet.sim.node import MIXED_STEPS, SimNode
 from hetnode.testnet.sim.offline_loop import OfflineLoop
+from hetnode.testnet.sim.tp_stages import merge_tensor_parallel
 from hetnode.testnet.sim.workload import Trace, Workload, offline
 
-SCHEDULERS = ("iwrr", "random", "shortest-queue", "swarm", "cls", "splitwise")
+SCHEDULERS = ("iwrr", "random", "shortest-queue", "swarm", "cls", "splitwise", "tstp", "random-pairs")
 KV_POOLS = ("estimate", "measured")  # a node's KV: memory minus weights, or the profile's measured pool
 LINK_MESSAGES = ("step", "item")  # one message per step and next hop, or one per item
 NAN = math.nan
@@ -178,7 +179,7 @@ def make_runtime_scheduler(name: str, plan: PlacementPlan, nodes: Mapping[str, S
         for n in nodes.values():
             n.track_throughput = True
         kwargs["throughput"] = lambda node: float(nodes[node].rate.value)
-    if name in ("cls", "splitwise"):  # the phase-split policies
+    if name in ("cls", "splitwise", "tstp", "random-pairs"):  # the phase-split policies
         kwargs["regions"] = dict(regions or {})
     if name == "splitwise" and options.decode_batch is not None:
         kwargs["decode_batch"] = options.decode_batch
@@ -192,6 +193,8 @@ def simulate(cluster: ClusterSpec, model: ModelSpec, profiles: ProfileTable, pla
              progress: bool = False, options: SimOptions | None = None) -> SimResult:
     """Simulate serving `workload` for `duration_s` seconds; measure over [warmup_s, duration_s)."""
     opts = options or SimOptions()
+    # A stage of tp GPUs runs as one node of those GPUs (tp_stages.py); `profiles` must cover those devices.
+    plan, cluster = merge_tensor_parallel(plan, cluster)
     if not duration_s > 0 or not 0 <= warmup_s < duration_s:
         raise ConfigError(f"need 0 <= warmup ({warmup_s}) < duration ({duration_s})")
     if plan.num_layers != model.num_layers:

@@ -1,0 +1,102 @@
+"""Lightweight rescheduling (§3.4): new phases and a new orchestration for the groups a plan already runs.
+
+When the workload shifts or GPUs leave, ThunderServe keeps every surviving group's GPUs and parallel
+configuration (so no weights are reloaded) and re-runs Algorithm 1 with one move only, flipping a group's
+phase, each deployment valued by the TSTP re-solved under the new workload with the layouts unchanged
+(`LowerLevel.fixed`: a layout priced in whichever phase its group now has).
+
+A group that lost a GPU is dropped whole: its remaining GPUs hold only part of the weights, and using them
+would mean a reload, which is what this avoids; they stay idle until a full reschedule. The plan's layouts are
+read back from the plan itself (each replica's nodes in layer order, `tp` at a time per stage, the layer
+range of each stage from its placements), so a plan saved as JSON can be rescheduled by a process that never
+ran the search. Pure and seeded like the search.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Collection
+from dataclasses import dataclass, replace
+
+from hetnode.errors import ConfigError
+from hetnode.planner.cluster import ClusterSpec
+from hetnode.planner.model import ModelSpec
+from hetnode.planner.plan import PlacementPlan
+from hetnode.planner.thunderserve.deploy import plan_of
+from hetnode.planner.thunderserve.deployment import Deployment, Group
+from hetnode.planner.thunderserve.gpus import GpuPool, gpu_pool
+from hetnode.planner.thunderserve.lower import LowerLevel
+from hetnode.planner.thunderserve.parallel import ROLES, Configured, Layout, Stage, performance
+from hetnode.planner.thunderserve.settings import ThunderServeOptions
+from hetnode.planner.thunderserve.tabu import tabu_search
+
+
+@dataclass(frozen=True)
+class Kept:
+    """What survives of a plan: the cluster without the GPUs gone, and each whole group with its layout."""
+
+    cluster: ClusterSpec
+    pool: GpuPool
+    groups: tuple[tuple[Group, Layout], ...]  # the plan's replica order (prefill ones first)
+    dropped: tuple[int, ...]  # plan indices of the replicas that lost a GPU
+
+
+def kept_groups(plan: PlacementPlan, cluster: ClusterSpec, gone: Collection[str] = ()) -> Kept:
+    """The plan's groups whose GPUs are all still there, with their layouts (module docstring)."""
+    if not plan.replicas:
+        raise ConfigError(f"plan for {plan.cluster} has no replicas: only a phase-split plan can be rescheduled")
+    names = {n.name for n in cluster.nodes}
+    unknown = sorted(set(gone) - names)
+    if unknown:
+        raise ConfigError(f"cluster {cluster.name} has no node {', '.join(unknown)} (given as gone)")
+    left = replace(cluster, nodes=tuple(n for n in cluster.nodes if n.name not in set(gone)))
+    pool = gpu_pool(left)
+    index = {g.name: i for i, g in enumerate(pool.gpus)}
+    ranges = {p.node: (p.first_layer, p.last_layer) for p in plan.placements}
+    groups: list[tuple[Group, Layout]] = []
+    dropped: list[int] = []
+    for k, r in enumerate(plan.replicas):
+        missing = [n for n in r.nodes if n not in names]
+        if missing:
+            raise ConfigError(f"plan replica {k} runs on {', '.join(missing)}, which cluster {cluster.name} "
+                              "does not have")
+        if r.role not in ROLES or r.tp < 1 or len(r.nodes) % r.tp:
+            raise ConfigError(f"plan replica {k}: role {r.role!r}, tp {r.tp} over {len(r.nodes)} nodes")
+        if any(n not in index for n in r.nodes):
+            dropped.append(k)
+            continue
+        stages = []
+        for s in range(0, len(r.nodes), r.tp):
+            cell = r.nodes[s:s + r.tp]
+            if cell[0] not in ranges or any(ranges.get(n) != ranges[cell[0]] for n in cell):
+                raise ConfigError(f"plan replica {k}: nodes {', '.join(cell)} of one stage do not hold one "
+                                  "layer range")
+            first, last = ranges[cell[0]]
+            stages.append(Stage(tuple(index[n] for n in cell), first, last))
+        layout = Layout(tp=r.tp, stages=tuple(stages))
+        groups.append((Group(tuple(sorted(layout.gpus)), r.role), layout))
+    return Kept(cluster=left, pool=pool, groups=tuple(groups), dropped=tuple(dropped))
+
+
+def reschedule(plan: PlacementPlan, cluster: ClusterSpec, model: ModelSpec, options: ThunderServeOptions,
+               gone: Collection[str] = (), steps: int | None = None) -> PlacementPlan:
+    """§3.4: the plan's surviving groups, layouts kept, phases found by a flip-only tabu search of `steps`
+    (default `options.steps`) under `options.traffic`, and the TSTP re-solved. The cluster is the one the plan
+    was made for; `gone` names the GPUs that left. Raises ConfigError when no group survives."""
+    began = time.perf_counter()
+    kept = kept_groups(plan, cluster, gone)
+    if not kept.groups:
+        raise ConfigError(f"no group of the plan for {plan.cluster} survives without {', '.join(sorted(gone))}")
+    fixed = {g.gpus: Configured(layout, performance(kept.pool, layout, model, options)) for g, layout in kept.groups}
+    lower = LowerLevel(kept.pool, model, options, fixed=fixed)
+    start = Deployment.of([g for g, _ in kept.groups])
+    best, log = tabu_search(start, kept.pool, model, lower, random.Random(options.seed),
+                            steps=options.steps if steps is None else steps, neighbours=options.neighbours,
+                            memory=options.memory, moves=("flip",))
+    before = {g.gpus: g.role for g, _ in kept.groups}
+    flips = sum(before[g.gpus] != g.role for g in best.deployment.groups)
+    out = plan_of(kept.cluster, model, kept.pool, best, options, log, time.perf_counter() - began)
+    note = (f"lightweight reschedule of {len(plan.replicas)} replicas: {len(kept.dropped)} dropped (a GPU gone), "
+            f"{flips} phases flipped, layouts kept (no weights reloaded)")
+    return replace(out, notes=(note, *out.notes))

@@ -1,0 +1,80 @@
+"""Tensor-parallel stages in the simulator: each stage of a ThunderServe plan becomes one node of its GPUs, the
+links its first GPU has, and the simulator serves the plan's replicas with them."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from importlib.resources import files
+
+import pytest
+
+from hetnode.errors import ConfigError
+from hetnode.planner.cluster import load_cluster
+from hetnode.planner.model import model_spec
+from hetnode.planner.plan import NodePlacement, PlacementPlan, Replica
+from hetnode.planner.profile_sources import profile_table_for
+from hetnode.planner.thunderserve.deploy import thunderserve_placement
+from hetnode.planner.thunderserve.settings import CODING, ThunderServeOptions
+from hetnode.testnet.sim import load_trace, poisson, simulate
+from hetnode.testnet.sim.tp_stages import merge_tensor_parallel
+
+CLOUD = load_cluster(str(files("hetnode.testnet") / "clusters" / "thunderserve-cloud-gpus.toml"))
+MODEL = model_spec("llama-30b")
+
+
+def two_replicas() -> PlacementPlan:
+    """A prefill replica of two TP-2 stages on two hosts, and a decode replica of one TP-4 stage."""
+    p0, p1 = ("4xa6000-0-gpu0", "4xa6000-0-gpu1"), ("4x3090ti-0-gpu0", "4x3090ti-0-gpu1")
+    d = tuple(f"4xa5000-0-gpu{k}" for k in range(4))
+    placements = [NodePlacement(n, 0, 40) for n in p0] + [NodePlacement(n, 40, 60) for n in p1]
+    placements += [NodePlacement(n, 0, 60) for n in d]
+    return PlacementPlan(cluster=CLOUD.name, model=MODEL.name, num_layers=60, method="thunderserve",
+                         placements=tuple(placements), partial_inference=False,
+                         replicas=(Replica("prefill", p0 + p1, tp=2), Replica("decode", d, tp=4)))
+
+
+def test_each_stage_becomes_one_node_of_its_gpus() -> None:
+    plan, cluster = merge_tensor_parallel(two_replicas(), CLOUD)
+    assert [r.nodes for r in plan.replicas] == [("4xa6000-0-gpu0", "4x3090ti-0-gpu0"), ("4xa5000-0-gpu0",)]
+    assert all(r.tp == 1 for r in plan.replicas)
+    assert plan.ranges() == {"4xa6000-0-gpu0": (0, 40), "4x3090ti-0-gpu0": (40, 60), "4xa5000-0-gpu0": (0, 60)}
+    a6000 = cluster.node("4xa6000-0-gpu0")
+    assert a6000.device == "2xa6000" and a6000.memory_gb == 2 * CLOUD.node("4xa6000-0-gpu0").memory_gb
+    assert cluster.node("4xa5000-0-gpu0").device_spec.fp16_tflops == pytest.approx(
+        4 * CLOUD.node("4xa5000-0-gpu0").device_spec.fp16_tflops)
+    names = {n.name for n in cluster.nodes}
+    assert "4xa6000-0-gpu1" not in names and "4xa5000-0-gpu3" not in names
+    assert "4xa6000-0-gpu2" in names  # GPUs outside every stage stay as they are
+    assert len(cluster.nodes) == len(CLOUD.nodes) - 1 - 1 - 3
+    # A stage keeps the links of its first GPU: between hosts and inside one.
+    for a, b in (("4xa6000-0-gpu0", "4x3090ti-0-gpu0"), ("4xa6000-0-gpu0", "4xa6000-0-gpu2")):
+        assert cluster.link(a, b) == CLOUD.link(a, b)
+
+
+def test_a_plan_without_tensor_parallel_is_unchanged_and_bad_stages_are_refused() -> None:
+    plan = two_replicas()
+    flat = replace(plan, replicas=tuple(replace(r, tp=1) for r in plan.replicas))
+    assert merge_tensor_parallel(flat, CLOUD) == (flat, CLOUD)
+    mixed = replace(plan, replicas=(Replica("prefill", ("4xa6000-0-gpu0", "4x3090ti-0-gpu0"), tp=2),
+                                    plan.replicas[1]))
+    with pytest.raises(ConfigError, match="not GPUs of one type and host"):
+        merge_tensor_parallel(mixed, CLOUD)
+    odd = replace(plan, replicas=(replace(plan.replicas[0], tp=3), plan.replicas[1]))
+    with pytest.raises(ConfigError, match="does not divide"):
+        merge_tensor_parallel(odd, CLOUD)
+
+
+def test_the_simulator_serves_a_thunderserve_plan_with_tensor_parallel_stages() -> None:
+    options = ThunderServeOptions(traffic=replace(CODING, rate=2.0), steps=5, neighbours=5)
+    plan = thunderserve_placement(CLOUD, MODEL, options)
+    assert any(r.tp > 1 for r in plan.replicas)
+    merged = merge_tensor_parallel(plan, CLOUD)[1]
+    profiles = profile_table_for(merged, MODEL, "roofline", kv_share=options.kv_reserve)
+    result = simulate(CLOUD, MODEL, profiles, plan, workload=poisson(1.0, lengths=load_trace("code"),
+                                                                     duration_s=30.0), duration_s=30.0,
+                      warmup_s=5.0)
+    done = [r for r in result.requests if r.measured and r.finished]
+    assert done and all(r.generated == r.output_len for r in done)
+    stages = {n for r in merge_tensor_parallel(plan, CLOUD)[0].replicas for n in r.nodes}
+    assert {n.name for n in result.nodes if n.busy_s > 0} <= stages
+    assert result.summary["kv_handoff"]["installs"] >= len(done)  # every request moved its KV between phases
