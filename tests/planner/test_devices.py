@@ -17,10 +17,12 @@ THUNDERSERVE_TABLE_1 = {
     "3090ti": (71, 24, 1008),
 }
 V100_DATA_SHEET = {"v100": (125, 16, 900)}
+# Cronus's low-end GPUs, from NVIDIA's A10 and A30 data sheets (dense FP16 tensor core).
+CRONUS_DATA_SHEETS = {"a10": (125, 24, 600), "a30": (165, 24, 933)}
 
 
 @pytest.mark.parametrize("name, numbers", [*HELIX_TABLE_3.items(), *THUNDERSERVE_TABLE_1.items(),
-                                           *V100_DATA_SHEET.items()])
+                                           *V100_DATA_SHEET.items(), *CRONUS_DATA_SHEETS.items()])
 def test_single_devices_match_the_tables(name: str, numbers: tuple[float, float, float]) -> None:
     spec = parse_device(name)
     assert (spec.fp16_tflops, spec.memory_gb, spec.mem_bandwidth_gbps) == numbers
@@ -29,7 +31,7 @@ def test_single_devices_match_the_tables(name: str, numbers: tuple[float, float,
 
 
 def test_every_table_device_is_known() -> None:
-    expected = {*HELIX_TABLE_3, *THUNDERSERVE_TABLE_1, *V100_DATA_SHEET, "cpu"}
+    expected = {*HELIX_TABLE_3, *THUNDERSERVE_TABLE_1, *V100_DATA_SHEET, *CRONUS_DATA_SHEETS, "cpu"}
     assert set(known_devices()) == expected
 
 
