@@ -69,7 +69,8 @@ class Claim:
     comparable: bool = False  # "comparable": the winner is a tie, so the test is |ours - 1| <= 0.25
 
 
-def _ratio(metric: str, base: str, cols: tuple[tuple[str, str], ...], pick: Callable[..., float]) -> Callable[..., float]:
+def _ratio(metric: str, base: str, cols: tuple[tuple[str, str], ...],
+           pick: Callable[..., float]) -> Callable[..., float]:
     def ours(cells: dict[tuple[str, str, str], dict[str, float]]) -> float:
         return pick(cells[("cronus", *c)][metric] / cells[(base, *c)][metric] for c in cols)
     return ours
@@ -157,7 +158,9 @@ def main(argv: list[str] | None = None) -> int:
             online = measure(simulate_pair(d, setup, prompts, outputs, arrivals))
             cells[(d, low, model)] = {**online, "throughput": peak[d].throughput,
                                       "online_throughput": online["throughput"],
-                                      **{f"peak_busy_{k}": v for k, v in peak[d].utilization().items()}}
+                                      **{f"peak_busy_{k}": v for k, v in peak[d].utilization().items()},
+                                      **{f"peak_iterations_{k}": v for k, v in peak[d].iterations.items()},
+                                      "peak_makespan_s": peak[d].makespan_s, "peak_preemptions": peak[d].preemptions}
     wall = time.perf_counter() - wall
 
     heads = [f"{HIGH}+{low} {model}" for low, model in COLUMNS]
@@ -169,8 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     print("\nFig. 4: TTFT P99 and TBT P99 at a fixed interval, ours (s and ms; the paper's are in its figure)")
     print(f"{'rate (req/s)':13}" + "".join(f"{rates[f'{low}/{model}']:>26.2f}" for low, model in COLUMNS))
     for d in DESIGNS:
-        print(f"{NAMES[d]:13}" + "".join(f"{cells[(d, *c)]['ttft_p99']:>15.3f} s {cells[(d, *c)]['tbt_p99'] * 1e3:>6.1f} ms"
-                                         for c in COLUMNS))
+        print(f"{NAMES[d]:13}" + "".join(
+            f"{cells[(d, *c)]['ttft_p99']:>15.3f} s {cells[(d, *c)]['tbt_p99'] * 1e3:>6.1f} ms" for c in COLUMNS))
     verdicts = [judge(c, cells) for c in claims()]
     print("\nEvery ratio the paper states (Cronus / baseline)")
     print(f"{'':4}{'claim':78}{'paper':>7}{'ours':>7}  same winner  within 25%")

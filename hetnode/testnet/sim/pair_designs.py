@@ -71,6 +71,8 @@ class PairResult:
     makespan_s: float
     splits: list[int] = field(default_factory=list)
     decisions: int = 0
+    iterations: dict[str, int] = field(default_factory=dict)  # per engine (PP: per virtual engine)
+    preemptions: int = 0
 
     def finished(self) -> list[PairRequest]:
         return [r for r in self.requests if r.finish >= 0]
@@ -158,7 +160,7 @@ class Design:
         formed = engine.form()
         if formed is None:
             return
-        batch, seconds = formed
+        _, seconds = formed
         engine.busy = True
         engine.busy_s += seconds
         self.loop.at(now + seconds, self._ended, engine)
@@ -385,4 +387,5 @@ def simulate_pair(design: str, setup: PairSetup, prompts: Sequence[int], outputs
         busy = {f"stage{s}:{dev.name}": d.stage_busy[s] for s, dev in enumerate(d.devices)}
     else:
         busy = {f"{e.name}:{e.device.name}": e.busy_s for e in d.engines}
-    return PairResult(design, requests, busy, end - min(arrivals), d.splits, d.decisions)
+    return PairResult(design, requests, busy, end - min(arrivals), d.splits, d.decisions,
+                      {e.name: e.iterations for e in d.engines}, sum(e.preemptions for e in d.engines))

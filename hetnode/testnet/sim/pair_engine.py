@@ -152,7 +152,8 @@ class Engine:
             # back to the head of the queue to prefill its prompt and the tokens it has generated.
             again = {w.session: w.request for w in step.dropped}
             self.preemptions += len(again)
-            self.queue = [Work(r, 0, r.prompt + r.generated, r.prompt + r.generated) for r in again.values()] + self.queue
+            redo = [Work(r, 0, r.prompt + r.generated, r.prompt + r.generated) for r in again.values()]
+            self.queue = redo + self.queue
         if not step.batch:
             return None
         batch = [w.piece(step.split_tokens) if w is step.split else w for w in step.batch]
