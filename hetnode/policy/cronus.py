@@ -26,8 +26,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Protocol
 
 CANDIDATES = 512  # split points tried per prompt (Algorithm 1: L_in x i / 512)
+PPI_LIMIT = 2  # §4.2: "limiting the total number of requests in the PPI to at most two at a time"
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,3 +121,19 @@ class CronusBalancer:
         first = self.cpi.seconds(done + min(rest, per_iteration), decode_context)
         last = self.cpi.seconds(done + rest, decode_context)
         return iterations * (first + last) / 2
+
+
+class Splitter(Protocol):
+    """What picks a prompt's partial prefill length: `CronusBalancer`, or `WholePrompt`."""
+
+    def split(self, prompt: int, state: CpiState) -> Split: ...
+
+
+class WholePrompt:
+    """Disaggregated prefill through Cronus's code path (§5.1: "the same code as our partial prefill
+    implementation, but always set the partial prefill length to the input length")."""
+
+    def split(self, prompt: int, state: CpiState) -> Split:
+        if prompt < 1:
+            raise ValueError(f"a prompt has at least one token, not {prompt}")
+        return Split(prompt, 0.0, 0.0)

@@ -3,10 +3,11 @@ iteration with the runtime's policy objects.
 
 - "cronus": the low-end GPU is the partial prefill instance (PPI: one prompt at a time, the first L_p tokens),
   the high-end one the chunked prefill instance (CPI: the rest of each prompt as chunked prefill, 512 tokens an
-  iteration, beside its decodes, then the decodes). `CronusFrontend` admits requests to the PPI, at most two
+  iteration, beside its decodes, then the decodes). The frontend admits requests to the PPI, at most two
   there at a time, and `CronusBalancer` picks L_p from Eq. 2 and 3 fitted on the two devices
-  (`planner.cronus_fit`) and the CPI's state at dispatch. The PPI's KV of [0, L_p) crosses the link (fp16, the
-  paper's vLLM) before the CPI continues the prompt.
+  (`planner.cronus_fit`) and the CPI's state at dispatch; both run inside the coordinator's own
+  `CronusScheduler`, which the simulator drives as the coordinator does. The PPI's KV of [0, L_p) crosses the
+  link (fp16, the paper's vLLM) before the CPI continues the prompt.
 - "disagg-hl" / "disagg-lh": the same code with `WholePrompt` (L_p = L_in, §5.1): the high-end (HL) or
   low-end (LH) GPU prefills whole prompts one at a time, the other decodes. As in the paper, their TTFT includes
   the KV transfer (the first token counts when the KV has reached the decode GPU).
@@ -32,11 +33,13 @@ from dataclasses import dataclass, field
 from itertools import count
 from typing import Any
 
+from hetnode.coordinator.cronus_scheduler import CronusScheduler
+from hetnode.coordinator.scheduler import Decision
 from hetnode.planner.cronus_fit import fit_chunked_iteration, fit_partial_prefill
 from hetnode.planner.devices import DeviceSpec
 from hetnode.planner.model import ModelSpec
-from hetnode.policy.cronus import CpiState, CronusBalancer
-from hetnode.policy.cronus_frontend import CronusFrontend, Splitter, WholePrompt
+from hetnode.planner.plan import NodePlacement, PlacementPlan, Replica
+from hetnode.policy.cronus import CpiState, CronusBalancer, Splitter, WholePrompt
 from hetnode.policy.weighted_rr import WeightedRoundRobin
 from hetnode.testnet.sim.pair_engine import BLOCK_SIZE, Engine, PairRequest, Work, iteration_seconds, kv_tokens
 
@@ -187,10 +190,11 @@ class Design:
 
 
 class PartialPrefill(Design):
-    """Cronus's pair (and the disaggregated baselines through the same code): a PPI and a CPI."""
+    """Cronus's pair (and the disaggregated baselines through the same code): a PPI and a CPI, routed by the
+    coordinator's own `CronusScheduler` with the CPI engine's exact state."""
 
     def __init__(self, setup: PairSetup, loop: Loop, *, ppi: DeviceSpec, cpi: DeviceSpec, splitter: Splitter,
-                 name: str) -> None:
+                 name: str, queue_limit: int) -> None:
         super().__init__(setup, loop)
         self.name = name
         m = setup.model
@@ -199,7 +203,10 @@ class PartialPrefill(Design):
         self.cpi = Engine("cpi", cpi, m, m.num_layers, kv_tokens=kv_tokens(cpi, m, m.num_layers),
                           max_batch_tokens=CHUNK)
         self.engines = [self.ppi, self.cpi]
-        self.frontend = CronusFrontend(splitter)
+        # The frontend holds requests for the PPI only (§4.2): no KV mask (Algorithm 1 itself gives the PPI the
+        # whole prompt when the CPI lacks room), and a queue as long as the workload.
+        self.scheduler = CronusScheduler(pair_plan(m), splitters=[splitter], cpi_state=lambda _: self.cpi_state(),
+                                         queue_limit=queue_limit, max_batch_tokens=CHUNK)
         self.link = Link(setup)
         self.requests: dict[str, PairRequest] = {}
 
@@ -210,40 +217,65 @@ class PartialPrefill(Design):
 
     def arrive(self, r: PairRequest, now: float) -> None:
         self.requests[r.rid] = r
-        self._dispatch(self.frontend.submit(r.rid, r.prompt, self.cpi_state()), now)
+        self._decided([self.scheduler.submit(r.rid, r.prompt, now)], now)
 
-    def _dispatch(self, dispatches: Sequence[Any], now: float) -> None:
-        for d in dispatches:
+    def _decided(self, decisions: Sequence[Decision], now: float) -> None:
+        for d in decisions:
+            if d.queued:
+                continue
+            if d.pipeline is None or d.decode is None:
+                raise RuntimeError(f"the Cronus scheduler gave {d.request_id} no PPI-CPI route: {d.reason}")
             r = self.requests[d.request_id]
-            r.split = d.split.tokens
+            r.split = r.prompt if d.split is None else d.split
             self.splits.append(r.split)
             self.ppi.add(Work(r, 0, r.split, r.split))
-        self.decisions = self.frontend.decisions
+        self.decisions = self.scheduler.decisions
         self.kick(self.ppi, now)
 
     def done(self, engine: Engine, batch: list[Work], now: float) -> None:
         if engine is self.cpi:
             for w in batch:
-                self.advance(engine, w, now)
+                self._serve(w, now)
             return
         for w in batch:  # the PPI: one partial prefill, whole
             r = w.request
             arrival = self.link.send(now, self.kv_bytes(r.split))
             self.loop.at(arrival, self._handed, r)
-            self._dispatch(self.frontend.partial_done(r.rid, self.cpi_state()), now)
+            self._decided(self.scheduler.partial_done(r.rid, now), now)
+
+    def _serve(self, w: Work, now: float) -> None:
+        r = w.request
+        before = r.generated
+        self.advance(self.cpi, w, now)
+        self._told(r, before, now)
+
+    def _told(self, r: PairRequest, before: int, now: float) -> None:
+        """The scheduler hears of a request's first token and of its end, as the coordinator tells it."""
+        if before == 0 and r.generated:
+            self._decided(self.scheduler.prefilled(r.rid, now), now)
+        if r.finish >= 0 and r.generated > before:
+            self._decided(self.scheduler.finish(r.rid, r.generated, now), now)
 
     def _handed(self, r: PairRequest, now: float) -> None:
         """The KV of [0, L_p) is at the CPI: the PPI's copy goes, the CPI goes on with the prompt or decodes."""
         self.ppi.release(r.rid)
         if r.split >= r.prompt:  # prefilled whole: the PPI sampled the first token, which counts now (§5.1)
-            if r.token(now):
-                self.kick(self.ppi, now)
-                return
-            self.cpi.add(Work(r, r.prompt, 1, r.prompt))
+            done = r.token(now)
+            self._told(r, 0, now)
+            if not done:
+                self.cpi.add(Work(r, r.prompt, 1, r.prompt))
         else:
             self.cpi.add(Work(r, r.split, r.prompt - r.split, r.prompt))
         self.kick(self.cpi, now)
         self.kick(self.ppi, now)
+
+
+def pair_plan(model: ModelSpec) -> PlacementPlan:
+    """The plan of one pair: node "ppi" and node "cpi", each holding the whole model."""
+    return PlacementPlan(cluster="pair", model=model.name, num_layers=model.num_layers, method="cronus",
+                         placements=(NodePlacement("ppi", 0, model.num_layers),
+                                     NodePlacement("cpi", 0, model.num_layers)),
+                         partial_inference=False, replicas=(Replica("ppi", ("ppi",)), Replica("cpi", ("cpi",))))
 
 
 class DataParallel(Design):
@@ -350,15 +382,16 @@ def _embedding_tokens(device: DeviceSpec, model: ModelSpec, layers: int) -> int:
                // (model.kv_bytes_per_token_layer * layers))
 
 
-def build(design: str, setup: PairSetup, loop: Loop) -> Design:
+def build(design: str, setup: PairSetup, loop: Loop, *, queue_limit: int = 1 << 20) -> Design:
     if design == "cronus":
         balancer = CronusBalancer(fit_partial_prefill(setup.low, setup.model),
                                   fit_chunked_iteration(setup.high, setup.model, CHUNK))
-        return PartialPrefill(setup, loop, ppi=setup.low, cpi=setup.high, splitter=balancer, name=design)
-    if design == "disagg-hl":
-        return PartialPrefill(setup, loop, ppi=setup.high, cpi=setup.low, splitter=WholePrompt(), name=design)
-    if design == "disagg-lh":
-        return PartialPrefill(setup, loop, ppi=setup.low, cpi=setup.high, splitter=WholePrompt(), name=design)
+        return PartialPrefill(setup, loop, ppi=setup.low, cpi=setup.high, splitter=balancer, name=design,
+                              queue_limit=queue_limit)
+    if design in ("disagg-hl", "disagg-lh"):
+        ppi, cpi = (setup.high, setup.low) if design == "disagg-hl" else (setup.low, setup.high)
+        return PartialPrefill(setup, loop, ppi=ppi, cpi=cpi, splitter=WholePrompt(), name=design,
+                              queue_limit=queue_limit)
     if design == "dp":
         return DataParallel(setup, loop)
     if design == "pp":
@@ -374,7 +407,7 @@ def simulate_pair(design: str, setup: PairSetup, prompts: Sequence[int], outputs
     if any(p < 1 for p in prompts) or any(o < 1 for o in outputs):
         raise ValueError("every request needs a prompt and an output of at least one token")
     loop = Loop()
-    d = build(design, setup, loop)
+    d = build(design, setup, loop, queue_limit=len(prompts))
     requests = [PairRequest(f"r{i}", a, p, o) for i, (p, o, a) in enumerate(zip(prompts, outputs, arrivals,
                                                                                 strict=True))]
     for r in requests:
