@@ -172,3 +172,26 @@ def test_mirror_the_simulator_and_the_coordinator_decide_the_same() -> None:
         assert [(d.request_id, d.split, d.queued, d.assigned) for d in again] == [
             (d.request_id, d.split, d.queued, d.assigned) for d in decided], (name, args)
     assert any(d.split for _, _, ds in recorder.calls for d in ds)
+
+
+def test_the_coordinator_routes_a_cronus_plan_by_cronus_with_balancers_fitted_on_the_nodes() -> None:
+    from hetnode.coordinator.routing import make_scheduler, scheduler_for
+    from hetnode.planner.cronus_plan import cronus_splitters
+    from hetnode.protocol.messages import HardwareProfile
+
+    p = plan({"big": "a100-80g", "small": "a10"})
+    reported = {name: HardwareProfile(device=d.name, device_type=d.name, memory_bytes=d.memory_bytes,
+                                      matmul_tflops=d.fp16_tflops, mem_bandwidth_gbps=d.mem_bandwidth_gbps,
+                                      dtype="float16", emulated=True)
+                for name, d in (("big", A100), ("small", A10))}
+    splitters = cronus_splitters(p, MODEL, reported)
+    want = CronusBalancer(fit_partial_prefill(A10, MODEL), fit_chunked_iteration(A100, MODEL, 512))
+    assert splitters == [want] or splitters[0].split(3000, state()) == want.split(3000, state())
+    assert scheduler_for(p, "iwrr") == "cronus"
+    s = make_scheduler(scheduler_for(p, "splitwise"), p, splitters=splitters, seed=1, high_water=0.9,
+                       queue_limit=8, kv_capacity={"big": 400_000, "small": 50_000})
+    assert isinstance(s, CronusScheduler) and s.submit("r", 3000, 0.0).split == want.split(3000, state()).tokens
+    with pytest.raises(ConfigError, match="Cronus plan"):
+        make_scheduler("iwrr", p)
+    with pytest.raises(ConfigError, match="no profile"):
+        cronus_splitters(p, MODEL, {"big": reported["big"]})
