@@ -47,6 +47,8 @@ class _Pair:
     at_ppi: set[str] = field(default_factory=set)
     charged: float = 0.0  # prompt tokens of the requests it runs (the CPI ends up holding them all)
     requests: int = 0
+    decoding: int = 0  # requests past their first token (decoding on the CPI) and their prompt tokens
+    decoding_prompt: int = 0
     ppi_down: bool = False
     cpi_down: bool = False
 
@@ -122,7 +124,11 @@ class CronusScheduler(QueuedScheduler):
         running = self._running.get(request_id)
         if running is None:
             return []
-        running.decoding = True
+        if not running.decoding:
+            running.decoding = True
+            pair = self._pairs[running.pair]
+            pair.decoding += 1
+            pair.decoding_prompt += running.input_len
         return self.partial_done(request_id, now)
 
     def node_down(self, node: str, now: float | None = None) -> NodeDown:
@@ -190,11 +196,10 @@ class CronusScheduler(QueuedScheduler):
         """The CPI's state as this scheduler knows it: its decoding requests, their prompts plus the average
         output so far (half of it), and the KV room left of its smallest node."""
         p = self._pairs[pair]
-        decoding = [r for r in self._running.values() if r.pair == pair and r.decoding]
-        context = sum(r.input_len for r in decoding) + int(len(decoding) * self._output.mean / 2)
+        context = p.decoding_prompt + int(p.decoding * self._output.mean / 2)
         room = self._cpi_room(p) - p.charged - p.requests * self._output.mean
         free = int(room // BLOCK) if math.isfinite(room) else 1 << 40
-        return CpiState(decodes=len(decoding), decode_context=context, free_blocks=max(0, free), block_size=BLOCK,
+        return CpiState(decodes=p.decoding, decode_context=context, free_blocks=max(0, free), block_size=BLOCK,
                         max_batch_tokens=self.max_batch_tokens)
 
     # -- the policy -----------------------------------------------------------------------------------------
@@ -239,8 +244,11 @@ class CronusScheduler(QueuedScheduler):
         pair = self._pairs[running.pair]
         pair.charged -= running.input_len
         pair.requests -= 1
+        if running.decoding:
+            pair.decoding -= 1
+            pair.decoding_prompt -= running.input_len
         for rid in [r for r in pair.at_ppi if self._running.get(r) is None]:
-            pair.at_ppi.discard(rid)
+            pair.at_ppi.discard(rid)  # the request that ended (at most two are there)
 
     def _unservable(self, input_len: int) -> str:
         up = [p for p in self._pairs if not p.cpi_down]
