@@ -186,7 +186,8 @@ def test_the_coordinator_routes_a_cronus_plan_by_cronus_with_balancers_fitted_on
                 for name, d in (("big", A100), ("small", A10))}
     splitters = cronus_splitters(p, MODEL, reported)
     want = CronusBalancer(fit_partial_prefill(A10, MODEL), fit_chunked_iteration(A100, MODEL, 512))
-    assert splitters == [want] or splitters[0].split(3000, state()) == want.split(3000, state())
+    (fitted,) = splitters  # fitted on the numbers the nodes report: the data-sheet ones, for emulated GPUs
+    assert (fitted.ppi, fitted.cpi) == (want.ppi, want.cpi)
     assert scheduler_for(p, "iwrr") == "cronus"
     s = make_scheduler(scheduler_for(p, "splitwise"), p, splitters=splitters, seed=1, high_water=0.9,
                        queue_limit=8, kv_capacity={"big": 400_000, "small": 50_000})
