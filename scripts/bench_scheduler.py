@@ -8,8 +8,9 @@ saturated one (requests queue; each finish starts the next). Prompt lengths are 
 like the Azure conversation trace's. The target is 20,000 decisions/s per policy.
 
 Beside them, Cronus's routing (`CronusScheduler` on one A100+A10 pair serving LLaMA-3 8B, its balancer fitted on
-the two devices): one decision is a `submit` whose split Algorithm 1 picks over its 512 candidates, then its first token (`prefilled`) and, once `inflight` requests run, the `finish` of the oldest; its rate is set beside IWRR's in
-the light scenario.
+the two devices): one decision is a `submit` whose split Algorithm 1 picks over its 512 candidates, then its
+first token (`prefilled`) and, once `inflight` requests run, the `finish` of the oldest; its rate is set beside
+IWRR's in the first scenario.
 
 The plan is, in order of preference: a plan JSON given with `--plan` (`hetnode plan ... --json`), the
 planner's Petals placement of hetnode/testnet/clusters/helix-hetero.toml when both exist, or a synthetic
