@@ -40,9 +40,11 @@ DEFAULT_HOME = Path(os.environ.get("HETNODE_HOME", Path.home() / ".hetnode"))
 
 def _planning_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--placement", default="helix",
-                   choices=["helix", "petals", "swarm", "sp", "sp+", "pipeline", "split"],
+                   choices=["helix", "petals", "swarm", "sp", "sp+", "pipeline", "split", "cronus"],
                    help="how the coordinator places layers (default: helix, the max-flow MILP; pipeline: one "
-                        "pipeline through every node; split: prefill and decode replicas, KV handed between)")
+                        "pipeline through every node; split: prefill and decode replicas, KV handed between; "
+                        "cronus: weak and strong nodes in pairs, each holding the model, the weak one prefilling "
+                        "the start of each prompt)")
     p.add_argument("--split-workload", type=_workload, default=(750, 240), metavar="IN,OUT",
                    help="prompt and output tokens of a typical request, which size a split plan's prefill and "
                         "decode pools (default: 750,240)")

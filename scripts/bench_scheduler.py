@@ -7,6 +7,11 @@ the end of the oldest one), so the KV estimate is never empty: a light scenario 
 saturated one (requests queue; each finish starts the next). Prompt lengths are drawn (seeded) from a spread
 like the Azure conversation trace's. The target is 20,000 decisions/s per policy.
 
+Beside them, Cronus's routing (`CronusScheduler` on one A100+A10 pair serving LLaMA-3 8B, its balancer fitted on
+the two devices): one decision is a `submit` whose split Algorithm 1 picks over its 512 candidates, then its
+first token (`prefilled`) and, once `inflight` requests run, the `finish` of the oldest; its rate is set beside
+IWRR's in the first scenario.
+
 The plan is, in order of preference: a plan JSON given with `--plan` (`hetnode plan ... --json`), the
 planner's Petals placement of hetnode/testnet/clusters/helix-hetero.toml when both exist, or a synthetic
 42-node plan: Helix's kind of heterogeneous cluster (A100, V100, L4, 2xL4, T4, 2xT4, 4xT4 nodes in two
@@ -237,6 +242,39 @@ def run_benchmark(decisions: int = 50_000, inflight: int | None = None, repeats:
     return result
 
 
+def run_cronus(decisions: int, inflight: int, seed: int) -> dict[str, float]:
+    """Cronus's routing decisions per second (CPU time of one thread)."""
+    from hetnode.coordinator.cronus_scheduler import CronusScheduler
+    from hetnode.planner.cronus_fit import fit_chunked_iteration, fit_partial_prefill
+    from hetnode.planner.cronus_plan import cronus_placement
+    from hetnode.planner.devices import parse_device
+    from hetnode.policy.cronus import CronusBalancer
+
+    model = PRESETS["llama3-8b"]
+    high, low = parse_device("a100-80g"), parse_device("a10")
+    plan = cronus_placement("bench", model, {"a100": high.fp16_tflops, "a10": low.fp16_tflops},
+                            {"a100": high.memory_bytes, "a10": low.memory_bytes})
+    balancer = CronusBalancer(fit_partial_prefill(low, model), fit_chunked_iteration(high, model, 512))
+    sched = CronusScheduler(plan, splitters=[balancer], queue_limit=1 << 30)
+    prompts, outputs = workload(seed)
+    active: deque[str] = deque()
+    splits = 0
+    now = 0.0
+    start = time.process_time()
+    for i in range(decisions):
+        now += 0.001
+        rid = str(i)
+        d = sched.submit(rid, prompts[i & 4095], now)
+        splits += d.split is not None
+        sched.prefilled(rid, now)  # the runtime's report: its first token (the PPI is done with it)
+        active.append(rid)
+        if len(active) >= inflight:
+            sched.finish(active.popleft(), outputs[i & 4095], now)
+    elapsed = time.process_time() - start
+    return {"decisions_s": decisions / elapsed, "us_per_decision": elapsed / decisions * 1e6,
+            "split_share": splits / decisions}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--decisions", type=int, default=50_000, help="submit + finish pairs per run")
@@ -253,6 +291,12 @@ def main() -> None:
         args.decisions, args.repeats = 3000, 1
     result = run_benchmark(args.decisions, args.inflight, args.repeats, args.seed,
                            tuple(args.policy) if args.policy else None, args.plan)
+    first = next(iter(result["scenarios"].values()))
+    cronus = max((run_cronus(args.decisions, first["inflight"], args.seed) for _ in range(args.repeats)),
+                 key=lambda r: r["decisions_s"])
+    iwrr = first["policies"].get("iwrr")
+    result["cronus"] = {**cronus, "inflight": first["inflight"],
+                        "vs_iwrr": cronus["decisions_s"] / iwrr["decisions_s"] if iwrr else None}
     if args.json:
         print(json.dumps(result, indent=2))
         return
@@ -268,6 +312,10 @@ def main() -> None:
         for name, r in cell["policies"].items():
             print(f"{name:>14}  {r['decisions_s']:>11,.0f}  {r['us_per_decision']:>11.1f}  "
                   f"{r['ratio_to_target']:>8.2f}x  {r['mean_stages']:>6.2f}  {r['queued']:>6}  {r['rejected']:>8}")
+    c = result["cronus"]
+    vs = f", {c['vs_iwrr']:.2f}x IWRR's ({next(iter(result['scenarios']))})" if c["vs_iwrr"] else ""
+    print(f"\ncronus (A100+A10 pair, Algorithm 1 over 512 candidates): {c['decisions_s']:,.0f} decisions/s, "
+          f"{c['us_per_decision']:.1f} us each{vs}; {c['split_share']:.0%} of prompts split")
 
 
 if __name__ == "__main__":

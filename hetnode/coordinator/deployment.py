@@ -38,6 +38,7 @@ from hetnode.errors import ConfigError
 from hetnode.ids import NodeId
 from hetnode.models.config import ModelConfig
 from hetnode.planner.cluster import ClusterSpec
+from hetnode.planner.cronus_plan import cronus_placement, cronus_splitters
 from hetnode.planner.layout import Candidate, proportional_layout
 from hetnode.planner.model import ModelSpec, from_model_config
 from hetnode.planner.placement import PlannerOptions, evaluate, plan_placement
@@ -56,7 +57,9 @@ PLAN_BYTES_PER_PARAM = 2
 # "pipeline" is the simple layout of the inference-path issue: one pipeline through every node, layers in
 # proportion to memory bandwidth. Tests that need a multi-stage pipeline on a small cluster ask for it.
 # "split" is the first phase-split plan (planner/split.py): prefill and decode replicas, routed by CLS.
-METHODS = ("helix", "petals", "swarm", "sp", "sp+", "pipeline", "split")
+# "cronus": pairs of a weak and a strong node, each holding the whole model (planner/cronus_plan.py).
+METHODS = ("helix", "petals", "swarm", "sp", "sp+", "pipeline", "split", "cronus")
+_WIRE_ROLES = {"ppi": "prefill", "cpi": "mixed"}
 
 
 @dataclass(frozen=True)
@@ -324,6 +327,9 @@ class Deployment:
         """What the baseline policies read from the nodes, as the simulator feeds them from its nodes: the
         tokens waiting in each node's queue (shortest-queue) and each node's measured step throughput, its T_j
         until it has measured one (swarm); both from the nodes' latest heartbeats."""
+        if placement.method == "cronus":
+            return {"splitters": cronus_splitters(placement, self.spec, {
+                str(r.peer_id): r.profile for r in self.registry.nodes.values()})}
         if placement.replicas:
             return {"regions": {str(r.peer_id): r.region for r in self.registry.nodes.values()}}
 
@@ -354,6 +360,9 @@ class Deployment:
                      if restored.method != self.planning.method else "some of its nodes did not come back")
         if self.planning.method == "pipeline":
             return self._pipeline_placement(usable, cluster, profiles), profiles
+        if self.planning.method == "cronus":
+            return cronus_placement(cluster.name, self.spec, {str(r.peer_id): r.profile.matmul_tflops for r in usable},
+                                    {str(r.peer_id): r.profile.memory_bytes for r in usable}), profiles
         if self.planning.method == "split":
             prompt, output = self.planning.split_workload
             return split_placement(cluster, self.spec, profiles,
@@ -399,7 +408,8 @@ class Deployment:
 
     async def _assign(self, plan: Plan, members: list[NodeRecord]) -> None:
         by_peer = {NodeId(s.peer): s for s in plan.shards}
-        roles = {NodeId(n): r.role for r in plan.placement.replicas for n in r.nodes}
+        # A node's role on the wire is the phase it runs: Cronus's PPI prefills, its CPI finishes and decodes.
+        roles = {NodeId(n): _WIRE_ROLES.get(r.role, r.role) for r in plan.placement.replicas for n in r.nodes}
         for r in members:
             s = by_peer.get(r.peer_id)
             a = Assignment(plan_version=plan.version, model=self.model,

@@ -20,6 +20,7 @@ import math
 from collections.abc import Callable
 from typing import Any, Unpack
 
+from hetnode.coordinator.cronus_scheduler import CronusScheduler
 from hetnode.coordinator.pair_schedulers import RandomPairScheduler, TstpScheduler
 from hetnode.coordinator.pool_scheduler import PoolScheduler
 from hetnode.coordinator.scheduler import EdgeSet, IwrrScheduler, PipelineScheduler, QueuedScheduler, SchedulerOptions
@@ -128,6 +129,8 @@ def scheduler_for(plan: PlacementPlan, name: str) -> str:
     `name` when that is a phase-split policy, else by CLS; any other plan by `name`, or by Helix's IWRR when
     `name` is a phase-split policy (a re-plan may change the method, and the operator's choice then applies to
     the plans it fits)."""
+    if plan.method == "cronus":
+        return CronusScheduler.name
     if plan.replicas:
         return name if name in SPLIT_SCHEDULERS else SplitScheduler.name
     return IwrrScheduler.name if name in SPLIT_SCHEDULERS else name
@@ -142,6 +145,11 @@ def make_scheduler(name: str, plan: PlacementPlan, **kwargs: Any) -> Scheduler:
     name, or a policy that does not fit the plan's shape.
     """
     key = name.strip().lower()
+    if key == CronusScheduler.name or plan.method == "cronus":
+        if key != CronusScheduler.name or plan.method != "cronus":
+            raise ConfigError(f"scheduler {name!r} cannot route plan {plan.method!r}: a Cronus plan is routed by "
+                              "'cronus', and only such a plan")
+        return CronusScheduler(plan, **kwargs)
     if key in SPLIT_SCHEDULERS or plan.replicas:
         if key not in SPLIT_SCHEDULERS or not plan.replicas:
             raise ConfigError(f"scheduler {name!r} cannot route plan {plan.method!r}: a phase-split plan is routed "

@@ -71,12 +71,18 @@ class Decision:
     too_large: bool = False  # refused because no pipeline's KV could ever hold its prompt: the request's fault
     # Phase-split: the decode phase's pipeline; `pipeline` then only prefills and hands its KV over.
     decode: tuple[PipelineHop, ...] | None = None
+    # Cronus's partial prefill: `pipeline` prefills tokens [0, split) and hands their KV to `decode`, which
+    # prefills the rest and decodes (a mixed phase from `split`). None: `pipeline` prefills the whole context.
+    split: int | None = None
 
     def __post_init__(self) -> None:
         if self.queued and self.pipeline is not None:
             raise ValueError("a decision is either a pipeline or a place in the queue, not both")
         if self.decode is not None and self.pipeline is None:
             raise ValueError("a decode pipeline needs a prefill pipeline before it")
+        if self.split is not None and (self.decode is None or self.split < 1):
+            raise ValueError(f"a partial prefill of {self.split} tokens needs a pipeline that finishes the prompt "
+                             "and at least one token")
 
     @property
     def assigned(self) -> bool:
@@ -84,13 +90,17 @@ class Decision:
 
     @property
     def route(self) -> Route | None:
-        """The request's route: one mixed phase over the pipeline (Helix's shape), or prefill on `pipeline` then
-        decode on `decode` (phase-split); None when not assigned."""
+        """The request's route: one mixed phase over the pipeline (Helix's shape), prefill on `pipeline` then
+        decode on `decode` (phase-split), or a partial prefill of [0, split) on `pipeline` then the rest and the
+        decode on `decode` (Cronus); None when not assigned."""
         if self.pipeline is None:
             return None
         hops = _hops(self.pipeline)
         if self.decode is None:
             return pipeline_route(hops)
+        if self.split is not None:
+            return Route(phases=[Phase(kind="prefill", hops=hops, last_token=self.split),
+                                 Phase(kind="mixed", hops=_hops(self.decode), first_token=self.split)])
         return Route(phases=[Phase(kind="prefill", hops=hops), Phase(kind="decode", hops=_hops(self.decode))])
 
     @property

@@ -8,6 +8,11 @@ setups; they are not always like for like, and a cost model should know where th
   figures are half of that (989.5 and 121). A100 (312) and T4 (65) are dense.
 - ThunderServe, Table 1: a100-80g, a6000, a5000, a40, 3090ti. The A6000 (38.7) and A5000 (27.8) figures are
   the non-tensor FP32 peaks; A40 (149.7) is the dense FP16 tensor-core peak.
+- a10 and a30 (Cronus §5.1's low-end GPUs; Cronus prints no table) come from NVIDIA's data sheets: A10 Tensor
+  Core GPU (PCIe, 24 GB GDDR6, 600 GB/s, 125 TFLOP/s dense FP16/BF16 tensor core, 250 with sparsity;
+  https://www.nvidia.com/en-us/data-center/products/a10-gpu/) and A30 Tensor Core GPU (PCIe, 24 GB HBM2,
+  933 GB/s, 165 TFLOP/s dense FP16/BF16 tensor core, 330 with sparsity;
+  https://www.nvidia.com/en-us/data-center/products/a30-gpu/). Both dense, as a100's 312.
 - v100 is not in either paper's table; its numbers come from the NVIDIA Tesla V100 data sheet (SXM2 16 GB,
   the part Google Compute Engine offers): 125 TFLOP/s tensor-core FP16, 900 GB/s HBM2.
 
@@ -93,6 +98,8 @@ DEVICES: dict[str, DeviceSpec] = {
         _spec("a5000", 27.8, 24.0, 626.8, _THUNDERSERVE + "; FP16 figure is the FP32 non-tensor peak"),
         _spec("a40", 149.7, 48.0, 696.0, _THUNDERSERVE),
         _spec("3090ti", 71.0, 24.0, 1008.0, _THUNDERSERVE),
+        _spec("a10", 125.0, 24.0, 600.0, "NVIDIA A10 data sheet (PCIe 24 GB); dense FP16 tensor core"),
+        _spec("a30", 165.0, 24.0, 933.0, "NVIDIA A30 data sheet (PCIe 24 GB); dense FP16 tensor core"),
         _spec("v100", 125.0, 16.0, 900.0, "NVIDIA Tesla V100 data sheet (SXM2 16 GB)"),
         # Nominal numbers (a few server cores with AVX2), so that a planner can still run over a CPU cluster
         # before any profile arrives; a cpu node always reports measured numbers (node/profile.py).

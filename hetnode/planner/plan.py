@@ -32,7 +32,7 @@ class NodePlacement:
 class Replica:
     """A pipeline of a phase-split plan and the phase it serves: its nodes in layer order."""
 
-    role: str  # "prefill" or "decode"
+    role: str  # "prefill" or "decode"; Cronus's pairs: "ppi" (partial prefill) then "cpi" (the rest and decode)
     nodes: tuple[str, ...]
     # Tensor parallel degree: consecutive runs of `tp` nodes share a stage's layers (ThunderServe's groups).
     tp: int = 1

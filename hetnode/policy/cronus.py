@@ -26,8 +26,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Protocol
 
 CANDIDATES = 512  # split points tried per prompt (Algorithm 1: L_in x i / 512)
+PPI_LIMIT = 2  # §4.2: "limiting the total number of requests in the PPI to at most two at a time"
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,27 +97,42 @@ class CronusBalancer:
         per_iteration = state.max_batch_tokens - state.decodes
         if per_iteration < 1:  # the CPI's budget goes to its decodes: only the PPI can prefill now
             return Split(prompt, self.ppi.seconds(prompt), math.inf)
-        best: Split | None = None
-        seen: set[int] = set()
+        # The 512 candidates with the predictors inlined (a routing decision's whole cost): the same arithmetic
+        # as `LinearPrefill.seconds` and `_chunked`, without a call or an object per candidate.
+        kp, bp = self.ppi.k, self.ppi.b
+        kc, bc = self.cpi.k_ctxp, self.cpi.k_ctxd * state.decode_context + self.cpi.b
+        last_s = kc * prompt + bc  # the last iteration's context is always the whole prompt
+        best_lp, best_gap, best_p, best_c = 0, math.inf, 0.0, 0.0
+        previous = 0
         for i in range(1, self.candidates + 1):
-            lp = math.ceil(prompt * i / self.candidates)
-            if lp in seen:
+            lp = -(-prompt * i // self.candidates)
+            if lp == previous:
                 continue
-            seen.add(lp)
+            previous = lp
             rest = prompt - lp
-            cpi_s = self._chunked(lp, rest, per_iteration, state.decode_context)
-            ppi_s = self.ppi.seconds(lp)
-            candidate = Split(lp, ppi_s, cpi_s)
-            if best is None or abs(ppi_s - cpi_s) < abs(best.ppi_s - best.cpi_s):
-                best = candidate
-        assert best is not None
-        return best
+            ppi_s = kp * lp + bp
+            if rest > 0:
+                first_s = kc * (lp + (rest if rest < per_iteration else per_iteration)) + bc
+                cpi_s = -(-rest // per_iteration) * (first_s + last_s) / 2
+            else:
+                cpi_s = 0.0
+            gap = abs(ppi_s - cpi_s)
+            if gap < best_gap:
+                best_lp, best_gap, best_p, best_c = lp, gap, ppi_s, cpi_s
+        return Split(best_lp, best_p, best_c)
 
-    def _chunked(self, done: int, rest: int, per_iteration: int, decode_context: int) -> float:
-        """Eq. 1: the CPI's iterations that finish `rest` tokens after the first `done`."""
-        if rest <= 0:
-            return 0.0
-        iterations = math.ceil(rest / per_iteration)
-        first = self.cpi.seconds(done + min(rest, per_iteration), decode_context)
-        last = self.cpi.seconds(done + rest, decode_context)
-        return iterations * (first + last) / 2
+
+class Splitter(Protocol):
+    """What picks a prompt's partial prefill length: `CronusBalancer`, or `WholePrompt`."""
+
+    def split(self, prompt: int, state: CpiState) -> Split: ...
+
+
+class WholePrompt:
+    """Disaggregated prefill through Cronus's code path (§5.1: "the same code as our partial prefill
+    implementation, but always set the partial prefill length to the input length")."""
+
+    def split(self, prompt: int, state: CpiState) -> Split:
+        if prompt < 1:
+            raise ValueError(f"a prompt has at least one token, not {prompt}")
+        return Split(prompt, 0.0, 0.0)

@@ -27,6 +27,7 @@ log = logging.getLogger("hetnode.sim")
 
 SCHEDULER_NAMES = ("iwrr", "random", "shortest-queue", "swarm", "cls", "splitwise")
 LIKES = ("hetnode", "helix")  # settings.LIKES; repeated so that the parser need not import the simulator
+PAIR_DESIGNS = ("cronus", "dp", "pp", "disagg-hl", "disagg-lh")  # pair_designs.DESIGNS, likewise
 
 
 def _non_negative(value: str) -> float:
@@ -47,11 +48,13 @@ def add_arguments(p: argparse.ArgumentParser, *, clusters: Sequence[str] = ()) -
                    help="profile table: Helix's or Splitwise's measured profiles, the roofline cost model, or a "
                         "table file (measured on the live testnet, say); default auto")
     p.add_argument("--method", "--placement", dest="method", default="helix",
-                   choices=["helix", "petals", "swarm", "sp", "sp+", "split"],
+                   choices=["helix", "petals", "swarm", "sp", "sp+", "split", *PAIR_DESIGNS],
                    help="placement method of the runtime's planner: helix (MILP), or the baselines petals, swarm, sp "
                         "(separate pipelines), sp+ (plus a mixed pipeline of the rest), or split (prefill and decode "
                         "replicas, sized for the trace's mean prompt and output, routed by cls, KV handed between "
-                        "them); default helix")
+                        "them); default helix. On a two-GPU cluster: cronus (partially disaggregated prefill) and "
+                        "Cronus §5's baselines dp, pp, disagg-hl, disagg-lh (pair_designs.py; with --offline or "
+                        "--rate, over the trace's first --first)")
     p.add_argument("--plan", default=None, metavar="FILE",
                    help="use this plan (JSON from `hetnode plan --json`) instead of planning")
     p.add_argument("--scheduler", default="iwrr", choices=SCHEDULER_NAMES,
@@ -108,6 +111,8 @@ def add_arguments(p: argparse.ArgumentParser, *, clusters: Sequence[str] = ()) -
                    help="plan without partial inference (a node's successor starts exactly at its last layer)")
     p.add_argument("--kv-share", type=float, default=0.5, metavar="F",
                    help="share of device memory kept for the KV cache when planning, in [0, 1) (default: 0.5)")
+    p.add_argument("--first", type=int, default=None, metavar="N",
+                   help="Cronus's pair designs: serve the trace's first N requests (default 1000, as Cronus §5.1)")
     p.add_argument("--json", action="store_true", help="print the result as JSON (summary, nodes, links)")
     p.add_argument("--requests", action="store_true", help="with --json: include every request")
     p.add_argument("--csv", default=None, metavar="DIR", help="write requests/nodes/links/timeseries CSV files")
@@ -139,6 +144,13 @@ def run(args: argparse.Namespace, *, clusters_dir: Path) -> int:
 
     cluster = load_cluster(resolve_cluster(args.cluster, clusters_dir))
     model = model_spec(args.model)
+    if args.method in PAIR_DESIGNS:
+        from hetnode.testnet.sim.pair_cli import run_pair
+
+        if args.first is not None and args.first < 1:
+            raise ConfigError(f"--first must be >= 1, not {args.first}", key="--first")
+        # §5.1 replays the trace as it is: the length filter is Helix's, so it applies only when asked for.
+        return run_pair(args, cluster, model, wl.load_trace(args.trace, length_filter=False))
     profiles = profile_table_for(cluster, model, args.profile, kv_share=args.kv_share)
     trace = wl.load_trace(args.trace, length_filter=not args.no_length_filter)
     if args.plan is not None:

@@ -1,0 +1,100 @@
+"""Cronus on a multi-process testnet (`--placement cronus`): a weak node (an emulated A10) prefills the start of
+each prompt, hands the KV of those tokens to a strong one (an emulated A100), which prefills the rest and
+decodes. With the fp16 codec the greedy output equals transformers' on the same weights, token for token, with
+the split point varying from request to request; a weak node killed mid-prompt leaves its request to the strong
+node, which completes it alone.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+from test_split_failover_multiprocess import completion, pid_of, wait_for_line
+from testnet_helpers import check_against_transformers, start_testnet, stop_testnet
+
+pytestmark = pytest.mark.slow
+
+HANDOFF = re.compile(r"hands over the KV of (\d+) tokens")
+
+
+def cluster_file(path: Path) -> Path:
+    path.write_text("\n".join([
+        'name = "cronus-test"', "", "[coordinator]", 'region = "r"', "",
+        "[[nodes]]", 'name = "weak"', 'device = "a10"', 'region = "r"', "",
+        "[[nodes]]", 'name = "strong"', 'device = "a100-80g"', 'region = "r"', "",
+        "[links.intra_region]", "bandwidth_mbps = 1000", "latency_ms = 1", ""]))
+    return path
+
+
+@pytest.fixture
+def cronus(tmp_path: Path) -> Any:
+    def start(model: str) -> dict[str, Any]:
+        return start_testnet(tmp_path / "tn", model, cluster=cluster_file(tmp_path / "cluster.toml"),
+                             extra=("--placement", "cronus", "--kv-codec", "fp16", "--compute-dilation", "1"))
+
+    yield start, tmp_path / "tn" / "logs" / "coordinator.log"
+    if (tmp_path / "tn" / "state.json").exists():
+        stop_testnet(tmp_path / "tn")
+
+
+def pairs(api: str, timeout_s: float = 300) -> list[tuple[str, str]]:
+    """The ready plan's replicas (role, node), once both nodes have joined and loaded the model."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        plan = httpx.get(f"{api}/v1/plan", timeout=10).json().get("plan") or {}
+        if plan.get("ready") and len(plan.get("replicas", ())) == 2:
+            break
+        assert time.monotonic() < deadline, f"no ready Cronus plan: {plan}"
+        time.sleep(0.2)
+    assert plan["method"] == "cronus", plan
+    return [(r["role"], r["nodes"][0]) for r in plan["replicas"]]
+
+
+def test_smollm2_cronus_greedy_matches_transformers_with_the_split_varying(cronus: Any) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from hetnode.models.resolve import resolve_model
+    from hetnode.models.tokenizer import chat_prompt_ids, load_tokenizer
+
+    start, log = cronus
+    path = resolve_model("smollm2-135m")
+    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    tok = load_tokenizer("smollm2-135m")
+    prompts = [
+        chat_prompt_ids(tok, [{"role": "user", "content": "What is the capital of France?"}]),
+        tok.encode("The three primary colors are " * 20),
+        tok.encode("Once upon a time, " * 120),
+    ]
+    state = start("smollm2-135m")
+    assert pairs(state["api"]) == [("ppi", "weak"), ("cpi", "strong")]
+    check_against_transformers(state["api"], "smollm2-135m", hf, tok, prompts, 20)
+    splits = [int(k) for k in HANDOFF.findall(log.read_text())]
+    assert len(splits) == len(prompts) and len(set(splits)) == len(prompts), splits
+    # Some prompt was split: its start on the weak node, its rest on the strong one.
+    assert any(k < min(len(p) for p in prompts if len(p) >= k) for k in splits), (splits, [len(p) for p in prompts])
+    assert "moved to" not in log.read_text()
+
+
+def test_a_weak_node_killed_mid_prompt_its_request_completes_on_the_strong_node(cronus: Any) -> None:
+    start, log = cronus
+    state = start("smollm2-135m")
+    api = state["api"]
+    assert pairs(api) == [("ppi", "weak"), ("cpi", "strong")]
+    prompt = "Once upon a time, in a land far away, " * 150  # about 1,651 tokens: seconds of prefill here
+    want = completion(api, prompt, 12)
+    mark = len(log.read_text())
+    with ThreadPoolExecutor(1) as pool:
+        done = pool.submit(completion, api, prompt, 12)
+        wait_for_line(log, "hands over the KV", mark)  # installed: the weak node prefills its part next
+        os.kill(pid_of(state, "weak"), signal.SIGKILL)
+        assert done.result(timeout=300) == want
+    assert "moved to" in log.read_text()[mark:]
