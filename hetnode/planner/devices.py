@@ -8,6 +8,7 @@ setups; they are not always like for like, and a cost model should know where th
   figures are half of that (989.5 and 121). A100 (312) and T4 (65) are dense.
 - ThunderServe, Table 1: a100-80g, a6000, a5000, a40, 3090ti. The A6000 (38.7) and A5000 (27.8) figures are
   the non-tensor FP32 peaks; A40 (149.7) is the dense FP16 tensor-core peak.
+- l20 (EcoServe's cluster) is in no paper's table: NVIDIA L20 data sheet, dense FP16 (119.5; 239 with sparsity).
 - v100 is not in either paper's table; its numbers come from the NVIDIA Tesla V100 data sheet (SXM2 16 GB,
   the part Google Compute Engine offers): 125 TFLOP/s tensor-core FP16, 900 GB/s HBM2.
 
@@ -91,6 +92,9 @@ DEVICES: dict[str, DeviceSpec] = {
         _spec("a40", 149.7, 48.0, 696.0, _THUNDERSERVE),
         _spec("3090ti", 71.0, 24.0, 1008.0, _THUNDERSERVE),
         _spec("v100", 125.0, 16.0, 900.0, "NVIDIA Tesla V100 data sheet (SXM2 16 GB)"),
+        # EcoServe's cluster (§4.1): 8 L20 48 GB per node, PCIe only. NVIDIA L20 data sheet: 119.5 TFLOP/s dense
+        # FP16/BF16 tensor (239 with sparsity), 48 GB GDDR6 at 864 GB/s, PCIe Gen4 x16.
+        _spec("l20", 119.5, 48.0, 864.0, "NVIDIA L20 data sheet (dense FP16 tensor figure)"),
         # Nominal numbers (a few server cores with AVX2), so that a planner can still run over a CPU cluster
         # before any profile arrives; a cpu node always reports measured numbers (node/profile.py).
         _spec("cpu", 0.5, 16.0, 20.0, "nominal; measured on the host", needs_measurement=True),
