@@ -19,14 +19,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from hetnode.planner.cluster import PCIE_LINK
 from hetnode.planner.costmodel import MEMORY_EFFICIENCY, step_time
 from hetnode.planner.devices import DeviceSpec
 from hetnode.planner.model import ModelSpec
 
-# PCIe Gen4 x16, one direction (the L20 data sheet's host interface), and a per-message latency of a ring step
-# through the host (no GPU-direct P2P on these hosts): an assumption, stated in docs/reproducing-ecoserve.md.
-PCIE_GBPS = 32.0
-PCIE_LATENCY_S = 20e-6
+# The GPU link of a host without NVLink: PCIe 4.0 x16 peer to peer as NCCL measures it (cluster.PCIE_LINK, the
+# cluster files' default between GPUs of one host), in GB/s and seconds per message.
+PCIE_GBPS = PCIE_LINK.bandwidth_mbps / 8000
+PCIE_LATENCY_S = PCIE_LINK.latency_ms / 1000
 KV_RESERVE = 0.1  # share of memory kept free beside weights and KV (activations, CUDA graphs, fragmentation)
 
 

@@ -198,4 +198,4 @@ class InstanceScheduler:
                         if h.routed_at < self.switched_at and h.first_token_at >= 0)
         free = self.config.kv_tokens - self.kv_used - sum(h.prompt for h in self.waiting)
         return InstanceState(switched_at=self.switched_at, pending_prefills=tuple(pending), decodes=decodes,
-                             free_kv_tokens=max(0, free))
+                             free_kv_tokens=max(0, free), routed=self.routed)

@@ -17,10 +17,11 @@ THUNDERSERVE_TABLE_1 = {
     "3090ti": (71, 24, 1008),
 }
 V100_DATA_SHEET = {"v100": (125, 16, 900)}
+L20_DATA_SHEET = {"l20": (119.5, 48, 864)}  # EcoServe's cluster; dense FP16 tensor figure
 
 
 @pytest.mark.parametrize("name, numbers", [*HELIX_TABLE_3.items(), *THUNDERSERVE_TABLE_1.items(),
-                                           *V100_DATA_SHEET.items()])
+                                           *V100_DATA_SHEET.items(), *L20_DATA_SHEET.items()])
 def test_single_devices_match_the_tables(name: str, numbers: tuple[float, float, float]) -> None:
     spec = parse_device(name)
     assert (spec.fp16_tflops, spec.memory_gb, spec.mem_bandwidth_gbps) == numbers
@@ -29,7 +30,7 @@ def test_single_devices_match_the_tables(name: str, numbers: tuple[float, float,
 
 
 def test_every_table_device_is_known() -> None:
-    expected = {*HELIX_TABLE_3, *THUNDERSERVE_TABLE_1, *V100_DATA_SHEET, "cpu"}
+    expected = {*HELIX_TABLE_3, *THUNDERSERVE_TABLE_1, *V100_DATA_SHEET, *L20_DATA_SHEET, "cpu"}
     assert set(known_devices()) == expected
 
 
