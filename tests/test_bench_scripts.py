@@ -55,6 +55,9 @@ def test_bench_scheduler_quick() -> None:
             assert cell["decisions_s"] > 0 and cell["assigned"] > 0 and cell["mean_stages"] >= 1
     # Saturated: requests wait for KV room rather than being refused (the queue never fills).
     assert all(c["queued"] > 0 and c["rejected"] == 0 for c in result["scenarios"]["saturated"]["policies"].values())
+    # The partially disaggregated designs' decisions, timed beside IWRR's.
+    assert set(result["partial"]) == {"ecoserve-macro-8", "ecoserve-macro-16", "cronus-balancer"}
+    assert all(cell["decisions_s"] > 0 for cell in result["partial"].values())
 
 
 def test_bench_sim_quick() -> None:
