@@ -171,3 +171,19 @@ def test_bench_planner_progress_quick() -> None:
         # The pruned coordinator reaches a few nodes; the search still starts from a heuristic that carries flow.
         assert run["valid"] and flows and flows[0] > 0 and flows == sorted(flows)
         assert flows[-1] <= run["max_flow"] + 1e-6 and run["max_flow"] <= run["upper_bound"] + 1e-6
+
+
+def test_reproduce_ecoserve_quick(tmp_path: Path) -> None:
+    out = tmp_path / "ecoserve.json"
+    r = subprocess.run([sys.executable, str(SCRIPTS / "reproduce_ecoserve.py"), "--quick", "--duration", "8",
+                        "--json", str(out)], capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    result = json.loads(out.read_text())
+    cell = result["goodput"]["codellama-34b/sharegpt"]
+    assert set(cell) == {"ecoserve", "vllm", "mooncake"}
+    for design in cell.values():
+        assert design["p50"] >= design["p90"] >= design["p99"] >= 0 and design["points"]
+    assert result["ratios"] and all({"ours", "paper", "same_winner", "within_25"} <= set(row)
+                                    for row in result["ratios"])
+    assert set(result["fig9"]["ecoserve"]["p90"]) == {"1", "2", "4"}
+    assert len(result["fig10"]["windows"]) == 2 and "EcoServe" in r.stdout

@@ -150,6 +150,10 @@ class Instance:
     busy_s: float = 0.0  # in the measurement window
     busy_all: float = 0.0
     busy_mark: float = 0.0  # busy_all at the last scaling window
+    # Step statistics (whole run): seconds, steps and items by kind ("prefill", "decode", "hybrid").
+    kind_s: dict[str, float] = field(default_factory=dict)
+    kind_steps: dict[str, int] = field(default_factory=dict)
+    kind_items: dict[str, int] = field(default_factory=dict)
     last_report: float = -math.inf
 
 
@@ -190,6 +194,7 @@ class PadgResult:
     window: tuple[float, float]
     instance_busy: list[float]
     scaling: list[dict[str, Any]] = field(default_factory=list)
+    steps: dict[str, dict[str, float]] = field(default_factory=dict)  # by kind: seconds, steps, mean items
 
     def measured(self) -> list[Request]:
         return [r for r in self.requests if self.window[0] <= r.arrival < self.window[1]]
@@ -215,7 +220,7 @@ class PadgResult:
             "ttft_eco_p50": pct([r.ttft_eco for r in done], 0.5), "ttft_eco_p90": pct([r.ttft_eco for r in done], 0.9),
             "tpot_p50": pct([r.tpot for r in done], 0.5), "tpot_p90": pct([r.tpot for r in done], 0.9),
             "utilization": sum(self.instance_busy) / (span * len(self.instance_busy)) if self.instance_busy else 0.0,
-            "scaling_events": len(self.scaling),
+            "scaling_events": len(self.scaling), "steps": self.steps,
         }
 
 
@@ -301,6 +306,9 @@ class PadgSim:
         inst.plan, inst.busy_until = plan, now + seconds
         inst.busy_s += seconds if self.window[0] <= now < self.window[1] else 0.0
         inst.busy_all += seconds
+        inst.kind_s[plan.kind] = inst.kind_s.get(plan.kind, 0.0) + seconds
+        inst.kind_steps[plan.kind] = inst.kind_steps.get(plan.kind, 0) + 1
+        inst.kind_items[plan.kind] = inst.kind_items.get(plan.kind, 0) + len(plan.chunks) + len(plan.decodes)
         self.events.at(now + seconds, lambda t: self.step_done(inst, t))
 
     def step_done(self, inst: Instance, now: float) -> None:
@@ -421,4 +429,13 @@ def simulate_instances(model: ModelSpec, workload: Workload, options: PadgOption
     heapq.heapify(sim.events.heap)
     sim.events.run(duration_s + options.drain_s)
     busy = [i.busy_s for i in sim.instances if i.active or i.busy_s > 0]
-    return PadgResult(options, slos, sim.requests, (warmup_s, duration_s), busy, sim.scaling)
+    steps: dict[str, dict[str, float]] = {}
+    for inst in sim.instances:
+        for kind, secs in inst.kind_s.items():
+            cell = steps.setdefault(kind, {"seconds": 0.0, "steps": 0.0, "items": 0.0})
+            cell["seconds"] += secs
+            cell["steps"] += inst.kind_steps[kind]
+            cell["items"] += inst.kind_items[kind]
+    for cell in steps.values():
+        cell["mean_items"] = cell["items"] / cell["steps"] if cell["steps"] else 0.0
+    return PadgResult(options, slos, sim.requests, (warmup_s, duration_s), busy, sim.scaling, steps)
