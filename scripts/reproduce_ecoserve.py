@@ -138,8 +138,15 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-scaling", action="store_true", help="skip Fig. 9 and Fig. 10")
     ap.add_argument("--quick", action="store_true", help="a smoke run: one model, ShareGPT, short runs")
+    ap.add_argument("--explain-at", default=None, metavar="MODEL/DATASET@RATE",
+                    help="only the where-the-time-goes runs, at this rate (skips the goodput search)")
     ap.add_argument("--json", default=None, metavar="OUT")
     args = ap.parse_args()
+    if args.explain_at:
+        key, _, rate = args.explain_at.partition("@")
+        fake = {key: {"vllm": {"p90": float(rate), "points": [(float(rate), 1.0)]}}}
+        explain(args, fake, ("ecoserve", *BASELINES))
+        return
     if args.quick:
         args.models, args.datasets, args.duration = "codellama-34b", "sharegpt", 20.0
     t0 = time.time()

@@ -338,8 +338,11 @@ class PadgSim:
         self.kick(inst, now)
 
     def hand_off(self, src: Instance, r: Request, now: float) -> None:
-        """FuDG: the prompt's KV to the least-loaded decode instance, over PCIe or the NICs."""
+        """FuDG: the prompt's KV to the least-loaded decode instance (DistServe: of its host), over PCIe or the
+        NICs."""
         pool = [i for i in self.instances if i.active and i.role == "decode"]
+        if self.o.design == "distserve":  # intra-node FuDG: the decode instance beside it, KV over PCIe
+            pool = [i for i in pool if i.host == src.host] or pool
         dst = pool[least_loaded([i.scheduler.kv_used + sum(h.prompt for h in i.scheduler.waiting)
                                  for i in pool])]
         nbytes = self.cost.kv_transfer_bytes(r.prompt)
