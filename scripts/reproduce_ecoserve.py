@@ -138,10 +138,16 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-scaling", action="store_true", help="skip Fig. 9 and Fig. 10")
     ap.add_argument("--quick", action="store_true", help="a smoke run: one model, ShareGPT, short runs")
+    ap.add_argument("--deploy", action="append", default=[], metavar="MODEL=TPxN",
+                    help="run MODEL at TP with N instances instead of §4.2's (e.g. qwen2-72b=4x8)")
     ap.add_argument("--explain-at", default=None, metavar="MODEL/DATASET@RATE",
                     help="only the where-the-time-goes runs, at this rate (skips the goodput search)")
     ap.add_argument("--json", default=None, metavar="OUT")
     args = ap.parse_args()
+    for spec in args.deploy:
+        name, _, shape = spec.partition("=")
+        tp, _, count = shape.partition("x")
+        MODELS[name] = (int(tp), int(count))
     if args.explain_at:
         key, _, rate = args.explain_at.partition("@")
         fake = {key: {"vllm": {"p90": float(rate), "points": [(float(rate), 1.0)]}}}
