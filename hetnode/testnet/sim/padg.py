@@ -243,6 +243,7 @@ class PadgSim:
             raise ConfigError(f"{model.name} does not fit {options.tp} x {options.device}")
         self.events = _Events()
         self.requests: list[Request] = []
+        self.window: tuple[float, float] = (0.0, math.inf)  # the measured arrivals' span
         total = max(options.instances, options.max_instances)
         prefills = options.prefill or max(1, options.instances // 2)
         config = InstanceConfig(discipline=HYBRID if options.design == "sarathi" else SEPARATE,
@@ -408,8 +409,6 @@ class PadgSim:
                 busy.append(min(1.0, (i.busy_all - i.busy_mark) / self.o.window_s))
             i.busy_mark = i.busy_all
         return sum(busy) / len(busy) if busy else 0.0
-
-    window: tuple[float, float] = (0.0, math.inf)
 
 
 def simulate_instances(model: ModelSpec, workload: Workload, options: PadgOptions, *, duration_s: float,
