@@ -22,7 +22,7 @@ from hetnode.policy.macro_scheduler import MacroScheduler
 
 @dataclass(frozen=True, slots=True)
 class Move:
-    """Instance `instance` moves from macro-instance `source` to `target` (indices after the change)."""
+    """Instance `instance` moves from macro-instance `source` (its index before the change) to `target` (after)."""
 
     instance: Hashable
     source: int
