@@ -18,6 +18,12 @@ planner's Petals placement of hetnode/testnet/clusters/helix-hetero.toml when bo
 regions) serving LLaMA-2 70B, Petals-style ranges (each node where the layers are served slowest), and the
 flows of networkx's max flow with the slower links between regions.
 
+The partially disaggregated designs' per-request decisions are timed beside it ("partial" in the result):
+EcoServe's macro-instance scheduler (Algorithms 1-2 over 8 and 16 instances' reported states, each holding 64
+decodes and a few pending prompts; each decision is one `route` plus the routed instance's status report, as
+instances report when they change) and Cronus's balancer (`CronusBalancer.split`, Algorithm 1's 512 candidate
+split points, against a CPI with 64 decodes).
+
     .venv/bin/python scripts/bench_scheduler.py [--decisions 50000] [--inflight N] [--quick] [--json]
 """
 
@@ -43,6 +49,10 @@ from hetnode.planner.model import PRESETS
 from hetnode.planner.plan import SINK, SOURCE, NodePlacement, PlacementPlan
 from hetnode.planner.profile import kv_tokens
 from hetnode.planner.profile_sources import profile_table_for
+from hetnode.policy.cronus import ChunkedIteration, CpiState, CronusBalancer, LinearPrefill
+from hetnode.policy.ecoserve import Decoding, InstanceState, Slos
+from hetnode.policy.macro_scheduler import MacroScheduler
+from hetnode.policy.prefill_predictor import PROFILE_LENGTHS, PrefillPredictor
 
 TARGET = 20_000  # decisions/s
 CLUSTER_FILE = Path(__file__).resolve().parents[1] / "hetnode" / "testnet" / "clusters" / "helix-hetero.toml"
@@ -239,6 +249,7 @@ def run_benchmark(decisions: int = 50_000, inflight: int | None = None, repeats:
                     for _ in range(repeats)]
             cell["policies"][name] = max(runs, key=lambda r: r["decisions_s"])
         result["scenarios"][scenario] = cell
+    result["partial"] = run_partial(decisions, repeats, seed)
     return result
 
 
@@ -248,7 +259,6 @@ def run_cronus(decisions: int, inflight: int, seed: int) -> dict[str, float]:
     from hetnode.planner.cronus_fit import fit_chunked_iteration, fit_partial_prefill
     from hetnode.planner.cronus_plan import cronus_placement
     from hetnode.planner.devices import parse_device
-    from hetnode.policy.cronus import CronusBalancer
 
     model = PRESETS["llama3-8b"]
     high, low = parse_device("a100-80g"), parse_device("a10")
@@ -273,6 +283,55 @@ def run_cronus(decisions: int, inflight: int, seed: int) -> dict[str, float]:
     elapsed = time.process_time() - start
     return {"decisions_s": decisions / elapsed, "us_per_decision": elapsed / decisions * 1e6,
             "split_share": splits / decisions}
+
+
+def run_partial(decisions: int, repeats: int, seed: int) -> dict[str, dict[str, float]]:
+    """Decisions/s (best of `repeats`, CPU time of one thread) of EcoServe's and Cronus's per-request choices."""
+    prompts, _ = workload(seed)
+    out: dict[str, dict[str, float]] = {}
+    for n in (8, 16):
+        out[f"ecoserve-macro-{n}"] = max((_macro_run(n, prompts, decisions, seed) for _ in range(repeats)),
+                                         key=lambda r: r["decisions_s"])
+    out["cronus-balancer"] = max((_cronus_run(prompts, decisions) for _ in range(repeats)),
+                                 key=lambda r: r["decisions_s"])
+    return out
+
+
+def _macro_run(instances: int, prompts: list[int], decisions: int, seed: int) -> dict[str, float]:
+    rng = random.Random(seed)
+    # An L20 TP=4 instance's prefill times (about 2,750 tokens/s: planner/instance_cost.py), as profiled.
+    predictor = PrefillPredictor.fit([(n, 0.04 + n / 2750) for n in PROFILE_LENGTHS])
+    sched = MacroScheduler(Slos(5.0, 0.1), predictor)
+
+    def state(now: float, routed: int) -> InstanceState:
+        decodes = tuple(Decoding(rng.randrange(1, 400), now - rng.uniform(0, 30)) for _ in range(64))
+        pending = tuple(rng.choice(prompts) for _ in range(rng.randrange(0, 4)))
+        return InstanceState(now - 1.0, pending, decodes, 400_000, routed)
+
+    for k in range(instances):
+        sched.add(k, state(0.0, 0))
+    routed = dict.fromkeys(range(instances), 0)
+    reports = [state(0.0, 0) for _ in range(64)]  # prebuilt, so that only the scheduler is timed
+    start = time.process_time()
+    now = 0.0
+    for i in range(decisions):
+        now += 0.001
+        k = sched.route(prompts[i & 4095], prompts[i & 4095], now)
+        routed[k] += 1  # type: ignore[index]
+        r = reports[i & 63]
+        sched.update(k, InstanceState(r.switched_at, r.pending_prefills, r.decodes, r.free_kv_tokens, routed[k]))
+    elapsed = time.process_time() - start
+    return {"decisions_s": decisions / elapsed, "us_per_decision": elapsed / decisions * 1e6}
+
+
+def _cronus_run(prompts: list[int], decisions: int) -> dict[str, float]:
+    balancer = CronusBalancer(LinearPrefill(2.5e-4, 0.02), ChunkedIteration(2e-6, 5e-7, 0.03))
+    state = CpiState(decodes=64, decode_context=64 * 600, free_blocks=20_000, block_size=16, max_batch_tokens=512)
+    start = time.process_time()
+    for i in range(decisions):
+        balancer.split(prompts[i & 4095], state)
+    elapsed = time.process_time() - start
+    return {"decisions_s": decisions / elapsed, "us_per_decision": elapsed / decisions * 1e6}
 
 
 def main() -> None:
@@ -316,6 +375,12 @@ def main() -> None:
     vs = f", {c['vs_iwrr']:.2f}x IWRR's ({next(iter(result['scenarios']))})" if c["vs_iwrr"] else ""
     print(f"\ncronus (A100+A10 pair, Algorithm 1 over 512 candidates): {c['decisions_s']:,.0f} decisions/s, "
           f"{c['us_per_decision']:.1f} us each{vs}; {c['split_share']:.0%} of prompts split")
+    iwrr = max(c["policies"]["iwrr"]["decisions_s"] for c in result["scenarios"].values()
+               if "iwrr" in c["policies"]) if any("iwrr" in c["policies"] for c in result["scenarios"].values()) else 0
+    print("\npartially disaggregated designs' per-request decisions (beside IWRR's best scenario)")
+    for name, r in result["partial"].items():
+        beside = f"{r['decisions_s'] / iwrr:.2f}x IWRR" if iwrr else ""
+        print(f"{name:>18}  {r['decisions_s']:>11,.0f}/s  {r['us_per_decision']:>8.1f} us  {beside}")
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ setups; they are not always like for like, and a cost model should know where th
   https://www.nvidia.com/en-us/data-center/products/a10-gpu/) and A30 Tensor Core GPU (PCIe, 24 GB HBM2,
   933 GB/s, 165 TFLOP/s dense FP16/BF16 tensor core, 330 with sparsity;
   https://www.nvidia.com/en-us/data-center/products/a30-gpu/). Both dense, as a100's 312.
+- l20 (EcoServe's cluster) is in no paper's table: NVIDIA L20 data sheet, dense FP16 (119.5; 239 with sparsity).
 - v100 is not in either paper's table; its numbers come from the NVIDIA Tesla V100 data sheet (SXM2 16 GB,
   the part Google Compute Engine offers): 125 TFLOP/s tensor-core FP16, 900 GB/s HBM2.
 
@@ -101,6 +102,9 @@ DEVICES: dict[str, DeviceSpec] = {
         _spec("a10", 125.0, 24.0, 600.0, "NVIDIA A10 data sheet (PCIe 24 GB); dense FP16 tensor core"),
         _spec("a30", 165.0, 24.0, 933.0, "NVIDIA A30 data sheet (PCIe 24 GB); dense FP16 tensor core"),
         _spec("v100", 125.0, 16.0, 900.0, "NVIDIA Tesla V100 data sheet (SXM2 16 GB)"),
+        # EcoServe's cluster (§4.1): 8 L20 48 GB per node, PCIe only. NVIDIA L20 data sheet: 119.5 TFLOP/s dense
+        # FP16/BF16 tensor (239 with sparsity), 48 GB GDDR6 at 864 GB/s, PCIe Gen4 x16.
+        _spec("l20", 119.5, 48.0, 864.0, "NVIDIA L20 data sheet (dense FP16 tensor figure)"),
         # Nominal numbers (a few server cores with AVX2), so that a planner can still run over a CPU cluster
         # before any profile arrives; a cpu node always reports measured numbers (node/profile.py).
         _spec("cpu", 0.5, 16.0, 20.0, "nominal; measured on the host", needs_measurement=True),

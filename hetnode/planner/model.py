@@ -83,6 +83,9 @@ PRESETS: dict[str, ModelSpec] = {
         ModelSpec("llama-70b", 80, 8192, 28672, 64, 8, 32000),  # LLaMA-2 70B
         ModelSpec("llama3-8b", 32, 4096, 14336, 32, 8, 128256),
         ModelSpec("qwen2-7b", 28, 3584, 18944, 28, 4, 152064),
+        # EcoServe's models (§4.1), from their Hugging Face config.json files.
+        ModelSpec("codellama-34b", 48, 8192, 22016, 64, 8, 32000),  # CodeLlama-34B (GQA)
+        ModelSpec("qwen2-72b", 80, 8192, 29568, 64, 8, 152064),  # Qwen2-72B (GQA)
         ModelSpec("smollm2-135m", 30, 576, 1536, 9, 3, 49152),
     )
 }

@@ -42,6 +42,7 @@ class InstanceState:
     pending_prefills: tuple[int, ...] = ()  # prompt lengths of the requests routed to it since then
     decodes: tuple[Decoding, ...] = ()  # requests it held before then, still decoding
     free_kv_tokens: int = 0
+    routed: int = 0  # requests routed to it so far, as it counts them (a scheduler adds those sent since)
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +94,9 @@ class Mitosis:
     lower: int  # N_l
     upper: int  # N_u
     sizes: list[int] = field(default_factory=list)
+    # The last change, for an executor that moves real instances: (kind, macro-instance, other), kind one of
+    # "first", "add", "split" (other: the new one), "remove", "pop", "merge" (the removal's, then the other).
+    last: tuple[str, int, int] = ("", -1, -1)
 
     def __post_init__(self) -> None:
         if not 1 <= self.lower < self.upper:
@@ -108,15 +112,18 @@ class Mitosis:
         """Add one instance; returns what happened."""
         if not self.sizes:
             self.sizes.append(1)
+            self.last = ("first", 0, -1)
             return "a first macro-instance"
         full = [i for i, s in enumerate(self.sizes) if s < self.upper]
         if not full:  # every macro-instance is at N_u: the last one splits N_l off (steps 1-2)
             self.sizes[-1] -= self.lower - 1
             self.sizes.append(self.lower)
+            self.last = ("split", len(self.sizes) - 2, len(self.sizes) - 1)
             return f"macro-instance {len(self.sizes) - 2} split, {self.lower} instances into a new one"
         # Fill the fullest that is not full first (step 3), then the new one (step 4).
         i = max(full, key=lambda k: (self.sizes[k], -k))
         self.sizes[i] += 1
+        self.last = ("add", i, -1)
         return f"an instance added to macro-instance {i}"
 
     def contract(self) -> str:
@@ -126,16 +133,20 @@ class Mitosis:
         small = min(range(len(self.sizes)), key=lambda k: (self.sizes[k], -k))
         if self.sizes[small] > self.lower or len(self.sizes) == 1:  # step 5: the smallest down to N_l
             self.sizes[small] -= 1
+            self.last = ("remove", small, -1)
             if self.sizes[small] == 0:
                 self.sizes.pop(small)
+                self.last = ("pop", small, -1)
             return f"an instance removed from macro-instance {small}"
         # Step 6: from a full one; steps 7-8: two that add up to N_u merge after one more removal.
         big = max((k for k in range(len(self.sizes)) if k != small), key=lambda k: (self.sizes[k], k))
         self.sizes[big] -= 1
+        self.last = ("remove", big, -1)
         if self.sizes[big] + self.sizes[small] < self.upper:
             merged = self.sizes[big] + self.sizes[small]
             for k in sorted((big, small), reverse=True):
                 self.sizes.pop(k)
             self.sizes.append(merged)
+            self.last = ("merge", big, small)
             return f"macro-instances {min(big, small)} and {max(big, small)} merged into one of {merged}"
         return f"an instance removed from macro-instance {big}"

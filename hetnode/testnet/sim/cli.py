@@ -22,6 +22,8 @@ from typing import Any
 from hetnode.argtypes import positive as _positive
 from hetnode.errors import ConfigError
 from hetnode.policy.kv_codec import OPERATOR_CHOICES
+from hetnode.testnet.sim.padg_cli import PLACEMENTS as PADG_PLACEMENTS
+from hetnode.testnet.sim.padg_cli import add_arguments as add_padg_arguments
 
 log = logging.getLogger("hetnode.sim")
 
@@ -48,13 +50,14 @@ def add_arguments(p: argparse.ArgumentParser, *, clusters: Sequence[str] = ()) -
                    help="profile table: Helix's or Splitwise's measured profiles, the roofline cost model, or a "
                         "table file (measured on the live testnet, say); default auto")
     p.add_argument("--method", "--placement", dest="method", default="helix",
-                   choices=["helix", "petals", "swarm", "sp", "sp+", "split", *PAIR_DESIGNS],
+                   choices=["helix", "petals", "swarm", "sp", "sp+", "split", *PAIR_DESIGNS, *PADG_PLACEMENTS],
                    help="placement method of the runtime's planner: helix (MILP), or the baselines petals, swarm, sp "
                         "(separate pipelines), sp+ (plus a mixed pipeline of the rest), or split (prefill and decode "
                         "replicas, sized for the trace's mean prompt and output, routed by cls, KV handed between "
                         "them); default helix. On a two-GPU cluster: cronus (partially disaggregated prefill) and "
                         "Cronus §5's baselines dp, pp, disagg-hl, disagg-lh (pair_designs.py; with --offline or "
-                        "--rate, over the trace's first --first)")
+                        "--rate, over the trace's first --first); or an instance placement of EcoServe's evaluation "
+                        "(padg_cli.py: ecoserve, nodg-vllm, nodg-sarathi, fudg-distserve, fudg-mooncake)")
     p.add_argument("--plan", default=None, metavar="FILE",
                    help="use this plan (JSON from `hetnode plan --json`) instead of planning")
     p.add_argument("--scheduler", default="iwrr", choices=SCHEDULER_NAMES,
@@ -119,6 +122,7 @@ def add_arguments(p: argparse.ArgumentParser, *, clusters: Sequence[str] = ()) -
     p.add_argument("--plots", default=None, metavar="DIR", help="write PNG plots to DIR")
     p.add_argument("--progress", default="auto", choices=["auto", "on", "off"],
                    help="progress bar on stderr (default: when stderr is a terminal)")
+    add_padg_arguments(p)
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
 
 
@@ -151,6 +155,10 @@ def run(args: argparse.Namespace, *, clusters_dir: Path) -> int:
             raise ConfigError(f"--first must be >= 1, not {args.first}", key="--first")
         # §5.1 replays the trace as it is: the length filter is Helix's, so it applies only when asked for.
         return run_pair(args, cluster, model, wl.load_trace(args.trace, length_filter=False))
+    if args.method in PADG_PLACEMENTS:  # instances, not layer pipelines: the instance simulator
+        from hetnode.testnet.sim.padg_cli import run as run_padg
+
+        return run_padg(args, cluster, model)
     profiles = profile_table_for(cluster, model, args.profile, kv_share=args.kv_share)
     trace = wl.load_trace(args.trace, length_filter=not args.no_length_filter)
     if args.plan is not None:

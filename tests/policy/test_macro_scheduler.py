@@ -1,0 +1,108 @@
+"""The macro-instance scheduler over reported states, the overall scheduler with mitosis moves, the scaling
+trigger, the prefill predictor and the baselines' balancer."""
+
+from __future__ import annotations
+
+import pytest
+
+from hetnode.policy.balancer import least_loaded
+from hetnode.policy.ecoserve import Decoding, InstanceState, MacroInstance, Slos
+from hetnode.policy.ecoserve_overall import Overall, ScalingTrigger
+from hetnode.policy.instance_steps import InstanceConfig, InstanceScheduler
+from hetnode.policy.macro_scheduler import MacroScheduler
+from hetnode.policy.prefill_predictor import PrefillPredictor
+
+SLOS = Slos(ttft_s=1.0, tpot_s=0.1)
+
+
+def prefill(n: int) -> float:
+    return n / 1000
+
+
+def test_requests_routed_since_a_report_count_against_the_instance() -> None:
+    m = MacroScheduler(SLOS, prefill)
+    for k in range(2):
+        m.add(k, InstanceState(switched_at=0.0, free_kv_tokens=10_000))
+    # 0.4 s each: two fit instance 0's one second of TTFT; the third would make 1.2 s and rolls on.
+    assert [m.route(400, 400, 0.0) for _ in range(3)] == [0, 0, 1]
+    # A report that has seen only the first request keeps the second one counted.
+    m.update(0, InstanceState(switched_at=0.0, pending_prefills=(400,), free_kv_tokens=9_600, routed=1))
+    assert m.states()[0].pending_prefills == (400, 400)
+    m.update(0, InstanceState(switched_at=0.5, free_kv_tokens=9_200, routed=2))  # both prefilled, decoding
+    assert m.states()[0].pending_prefills == ()
+
+
+def test_the_macro_scheduler_decides_as_algorithm_1_on_the_same_states() -> None:
+    """Mirror: the wrapper with reports decides exactly what MacroInstance decides on those states."""
+    states = [InstanceState(0.0, (300,), (Decoding(5, 0.0),), 10_000, routed=1),
+              InstanceState(0.0, (), (Decoding(50, 0.0),), 10_000, routed=0)]
+    m = MacroScheduler(SLOS, prefill)
+    for k, s in enumerate(states):
+        m.add(k, s)
+    bare = MacroInstance(2)
+    for prompt in (100, 700, 200, 50):
+        expected = bare.route([*m.states()], prompt, prompt, 1.0, SLOS, prefill)
+        assert m.route(prompt, prompt, 1.0) == expected
+
+
+def test_instances_join_and_leave_without_disturbing_the_cycle() -> None:
+    m = MacroScheduler(SLOS, prefill)
+    for k in "abc":
+        m.add(k, InstanceState(switched_at=0.0, free_kv_tokens=10_000))
+    assert m.route(900, 900, 0.0) == "a"
+    assert m.route(900, 900, 0.0) == "b"
+    m.remove("a")
+    assert m.route(50, 50, 0.0) == "b"
+    m.add("d", InstanceState(switched_at=0.0, free_kv_tokens=10_000))
+    assert len(m) == 3 and m.route(900, 900, 0.0) == "c"
+    with pytest.raises(ValueError):
+        m.add("d", InstanceState(0.0))
+
+
+def test_an_instance_reports_what_the_scheduler_reads() -> None:
+    inst = InstanceScheduler(InstanceConfig(kv_tokens=5_000))
+    m = MacroScheduler(SLOS, prefill)
+    m.add(0, inst.status())
+    assert m.route(300, 300, 0.0) == 0
+    inst.route(0, 300, 0.0)
+    m.update(0, inst.status())
+    assert m.states()[0].pending_prefills == (300,) and m.states()[0].free_kv_tokens == 4_700
+
+
+def test_overall_dispatches_by_capability_and_moves_instances_on_split_and_merge() -> None:
+    o = Overall(2, 4, lambda: MacroScheduler(SLOS, prefill))
+    moves = [o.add(k, InstanceState(0.0, free_kv_tokens=1000)) for k in range(6)]
+    assert o.sizes == [4, 2] and [mv.instance for mv in moves[4]] == [3]  # the split at N_u = 4
+    counts = [0, 0]
+    for _ in range(60):
+        counts[o.dispatch()] += 1
+    assert counts == [40, 20]
+    gone = [o.remove() for _ in range(3)]
+    assert [bool(mv) for _, _, mv in gone] == [False, False, True]  # 1 + 2 < N_u: merged
+    assert o.sizes == [3]
+    assert sorted(o.macros[0].ids) == sorted(set(range(6)) - {g[0] for g in gone})
+
+
+def test_scaling_trigger() -> None:
+    t = ScalingTrigger(target=0.9, low_use=0.5, idle_windows=2)
+    assert t.decide(0.8, 0.9) == 1
+    assert t.decide(0.95, 0.2) == 0
+    assert t.decide(0.95, 0.2) == -1
+    assert t.decide(0.95, 0.7) == 0
+
+
+def test_prefill_predictor_interpolates_the_profile() -> None:
+    p = PrefillPredictor.fit([(2048, 0.4), (16, 0.05), (512, 0.1), (512, 0.12)])
+    assert p(512) == pytest.approx(0.11)  # repeated lengths averaged
+    assert p(1280) == pytest.approx(0.11 + 0.29 / 2)
+    assert p(4096) == pytest.approx(0.4 + 0.29 * 2048 / 1536)  # the last segment, extended
+    assert p(4) == pytest.approx(0.05)  # never below the shortest profiled prompt's pass
+    assert PrefillPredictor.fit([(100, 0.5)])(200) == pytest.approx(1.0)
+    with pytest.raises(ValueError):
+        PrefillPredictor.fit([])
+
+
+def test_least_loaded() -> None:
+    assert least_loaded([3, 1, 1]) == 1
+    with pytest.raises(ValueError):
+        least_loaded([])
