@@ -17,7 +17,7 @@ import random
 from typing import Any, ClassVar
 
 from hetnode.coordinator.scheduler import Decision
-from hetnode.coordinator.split_scheduler import SplitScheduler, _Running
+from hetnode.coordinator.split_scheduler import SplitScheduler
 from hetnode.errors import ConfigError
 from hetnode.planner.plan import PlacementPlan
 
@@ -40,17 +40,7 @@ class _PairScheduler(SplitScheduler):
         if not fits:
             return None
         i, j = self._pick(fits)
-        prefill, decode = self._prefill[i], self._decode[j]
-        p, d = self._replicas[prefill], self._replicas[decode]
-        p.pending += input_len
-        d.pending += input_len
-        for v in p.nodes:
-            self._load[v] += input_len
-        for v in d.nodes:
-            self._load[v] += input_len
-            self._requests[v] += 1
-        self._running[request_id] = _Running(prefill, decode, input_len)
-        return Decision(request_id, p.hops, decode=d.hops, waited_s=waited)
+        return self._book(request_id, self._prefill[i], self._decode[j], input_len, waited)
 
     def _open(self, replica: int, need: float, avg: float) -> bool:
         r = self._replicas[replica]

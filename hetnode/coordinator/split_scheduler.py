@@ -180,6 +180,10 @@ class SplitScheduler(QueuedScheduler):
         decode = self._shortest("decode", input_len + avg, avg, self._replicas[prefill].region)
         if decode is None:
             return None
+        return self._book(request_id, prefill, decode, input_len, waited)
+
+    def _book(self, request_id: str, prefill: int, decode: int, input_len: int, waited: float) -> Decision:
+        """Route a request through the pair (prefill, decode): its prompt's tokens count on both replicas."""
         p, d = self._replicas[prefill], self._replicas[decode]
         p.pending += input_len
         d.pending += input_len
