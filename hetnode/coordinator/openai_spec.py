@@ -103,7 +103,12 @@ _USAGE: Schema = {"type": "object", "required": ["prompt_tokens", "completion_to
                   "properties": {k: {"type": "integer", "minimum": 0}
                                  for k in ("prompt_tokens", "completion_tokens", "total_tokens")}}
 _FINISH: Schema = {"enum": ["stop", "length"]}
-_SSE: Schema = {"type": "string", "description": "server-sent events: `data: {chunk}` each, then `data: [DONE]`"}
+# One server-sent event of the stream, as OpenAPI tools read a text/event-stream body (schemathesis checks every
+# event of a streamed answer against it): its `data` is a chunk's JSON, or `[DONE]` at the end.
+_SSE: Schema = {"type": "object", "required": ["data"],
+                "properties": {"data": {"type": "string"}, "event": {"type": "string"}, "id": {"type": "string"},
+                               "retry": {"type": "integer"}},
+                "description": "server-sent events: `data: {chunk}` each, then `data: [DONE]`"}
 
 
 def _answer(obj: str, choice: Schema) -> Schema:

@@ -259,7 +259,7 @@ ERROR_CASES: list[tuple[str, dict[str, Any], str, str]] = [
      "missing required key"),
     ("device not a string", {"name": "c", "nodes": [_node(device=4)]}, "nodes[0].device", "must be a string"),
     ("unknown device", {"name": "c", "nodes": [_node(), _node(name="b"), _node(name="x", device="b200")]},
-     "nodes[2].device", "unknown device 'b200'; known: 3090ti, a100"),
+     "nodes[2].device", "unknown device 'b200'; known: 3090ti, a10, a100"),
     ("bad node name", {"name": "c", "nodes": [_node(name="Node 1")]}, "nodes[0].name", "lowercase"),
     ("reserved node name", {"name": "c", "nodes": [_node(name="coordinator")]}, "nodes[0].name", "reserved"),
     ("duplicate node name", {"name": "c", "nodes": [_node(), _node(name="b"), _node()]}, "nodes[2].name",
