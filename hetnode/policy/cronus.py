@@ -28,8 +28,6 @@ import math
 from dataclasses import dataclass
 from typing import Protocol
 
-import numpy as np
-
 CANDIDATES = 512  # split points tried per prompt (Algorithm 1: L_in x i / 512)
 PPI_LIMIT = 2  # §4.2: "limiting the total number of requests in the PPI to at most two at a time"
 
@@ -89,7 +87,6 @@ class CronusBalancer:
         self.ppi = ppi
         self.cpi = cpi
         self.candidates = candidates
-        self._steps = np.arange(1, candidates + 1, dtype=np.int64)  # i of L_in x i / candidates
 
     def split(self, prompt: int, state: CpiState) -> Split:
         """Algorithm 1: the partial prefill length of a prompt of `prompt` tokens."""
@@ -100,20 +97,29 @@ class CronusBalancer:
         per_iteration = state.max_batch_tokens - state.decodes
         if per_iteration < 1:  # the CPI's budget goes to its decodes: only the PPI can prefill now
             return Split(prompt, self.ppi.seconds(prompt), math.inf)
-        # All candidates at once, as arrays (a routing decision's whole cost; one Python iteration per candidate
-        # took ~200 us): the same IEEE operations in the same order as `LinearPrefill.seconds` and Eq. 1, and
-        # argmin keeps the first of equal gaps, as the scan of Algorithm 1 does (repeated split points, where the
-        # prompt is shorter than the candidates, have equal gaps).
+        # The 512 candidates with the predictors inlined (a routing decision's whole cost): the same arithmetic
+        # as `LinearPrefill.seconds` and `_chunked`, without a call or an object per candidate.
         kp, bp = self.ppi.k, self.ppi.b
         kc, bc = self.cpi.k_ctxp, self.cpi.k_ctxd * state.decode_context + self.cpi.b
         last_s = kc * prompt + bc  # the last iteration's context is always the whole prompt
-        lp = -(-prompt * self._steps // self.candidates)
-        rest = prompt - lp
-        ppi_s = kp * lp + bp
-        first_s = kc * (lp + np.minimum(rest, per_iteration)) + bc
-        cpi_s = np.where(rest > 0, -(-rest // per_iteration) * (first_s + last_s) / 2, 0.0)
-        best = int(np.argmin(np.abs(ppi_s - cpi_s)))
-        return Split(int(lp[best]), float(ppi_s[best]), float(cpi_s[best]))
+        best_lp, best_gap, best_p, best_c = 0, math.inf, 0.0, 0.0
+        previous = 0
+        for i in range(1, self.candidates + 1):
+            lp = -(-prompt * i // self.candidates)
+            if lp == previous:
+                continue
+            previous = lp
+            rest = prompt - lp
+            ppi_s = kp * lp + bp
+            if rest > 0:
+                first_s = kc * (lp + (rest if rest < per_iteration else per_iteration)) + bc
+                cpi_s = -(-rest // per_iteration) * (first_s + last_s) / 2
+            else:
+                cpi_s = 0.0
+            gap = abs(ppi_s - cpi_s)
+            if gap < best_gap:
+                best_lp, best_gap, best_p, best_c = lp, gap, ppi_s, cpi_s
+        return Split(best_lp, best_p, best_c)
 
 
 class Splitter(Protocol):
