@@ -2,24 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
+from batch_items import It
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hetnode.policy import PREEMPTED, BatchConfig, BatchPolicy, KVLedger, Step
-
-
-@dataclass(frozen=True)
-class It:
-    session: str
-    start: int
-    num_tokens: int
-    prefill_end: int = 0
-
-    def __post_init__(self) -> None:
-        if not self.prefill_end:
-            object.__setattr__(self, "prefill_end", self.start + self.num_tokens)
 
 
 def policy(blocks: int = 1000, budget: int = 100, min_chunk: int = 4, **kw: bool) -> BatchPolicy:

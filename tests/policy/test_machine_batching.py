@@ -2,24 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import pytest
+from batch_items import It
 
 from hetnode.policy import BatchConfig, KVLedger
 from hetnode.policy.machine_batching import MachineConfig, SplitwiseBatchPolicy
-
-
-@dataclass(frozen=True)
-class It:
-    session: str
-    start: int
-    num_tokens: int
-    prefill_end: int = 0
-
-    def __post_init__(self) -> None:
-        if not self.prefill_end:
-            object.__setattr__(self, "prefill_end", self.start + self.num_tokens)
 
 
 def prompt(s: str, n: int) -> It:
