@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -21,6 +22,9 @@ pytestmark = pytest.mark.slow
 
 HETNODE = [sys.executable, "-m", "hetnode"]
 API_KEY = "test-key"
+# The round trip of a framed message through py-libp2p (Noise, yamux) on loopback with no emulated latency:
+# 1.5-3 ms measured on this 2-core machine (the demo cluster with its links set to 0.001 ms, 20 probes).
+STACK_RTT_MS = 3.0
 
 
 def run(*args: str, timeout: float = 120, **kw: object) -> subprocess.CompletedProcess[str]:
@@ -134,7 +138,18 @@ def test_emulated_links_measure_as_configured(tmp_path: Path) -> None:
             # shaper caps the rate. So the bound is tight above and loose below: we measured 18% and 34% low
             # while other testnets ran beside it. Half still tells a 200 Mbit/s link from a 50 Mbit/s one.
             assert -0.5 <= link["bandwidth_mbps"] / want.bandwidth_mbps - 1 <= 0.15, (link, want)
-            assert abs(link["rtt_ms"] / (2 * want.latency_ms) - 1) <= 0.15, (link, want)
+            # A round trip also pays py-libp2p's framed exchange on both sides: 1.5-3 ms of CPU measured here on
+            # links emulated with no latency at all. Emulation adds latency to that floor, so the bound is the
+            # configured round trip within 15%, plus the floor above it.
+            assert 0.85 <= link["rtt_ms"] / (2 * want.latency_ms) <= 1.15 + STACK_RTT_MS / (2 * want.latency_ms), \
+                (link, want)
+        # The floor cancels between two kinds of link: what the regions add must be what the cluster says.
+        by_latency: dict[float, list[float]] = {}
+        for link in view["links"]:
+            by_latency.setdefault(spec.link(link["src_name"], link["dst_name"]).latency_ms, []).append(link["rtt_ms"])
+        (near, near_rtts), (far, far_rtts) = sorted(by_latency.items())
+        added = statistics.median(far_rtts) - statistics.median(near_rtts)
+        assert abs(added / (2 * (far - near)) - 1) <= 0.15, by_latency
     finally:
         assert run("testnet", "down", "--state-dir", str(state_dir)).returncode == 0
 
