@@ -61,6 +61,9 @@ def _planning_args(p: argparse.ArgumentParser) -> None:
                         "pools (other plans then by iwrr)")
     p.add_argument("--plan-time-limit", type=_positive, default=10.0, metavar="S",
                    help="seconds the helix search may take per re-plan (default: 10)")
+    p.add_argument("--route-wait", type=_positive, default=30.0, metavar="S",
+                   help="how long a request waits for a pipeline of live nodes (at start, or to move to after a "
+                        "node fails) before it is answered 503 (default: 30)")
     p.add_argument("--kv-codec", default="auto", choices=list(OPERATOR_CHOICES),
                    help="how KV travels between the phases of a phase-split route (default: auto, the cheapest "
                         "of packing, sending and unpacking at each link's measured bandwidth)")
@@ -538,7 +541,7 @@ async def _run_coordinator(args: argparse.Namespace) -> None:
 
             generator = coordinator.enable_serving(model=args.model, model_config=serving[0],
                                                    tokenizer=serving[1], home_region=args.region,
-                                                   planning=planning)
+                                                   planning=planning, ready_timeout_s=args.route_wait)
             generator.kv_codecs = KVCodecPolicy(args.kv_codec)
             generator.traces = TraceStore(args.trace_history)
             routes = openai_routes(generator, metrics=metrics)

@@ -288,7 +288,8 @@ async def start(args: argparse.Namespace) -> Running:
             "--model", args.model, "--region", cluster.coordinator_region, "--placement",
             getattr(args, "placement", "helix"), "--scheduler", getattr(args, "scheduler", "iwrr"),
             "--kv-codec", getattr(args, "kv_codec", "auto"),
-            "--plan-time-limit", str(getattr(args, "plan_time_limit", 10.0)), *emulate]
+            "--plan-time-limit", str(getattr(args, "plan_time_limit", 10.0)),
+            "--route-wait", str(getattr(args, "route_wait", 30.0)), *emulate]
         cproc, ready = await _spawn(coord_cmd, coord_log, env, lifeline=lifeline,
                                     ready_timeout_s=args.ready_timeout, name="coordinator")
         procs.append((Proc("coordinator", "coordinator", cproc.pid, str(coord_log), ready["peer_id"], coord_cmd),

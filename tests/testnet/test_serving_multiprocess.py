@@ -121,12 +121,17 @@ def complete_text_str(api: str, prompt: str, max_tokens: int) -> str:
 
 
 def test_last_node_killed_mid_request_gives_a_clear_error(tmp_path: Path) -> None:
-    state = start_testnet(tmp_path / "tn", "smollm2-135m", nodes=1)
+    state = start_testnet(tmp_path / "tn", "smollm2-135m", nodes=1, extra=("--route-wait", "5"))
     try:
         api = state["api"]
-        assert complete_text_str(api, "Hello", 2)  # the plan is ready
+        # The plan is ready once a request is served; each try waits up to --route-wait for it.
+        for _ in range(24):
+            r = httpx.post(f"{api}/v1/completions", timeout=60, json={
+                "model": "smollm2-135m", "prompt": "Hello", "max_tokens": 2, "temperature": 0})
+            if r.status_code != 503:
+                break
+        assert r.status_code == 200, r.text
         victim = next(p for p in state["procs"] if p["name"] == "node-0")
-        t0 = time.monotonic()
 
         def kill_after_three(n: int) -> None:
             if n == 3:
@@ -135,7 +140,7 @@ def test_last_node_killed_mid_request_gives_a_clear_error(tmp_path: Path) -> Non
         # No live pipeline is left to move the request to: after a bounded wait for one, a clear error.
         text, _, error = stream(api, "1, 2, 3, 4, 5, 6, 7,", 400, kill_after_three)
         assert error is not None and "node-0" in error and "no pipeline of live nodes" in error, (error, text)
-        assert time.monotonic() - t0 < 60
+        assert "within 5 s" in error, error
         # Afterwards the API answers with a clear status, not a hang.
         r2 = httpx.post(f"{api}/v1/completions", timeout=120, json={
             "model": "smollm2-135m", "prompt": "Hi", "max_tokens": 2, "temperature": 0})
