@@ -27,11 +27,7 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 @pytest.fixture(scope="module")
-def smol() -> dict[str, Any]:
-    from transformers import AutoModelForCausalLM
-    from transformers import logging as hf_logging
-
-    hf_logging.set_verbosity_error()
+def smol(smollm2_transformers: Any) -> dict[str, Any]:
     path = resolve_model()
     tokenizer = load_tokenizer(path, progress=False)
     prompts = [
@@ -39,8 +35,7 @@ def smol() -> dict[str, Any]:
         tokenizer.encode("The three primary colors are"),
         chat_prompt_ids(tokenizer, [{"role": "user", "content": "Write one sentence about the ocean."}]),
     ]
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
-    expected = [reference_greedy(model, p, NEW_TOKENS) for p in prompts]
+    expected = [reference_greedy(smollm2_transformers, p, NEW_TOKENS) for p in prompts]
     return {"path": path, "tokenizer": tokenizer, "prompts": prompts, "expected": expected}
 
 

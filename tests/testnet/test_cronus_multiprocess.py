@@ -17,7 +17,6 @@ from typing import Any
 
 import httpx
 import pytest
-import torch
 from test_split_failover_multiprocess import completion, pid_of, wait_for_line
 from testnet_helpers import check_against_transformers, start_testnet, stop_testnet
 
@@ -59,15 +58,12 @@ def pairs(api: str, timeout_s: float = 300) -> list[tuple[str, str]]:
     return [(r["role"], r["nodes"][0]) for r in plan["replicas"]]
 
 
-def test_smollm2_cronus_greedy_matches_transformers_with_the_split_varying(cronus: Any) -> None:
-    from transformers import AutoModelForCausalLM
-
-    from hetnode.models.resolve import resolve_model
+def test_smollm2_cronus_greedy_matches_transformers_with_the_split_varying(cronus: Any,
+                                                                          smollm2_transformers: Any) -> None:
     from hetnode.models.tokenizer import chat_prompt_ids, load_tokenizer
 
     start, log = cronus
-    path = resolve_model("smollm2-135m")
-    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    hf = smollm2_transformers
     tok = load_tokenizer("smollm2-135m")
     prompts = [
         chat_prompt_ids(tok, [{"role": "user", "content": "What is the capital of France?"}]),

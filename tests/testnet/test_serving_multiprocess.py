@@ -36,14 +36,10 @@ def smol_testnet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str,
         stop_testnet(state_dir)
 
 
-def test_smollm2_greedy_matches_transformers(smol_testnet: dict[str, Any]) -> None:
-    from transformers import AutoModelForCausalLM
-
-    from hetnode.models.resolve import resolve_model
+def test_smollm2_greedy_matches_transformers(smol_testnet: dict[str, Any], smollm2_transformers: Any) -> None:
     from hetnode.models.tokenizer import chat_prompt_ids, load_tokenizer
 
-    path = resolve_model("smollm2-135m")
-    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    hf = smollm2_transformers
     tok = load_tokenizer("smollm2-135m")
     prompts = [
         chat_prompt_ids(tok, [{"role": "user", "content": "What is the capital of France?"}]),

@@ -78,14 +78,10 @@ def serve_and_check(tmp_path: Path, model: str, nodes: Nodes, shape: tuple[list[
 
 @pytest.mark.parametrize(("nodes", "shape"), [(P2_D1, ([2], [1])), (P1_D2, ([1], [2]))], ids=["p2-d1", "p1-d2"])
 def test_smollm2_split_greedy_matches_transformers(nodes: Nodes, shape: tuple[list[int], list[int]],
-                                                   tmp_path: Path) -> None:
-    from transformers import AutoModelForCausalLM
-
-    from hetnode.models.resolve import resolve_model
+                                                   tmp_path: Path, smollm2_transformers: Any) -> None:
     from hetnode.models.tokenizer import chat_prompt_ids, load_tokenizer
 
-    path = resolve_model("smollm2-135m")
-    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    hf = smollm2_transformers
     tok = load_tokenizer("smollm2-135m")
     prompts = [
         chat_prompt_ids(tok, [{"role": "user", "content": "What is the capital of France?"}]),
