@@ -55,10 +55,11 @@ def _planning_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workload-window", type=_positive, default=120.0, metavar="S",
                    help="seconds of requests the coordinator's view of the workload covers (default: 120)")
     p.add_argument("--scheduler", default="iwrr",
-                   choices=["iwrr", "random", "shortest-queue", "swarm", "splitwise"],
+                   choices=["iwrr", "random", "shortest-queue", "swarm", "cls", "splitwise", "random-pairs"],
                    help="how each request's pipeline is chosen (default: iwrr, Helix's). A split plan is routed by "
-                        "CLS's join-the-shortest-queue, or with `splitwise` by Splitwise's prefill, decode and mixed "
-                        "pools (other plans then by iwrr)")
+                        "CLS's join-the-shortest-queue (cls), by Splitwise's prefill, decode and mixed pools "
+                        "(splitwise) or by random prefill-decode pairs (random-pairs, ThunderServe's ablation); "
+                        "other plans then by iwrr")
     p.add_argument("--plan-time-limit", type=_positive, default=10.0, metavar="S",
                    help="seconds the helix search may take per re-plan (default: 10)")
     p.add_argument("--route-wait", type=_positive, default=30.0, metavar="S",
