@@ -1,12 +1,12 @@
 """The CLI offers exactly the request schedulers the coordinator can build (the CLI keeps its list literal so that
-`hetnode --help` does not import the coordinator), less ThunderServe's tstp: it routes by a plan's orchestration,
-which only the simulator's ThunderServe planner makes (no live placement does yet)."""
+`hetnode --help` does not import the coordinator), and each is a scheduler the coordinator's planning accepts."""
 
 from __future__ import annotations
 
 import argparse
 
 from hetnode.cli import build_parser
+from hetnode.coordinator.deployment import PlanningConfig
 from hetnode.coordinator.routing import SCHEDULERS, SPLIT_SCHEDULERS
 
 
@@ -20,6 +20,8 @@ def _choices(parser: argparse.ArgumentParser, *path: str) -> set[str]:
 
 
 def test_the_cli_offers_every_scheduler_the_coordinator_builds() -> None:
-    built = (set(SCHEDULERS) | set(SPLIT_SCHEDULERS)) - {"tstp"}
+    built = set(SCHEDULERS) | set(SPLIT_SCHEDULERS)
     assert _choices(build_parser(), "coordinator") == built
     assert _choices(build_parser(), "testnet", "up") == built
+    for name in built:  # each one passes the coordinator's own check
+        PlanningConfig(scheduler=name)
