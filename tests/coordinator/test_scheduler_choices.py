@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 
+import pytest
+
 from hetnode.cli import build_parser
 from hetnode.coordinator.deployment import PlanningConfig
 from hetnode.coordinator.routing import SCHEDULERS, SPLIT_SCHEDULERS
@@ -25,3 +27,11 @@ def test_the_cli_offers_every_scheduler_the_coordinator_builds() -> None:
     assert _choices(build_parser(), "testnet", "up") == built
     for name in built:  # each one passes the coordinator's own check
         PlanningConfig(scheduler=name)
+
+
+def test_bad_slos_are_refused_with_the_reason(capsys: pytest.CaptureFixture[str]) -> None:
+    assert build_parser().parse_args(["coordinator", "--slo", "2,0.1"]).slo == (2.0, 0.1)
+    for bad, why in (("2", "expected TTFT,TPOT"), ("0,0.1", "positive and finite"), ("a,b", "expected TTFT,TPOT")):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["coordinator", "--slo", bad])
+        assert why in capsys.readouterr().err
