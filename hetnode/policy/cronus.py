@@ -3,8 +3,8 @@
 A Cronus pair is a partial prefill instance (PPI, the low-end GPU: one prompt at a time) and a chunked prefill
 instance (CPI, the high-end GPU: the rest of every prompt as chunked prefill beside its decodes). The two stay
 balanced when the PPI's time for the first L_p tokens of a prompt equals the CPI's time to finish the other
-L_in - L_p, so the balancer tries 512 evenly spaced split points and keeps the one where the two predicted
-times are closest:
+L_in - L_p, so the balancer takes, of 512 evenly spaced split points, the one where the two predicted times
+are closest (the same one as trying them all, found from about five of them: `CronusBalancer.split`):
 
 - the PPI's prefill time is linear in the tokens it prefills: T_p = k_p L_p + b_p (Eq. 2);
 - one CPI iteration is linear in the prefill's context and in the decodes' total context:
@@ -92,7 +92,7 @@ class CronusBalancer:
         """Algorithm 1: the partial prefill length of a prompt of `prompt` tokens.
 
         The choice of trying every candidate (`_scan_split`: the smallest L_p of the least |T_p - T_c|, the
-        same floats), from a few dozen of them. Candidates whose rest takes the same number of iterations N
+        same floats), from a handful of them. Candidates whose rest takes the same number of iterations N
         form a segment, over which D = T_p - T_c is a line in L_p: |D| falls to the line's root and rises after
         it. A segment evaluates its two end candidates, then walks out from where the line crosses zero, in each
         direction until a candidate is worse than the best so far by more than the predictors' rounding could
