@@ -56,7 +56,8 @@ def test_bench_scheduler_quick() -> None:
     # Saturated: requests wait for KV room rather than being refused (the queue never fills).
     assert all(c["queued"] > 0 and c["rejected"] == 0 for c in result["scenarios"]["saturated"]["policies"].values())
     # The partially disaggregated designs' decisions, timed beside IWRR's.
-    assert set(result["partial"]) == {"ecoserve-macro-8", "ecoserve-macro-16", "cronus-balancer"}
+    assert set(result["partial"]) == {"ecoserve-macro-8", "ecoserve-macro-16", "cronus-balancer",
+                                      "cronus-balancer-scan"}
     assert all(cell["decisions_s"] > 0 for cell in result["partial"].values())
 
 
