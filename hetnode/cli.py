@@ -40,11 +40,15 @@ DEFAULT_HOME = Path(os.environ.get("HETNODE_HOME", Path.home() / ".hetnode"))
 
 def _planning_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--placement", default="helix",
-                   choices=["helix", "petals", "swarm", "sp", "sp+", "pipeline", "split", "cronus"],
+                   choices=["helix", "petals", "swarm", "sp", "sp+", "pipeline", "split", "cronus", "ecoserve"],
                    help="how the coordinator places layers (default: helix, the max-flow MILP; pipeline: one "
                         "pipeline through every node; split: prefill and decode replicas, KV handed between; "
                         "cronus: weak and strong nodes in pairs, each holding the model, the weak one prefilling "
-                        "the start of each prompt)")
+                        "the start of each prompt; ecoserve: every node holding the model an instance, in "
+                        "macro-instances, requests routed by EcoServe's Algorithms 1 and 2)")
+    p.add_argument("--macro-bounds", type=_macro_bounds, default=(4, 16), metavar="NL,NU",
+                   help="with --placement ecoserve: mitosis's N_l and N_u, the fewest and most instances of a "
+                        "macro-instance (default: 4,16)")
     p.add_argument("--split-workload", type=_workload, default=(750, 240), metavar="IN,OUT",
                    help="prompt and output tokens of a typical request, which size a split plan's prefill and "
                         "decode pools (default: 750,240)")
@@ -150,7 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how this node forms a step: the shared batch policy (chunked prefill in arrival order), "
                         "or Splitwise's machine-level scheduler (prompts first come first served up to "
                         "--prompt-tokens a step, decodes until memory is near full, a machine holding both "
-                        "prompts first with preemption and ageing)")
+                        "prompts first with preemption and ageing), or EcoServe's temporal disaggregation (a step "
+                        "all prefill while a prompt can run, else all decode)")
     j.add_argument("--prompt-tokens", type=_positive_int, default=2048, metavar="N",
                    help="with --batching splitwise: most prompt tokens batched in one step (default: 2048)")
     j.add_argument("--compute-dilation", type=_positive, default=100.0, metavar="X",
@@ -205,7 +210,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="give every node a Prometheus /metrics listener on a free port of 127.0.0.1 (shown by "
                          "'testnet status' and in the state file); the coordinator's is on its REST API")
     up.add_argument("--batching", default="shared", choices=list(BATCHINGS),
-                    help="every node's --batching (default: shared; splitwise: Splitwise's machine-level scheduler)")
+                    help="every node's --batching (default: shared, or ecoserve with --placement ecoserve; splitwise: "
+                         "Splitwise's machine-level scheduler)")
     _planning_args(up)
     for name, help_ in (("down", "stop a detached testnet"), ("status", "show a detached testnet"),
                         ("restart", "restart one process of a detached testnet (after a crash, or to test one)")):
@@ -290,6 +296,16 @@ def build_parser() -> argparse.ArgumentParser:
                                            "simulating each design; print the designs and the one chosen.")
     add_provision_arguments(provision)
     return parser
+
+
+def _macro_bounds(value: str) -> tuple[int, int]:
+    try:
+        lower, upper = (int(v) for v in value.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected N_l,N_u (two integers), not {value!r}") from None
+    if not 1 <= lower < upper:
+        raise argparse.ArgumentTypeError(f"need 1 <= N_l < N_u, not {lower},{upper}")
+    return lower, upper
 
 
 def _workload(value: str) -> tuple[int, int]:
@@ -516,7 +532,7 @@ async def _run_coordinator(args: argparse.Namespace) -> None:
 
     planning = PlanningConfig(method=args.placement, scheduler=args.scheduler, time_limit_s=args.plan_time_limit,
                               split_workload=args.split_workload, reschedule_shift=args.reschedule_shift,
-                              workload_window_s=args.workload_window)
+                              workload_window_s=args.workload_window, macro_bounds=args.macro_bounds)
     identity = args.identity or (store.identity if store is not None else DEFAULT_HOME / "coordinator.key")
     key = load_or_create_identity(identity)
     serving = None
@@ -605,7 +621,7 @@ async def _run_node(args: argparse.Namespace) -> None:
                          engine_config=EngineConfig(kv_cache_bytes=int(args.kv_cache_mb * (1 << 20))),
                          pace_factory=pace_factory(args.emulate, args.compute_dilation) if args.emulate else None,
                          kv_transfer=transfer_policy(args.kv_transfer),
-                         batch_policy=batch_policy_for(args.batching, args.prompt_tokens))
+                         batch_policy=batch_policy_for(args.batching, args.prompt_tokens, trio.current_time))
         daemon = NodeDaemon(config, transport, hops)
         async with trio.open_nursery() as nursery:
             # SIGTERM or Ctrl-C: the sessions here move to other nodes with their KV before the node goes.

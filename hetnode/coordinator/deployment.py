@@ -39,6 +39,7 @@ from hetnode.ids import NodeId
 from hetnode.models.config import ModelConfig
 from hetnode.planner.cluster import ClusterSpec
 from hetnode.planner.cronus_plan import cronus_placement, cronus_splitters
+from hetnode.planner.ecoserve_plan import MACRO, N_LOWER, N_UPPER, ecoserve_placement, ecoserve_predictors
 from hetnode.planner.layout import Candidate, proportional_layout
 from hetnode.planner.model import ModelSpec, from_model_config
 from hetnode.planner.placement import PlannerOptions, evaluate, plan_placement
@@ -58,8 +59,14 @@ PLAN_BYTES_PER_PARAM = 2
 # proportion to memory bandwidth. Tests that need a multi-stage pipeline on a small cluster ask for it.
 # "split" is the first phase-split plan (planner/split.py): prefill and decode replicas, routed by CLS.
 # "cronus": pairs of a weak and a strong node, each holding the whole model (planner/cronus_plan.py).
-METHODS = ("helix", "petals", "swarm", "sp", "sp+", "pipeline", "split", "cronus")
+# "ecoserve": every node holding the whole model an instance, in macro-instances (planner/ecoserve_plan.py).
+METHODS = ("helix", "petals", "swarm", "sp", "sp+", "pipeline", "split", "cronus", "ecoserve")
 _WIRE_ROLES = {"ppi": "prefill", "cpi": "mixed"}
+
+
+def _wire_role(role: str) -> str:
+    """The role a node is told: an EcoServe instance (role "macro<k>") runs both phases, as a "mixed" node."""
+    return "mixed" if role.startswith(MACRO) else _WIRE_ROLES.get(role, role)
 
 
 @dataclass(frozen=True)
@@ -76,6 +83,8 @@ class PlanningConfig:
     # than this share from what the plan was sized for, over the last `workload_window_s` (0: never).
     reschedule_shift: float = 0.0
     workload_window_s: float = 120.0
+    # EcoServe's mitosis bounds (N_l, N_u): macro-instances of N_l to N_u instances.
+    macro_bounds: tuple[int, int] = (N_LOWER, N_UPPER)
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -91,6 +100,9 @@ class PlanningConfig:
         if self.split_workload[0] < 1 or self.split_workload[1] < 0:
             raise ConfigError(f"split workload must be >= 1 prompt and >= 0 output tokens, not "
                               f"{self.split_workload}", key="split_workload")
+        if not 1 <= self.macro_bounds[0] < self.macro_bounds[1]:
+            raise ConfigError(f"EcoServe's macro-instance bounds need 1 <= N_l < N_u, not {self.macro_bounds}",
+                              key="macro_bounds")
         if not self.reschedule_shift >= 0 or not self.workload_window_s > 0:
             raise ConfigError(f"the reschedule shift must be >= 0 ({self.reschedule_shift}) and the workload "
                               f"window > 0 ({self.workload_window_s})", key="reschedule_shift")
@@ -327,6 +339,10 @@ class Deployment:
         """What the baseline policies read from the nodes, as the simulator feeds them from its nodes: the
         tokens waiting in each node's queue (shortest-queue) and each node's measured step throughput, its T_j
         until it has measured one (swarm); both from the nodes' latest heartbeats."""
+        if placement.method == "ecoserve":
+            return {"predictors": ecoserve_predictors(placement, self.spec, {
+                str(r.peer_id): r.profile for r in self.registry.nodes.values()}),
+                "lower": self.planning.macro_bounds[0], "upper": self.planning.macro_bounds[1]}
         if placement.method == "cronus":
             return {"splitters": cronus_splitters(placement, self.spec, {
                 str(r.peer_id): r.profile for r in self.registry.nodes.values()})}
@@ -363,6 +379,10 @@ class Deployment:
         if self.planning.method == "cronus":
             return cronus_placement(cluster.name, self.spec, {str(r.peer_id): r.profile.matmul_tflops for r in usable},
                                     {str(r.peer_id): r.profile.memory_bytes for r in usable}), profiles
+        if self.planning.method == "ecoserve":
+            lower, upper = self.planning.macro_bounds
+            return ecoserve_placement(cluster.name, self.spec, {str(r.peer_id): r.profile.memory_bytes for r in usable},
+                                      lower=lower, upper=upper), profiles
         if self.planning.method == "split":
             prompt, output = self.planning.split_workload
             return split_placement(cluster, self.spec, profiles,
@@ -409,7 +429,7 @@ class Deployment:
     async def _assign(self, plan: Plan, members: list[NodeRecord]) -> None:
         by_peer = {NodeId(s.peer): s for s in plan.shards}
         # A node's role on the wire is the phase it runs: Cronus's PPI prefills, its CPI finishes and decodes.
-        roles = {NodeId(n): _WIRE_ROLES.get(r.role, r.role) for r in plan.placement.replicas for n in r.nodes}
+        roles = {NodeId(n): _wire_role(r.role) for r in plan.placement.replicas for n in r.nodes}
         for r in members:
             s = by_peer.get(r.peer_id)
             a = Assignment(plan_version=plan.version, model=self.model,
@@ -462,6 +482,12 @@ class Deployment:
         if scheduler is not None:
             now = trio.current_time()
             self._wake(scheduler, scheduler.prefilled(key, now), now)
+
+    def route_progress(self, key: str, output_len: int) -> None:
+        """The session `key` has generated `output_len` tokens (EcoServe's saved TPOT reads decodes' progress)."""
+        scheduler = self._routed.get(key)
+        if scheduler is not None:
+            scheduler.progress(key, output_len, trio.current_time())
 
     def route_done(self, key: str, output_len: int | None) -> None:
         """The session `key` ended: after `output_len` generated tokens, or moved away (None)."""

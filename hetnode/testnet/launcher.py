@@ -178,6 +178,12 @@ class Running:
         return Path(self.state.state_dir) / "state.json"
 
 
+def _batching(args: argparse.Namespace) -> str:
+    """The nodes' --batching: EcoServe's placement runs its instances' temporal batching unless told otherwise."""
+    batching = getattr(args, "batching", "shared")
+    return "ecoserve" if batching == "shared" and getattr(args, "placement", "") == "ecoserve" else batching
+
+
 def join_args(args: argparse.Namespace, spec: NodeSpec, bootstrap: str, state_dir: Path,
               emulate: list[str], *, listen: str = "/ip4/127.0.0.1/tcp/0") -> list[str]:
     """The `hetnode join ...` arguments of one testnet node.
@@ -189,7 +195,7 @@ def join_args(args: argparse.Namespace, spec: NodeSpec, bootstrap: str, state_di
            "--identity", str(state_dir / "keys" / f"{spec.name}.key"), "--name", spec.name,
            "--region", spec.region, "--log-level", args.log_level, *emulate,
            "--kv-transfer", getattr(args, "kv_transfer", "policy"),
-           "--batching", getattr(args, "batching", "shared")]
+           "--batching", _batching(args)]
     if getattr(args, "metrics", False):
         cmd += ["--metrics", f"{listen.split('/')[2]}:0"]  # the node's own address (its namespace's, with --netns)
     if spec.device != "cpu":
@@ -289,7 +295,8 @@ async def start(args: argparse.Namespace) -> Running:
             getattr(args, "placement", "helix"), "--scheduler", getattr(args, "scheduler", "iwrr"),
             "--kv-codec", getattr(args, "kv_codec", "auto"),
             "--plan-time-limit", str(getattr(args, "plan_time_limit", 10.0)),
-            "--route-wait", str(getattr(args, "route_wait", 30.0)), *emulate]
+            "--route-wait", str(getattr(args, "route_wait", 30.0)),
+            "--macro-bounds", ",".join(map(str, getattr(args, "macro_bounds", (4, 16)))), *emulate]
         cproc, ready = await _spawn(coord_cmd, coord_log, env, lifeline=lifeline,
                                     ready_timeout_s=args.ready_timeout, name="coordinator")
         procs.append((Proc("coordinator", "coordinator", cproc.pid, str(coord_log), ready["peer_id"], coord_cmd),
