@@ -49,6 +49,9 @@ def _planning_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--macro-bounds", type=_macro_bounds, default=(4, 16), metavar="NL,NU",
                    help="with --placement ecoserve: mitosis's N_l and N_u, the fewest and most instances of a "
                         "macro-instance (default: 4,16)")
+    p.add_argument("--ecoserve-slos", type=_slos, default=(5.0, 0.1), metavar="TTFT,TPOT",
+                   help="with --placement ecoserve: the TTFT and TPOT SLOs in seconds that Algorithm 2 checks an "
+                        "instance against (default: 5,0.1, ShareGPT's in EcoServe's Table 4)")
     p.add_argument("--split-workload", type=_workload, default=(750, 240), metavar="IN,OUT",
                    help="prompt and output tokens of a typical request, which size a split plan's prefill and "
                         "decode pools (default: 750,240)")
@@ -298,6 +301,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _slos(value: str) -> tuple[float, float]:
+    try:
+        ttft, tpot = (float(v) for v in value.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected TTFT,TPOT (two numbers of seconds), not {value!r}") from None
+    if not (ttft > 0 and tpot > 0):
+        raise argparse.ArgumentTypeError(f"the SLOs must be > 0 seconds, not {ttft},{tpot}")
+    return ttft, tpot
+
+
 def _macro_bounds(value: str) -> tuple[int, int]:
     try:
         lower, upper = (int(v) for v in value.split(","))
@@ -532,7 +545,8 @@ async def _run_coordinator(args: argparse.Namespace) -> None:
 
     planning = PlanningConfig(method=args.placement, scheduler=args.scheduler, time_limit_s=args.plan_time_limit,
                               split_workload=args.split_workload, reschedule_shift=args.reschedule_shift,
-                              workload_window_s=args.workload_window, macro_bounds=args.macro_bounds)
+                              workload_window_s=args.workload_window, macro_bounds=args.macro_bounds,
+                              slos=args.ecoserve_slos)
     identity = args.identity or (store.identity if store is not None else DEFAULT_HOME / "coordinator.key")
     key = load_or_create_identity(identity)
     serving = None

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field, replace
 
 import trio
 
+from hetnode.coordinator.ecoserve_scheduler import SLOS
 from hetnode.coordinator.generation import GenerationError
 from hetnode.coordinator.planning import live_cluster, live_profiles
 from hetnode.coordinator.pool_scheduler import PoolScheduler
@@ -46,6 +47,7 @@ from hetnode.planner.placement import PlannerOptions, evaluate, plan_placement
 from hetnode.planner.plan import NodePlacement, PlacementPlan
 from hetnode.planner.profile import ProfileTable, Workload, kv_tokens
 from hetnode.planner.split import split_placement
+from hetnode.policy.ecoserve import Slos
 from hetnode.policy.workload_monitor import WorkloadMonitor
 from hetnode.protocol.messages import Assignment, AssignmentStatus, Load, Route
 from hetnode.protocol.routes import route_peers
@@ -85,6 +87,8 @@ class PlanningConfig:
     workload_window_s: float = 120.0
     # EcoServe's mitosis bounds (N_l, N_u): macro-instances of N_l to N_u instances.
     macro_bounds: tuple[int, int] = (N_LOWER, N_UPPER)
+    # EcoServe's SLOs that Algorithm 2 checks against (seconds): TTFT and TPOT.
+    slos: tuple[float, float] = (SLOS.ttft_s, SLOS.tpot_s)
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -100,6 +104,8 @@ class PlanningConfig:
         if self.split_workload[0] < 1 or self.split_workload[1] < 0:
             raise ConfigError(f"split workload must be >= 1 prompt and >= 0 output tokens, not "
                               f"{self.split_workload}", key="split_workload")
+        if not (self.slos[0] > 0 and self.slos[1] > 0):
+            raise ConfigError(f"EcoServe's SLOs must be > 0 seconds, not {self.slos}", key="slos")
         if not 1 <= self.macro_bounds[0] < self.macro_bounds[1]:
             raise ConfigError(f"EcoServe's macro-instance bounds need 1 <= N_l < N_u, not {self.macro_bounds}",
                               key="macro_bounds")
@@ -342,7 +348,8 @@ class Deployment:
         if placement.method == "ecoserve":
             return {"predictors": ecoserve_predictors(placement, self.spec, {
                 str(r.peer_id): r.profile for r in self.registry.nodes.values()}),
-                "lower": self.planning.macro_bounds[0], "upper": self.planning.macro_bounds[1]}
+                "lower": self.planning.macro_bounds[0], "upper": self.planning.macro_bounds[1],
+                "slos": Slos(*self.planning.slos)}
         if placement.method == "cronus":
             return {"splitters": cronus_splitters(placement, self.spec, {
                 str(r.peer_id): r.profile for r in self.registry.nodes.values()})}

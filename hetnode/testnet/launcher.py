@@ -296,7 +296,8 @@ async def start(args: argparse.Namespace) -> Running:
             "--kv-codec", getattr(args, "kv_codec", "auto"),
             "--plan-time-limit", str(getattr(args, "plan_time_limit", 10.0)),
             "--route-wait", str(getattr(args, "route_wait", 30.0)),
-            "--macro-bounds", ",".join(map(str, getattr(args, "macro_bounds", (4, 16)))), *emulate]
+            "--macro-bounds", ",".join(map(str, getattr(args, "macro_bounds", (4, 16)))),
+            "--ecoserve-slos", ",".join(map(str, getattr(args, "ecoserve_slos", (5.0, 0.1)))), *emulate]
         cproc, ready = await _spawn(coord_cmd, coord_log, env, lifeline=lifeline,
                                     ready_timeout_s=args.ready_timeout, name="coordinator")
         procs.append((Proc("coordinator", "coordinator", cproc.pid, str(coord_log), ready["peer_id"], coord_cmd),

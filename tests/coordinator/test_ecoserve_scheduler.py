@@ -168,3 +168,13 @@ def test_the_simulators_instances_and_the_coordinators_scheduler_route_the_same(
         t = round(t + 0.001, 6)
     assert picks[0] == picks[1]
     assert len(set(picks[0])) == n and picks[0] != sorted(picks[0])  # all instances used, and not in blocks only
+
+
+def test_the_operators_settings_are_checked() -> None:
+    from hetnode.coordinator.deployment import PlanningConfig
+
+    assert PlanningConfig(method="ecoserve", slos=(1.0, 0.05), macro_bounds=(2, 3)).slos == (1.0, 0.05)
+    with pytest.raises(ConfigError, match="SLOs"):
+        PlanningConfig(method="ecoserve", slos=(0.0, 0.1))
+    with pytest.raises(ConfigError, match="N_l < N_u"):
+        PlanningConfig(method="ecoserve", macro_bounds=(4, 4))

@@ -4,6 +4,9 @@ arrivals, run the same phase at every step and switch to decoding at the same in
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
 from batch_items import It
 
 from hetnode.policy.batching import BatchConfig
@@ -94,3 +97,18 @@ def test_the_node_and_the_simulators_instance_decide_the_same_phases() -> None:
     assert all(a == b for a, b in switches)
     assert node_phases.count(PREFILL) >= 4 and node_phases.count(DECODE) >= 20
     assert len({s for s, _ in switches}) >= 4  # it switched back to decoding several times
+
+
+def test_testnet_up_with_ecoserve_placement_gives_its_nodes_temporal_batching(tmp_path: Path) -> None:
+    from hetnode.cli import build_parser
+    from hetnode.testnet.launcher import NodeSpec, join_args
+
+    parser = build_parser()
+    for extra, want in (([], "ecoserve"), (["--batching", "splitwise"], "splitwise")):
+        up = parser.parse_args(["testnet", "up", "--placement", "ecoserve", *extra])
+        cmd = join_args(up, NodeSpec("n0", "cpu", "r1", 8.0), "/ip4/127.0.0.1/tcp/4001/p2p/x", tmp_path, [])
+        assert parser.parse_args(cmd).batching == want
+    assert parser.parse_args(["coordinator", "--model", "m", "--ecoserve-slos", "1,0.05", "--macro-bounds",
+                              "2,3"]).ecoserve_slos == (1.0, 0.05)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["coordinator", "--model", "m", "--macro-bounds", "3,3"])
