@@ -88,7 +88,7 @@ class EcoServeScheduler(QueuedScheduler):
         self.plan = plan
         self.slos = slos
         self.overall = Overall(lower, upper, lambda: MacroScheduler(slos, slowest))
-        for node in self._instances:
+        for node in sorted(self._instances):  # the plan's order of addition: its macro-instances again
             self.overall.add(node, InstanceState(switched_at=0.0))
         self._capacity = dict(kv_capacity or {})
         self._running: dict[str, str] = {}  # request -> its instance

@@ -46,6 +46,11 @@ def test_the_plan_makes_every_node_that_holds_the_model_an_instance_in_macro_ins
     roles = [r.role for r in big.replicas]  # type: ignore[attr-defined]
     assert roles.count("macro0") == 13 and roles.count("macro1") == 4
     assert [len(g) for g in macro_groups([f"n{i}" for i in range(17)])] == [13, 4]
+    groups: dict[str, list[str]] = {}
+    for r in big.replicas:  # type: ignore[attr-defined]
+        groups.setdefault(r.role, []).append(r.nodes[0])
+    s = EcoServeScheduler(big, predictors={r.nodes[0]: PREFILL for r in big.replicas})  # type: ignore[arg-type, attr-defined]
+    assert s.macros() == [groups["macro0"], groups["macro1"]]  # the scheduler groups them as the plan says
     with pytest.raises(ConfigError, match="holds all of"):
         ecoserve_placement("c", MODEL, {"tiny": 1 << 30})
 
