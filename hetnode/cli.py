@@ -41,12 +41,18 @@ DEFAULT_HOME = Path(os.environ.get("HETNODE_HOME", Path.home() / ".hetnode"))
 
 def _planning_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--placement", default="helix",
-                   choices=["helix", "petals", "swarm", "sp", "sp+", "pipeline", "split", "cronus", "thunderserve"],
+                   choices=["helix", "petals", "swarm", "sp", "sp+", "pipeline", "split", "cronus", "thunderserve",
+                            "ecoserve"],
                    help="how the coordinator places layers (default: helix, the max-flow MILP; pipeline: one "
                         "pipeline through every node; split: prefill and decode replicas, KV handed between; "
                         "cronus: weak and strong nodes in pairs, each holding the model, the weak one prefilling "
                         "the start of each prompt; thunderserve: ThunderServe's search over prefill and decode "
-                        "groups, routed by its orchestration, rescheduled lightly when a node is lost)")
+                        "groups, routed by its orchestration, rescheduled lightly when a node is lost; ecoserve: "
+                        "every node holding the model an instance, in macro-instances, requests routed by "
+                        "EcoServe's Algorithms 1 and 2)")
+    p.add_argument("--macro-bounds", type=_macro_bounds, default=(4, 16), metavar="NL,NU",
+                   help="with --placement ecoserve: mitosis's N_l and N_u, the fewest and most instances of a "
+                        "macro-instance (default: 4,16)")
     p.add_argument("--split-workload", type=_workload, default=(750, 240), metavar="IN,OUT",
                    help="prompt and output tokens of a typical request, which size a split plan's prefill and "
                         "decode pools (default: 750,240)")
@@ -56,9 +62,10 @@ def _planning_args(p: argparse.ArgumentParser) -> None:
                         "--workload-window seconds (0, the default: never)")
     p.add_argument("--workload-window", type=_positive, default=120.0, metavar="S",
                    help="seconds of requests the coordinator's view of the workload covers (default: 120)")
-    p.add_argument("--slo", type=_slo, default=(5.0, 0.5), metavar="TTFT,TPOT",
-                   help="time to first token and time per output token, in seconds, that a thunderserve plan's "
-                        "orchestration maximizes the share of requests meeting (default: 5,0.5)")
+    p.add_argument("--slo", type=_slo, default=(5.0, 0.1), metavar="TTFT,TPOT",
+                   help="time to first token and time per output token, in seconds: a thunderserve plan's "
+                        "orchestration maximizes the share of requests meeting them, and ecoserve's Algorithm 2 "
+                        "checks an instance against them (default: 5,0.1, ShareGPT's in EcoServe's Table 4)")
     p.add_argument("--scheduler", default="iwrr",
                    choices=["iwrr", "random", "shortest-queue", "swarm", "cls", "splitwise", "tstp", "random-pairs"],
                    help="how each request's pipeline is chosen (default: iwrr, Helix's). A phase-split plan is routed "
@@ -156,7 +163,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how this node forms a step: the shared batch policy (chunked prefill in arrival order), "
                         "or Splitwise's machine-level scheduler (prompts first come first served up to "
                         "--prompt-tokens a step, decodes until memory is near full, a machine holding both "
-                        "prompts first with preemption and ageing)")
+                        "prompts first with preemption and ageing), or EcoServe's temporal disaggregation (a step "
+                        "all prefill while a prompt can run, else all decode)")
     j.add_argument("--prompt-tokens", type=_positive_int, default=2048, metavar="N",
                    help="with --batching splitwise: most prompt tokens batched in one step (default: 2048)")
     j.add_argument("--compute-dilation", type=_positive, default=100.0, metavar="X",
@@ -213,7 +221,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="give every node a Prometheus /metrics listener on a free port of 127.0.0.1 (shown by "
                          "'testnet status' and in the state file); the coordinator's is on its REST API")
     up.add_argument("--batching", default="shared", choices=list(BATCHINGS),
-                    help="every node's --batching (default: shared; splitwise: Splitwise's machine-level scheduler)")
+                    help="every node's --batching (default: shared, or ecoserve with --placement ecoserve; splitwise: "
+                         "Splitwise's machine-level scheduler)")
     _planning_args(up)
     for name, help_ in (("down", "stop a detached testnet"), ("status", "show a detached testnet"),
                         ("restart", "restart one process of a detached testnet (after a crash, or to test one)")):
@@ -309,6 +318,16 @@ def _slo(value: str) -> tuple[float, float]:
     if not (ttft > 0 and tpot > 0 and math.isfinite(ttft) and math.isfinite(tpot)):
         raise argparse.ArgumentTypeError(f"both SLOs must be positive and finite, not {value!r}")
     return ttft, tpot
+
+
+def _macro_bounds(value: str) -> tuple[int, int]:
+    try:
+        lower, upper = (int(v) for v in value.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected N_l,N_u (two integers), not {value!r}") from None
+    if not 1 <= lower < upper:
+        raise argparse.ArgumentTypeError(f"need 1 <= N_l < N_u, not {lower},{upper}")
+    return lower, upper
 
 
 def _workload(value: str) -> tuple[int, int]:
@@ -535,7 +554,8 @@ async def _run_coordinator(args: argparse.Namespace) -> None:
 
     planning = PlanningConfig(method=args.placement, scheduler=args.scheduler, time_limit_s=args.plan_time_limit,
                               split_workload=args.split_workload, reschedule_shift=args.reschedule_shift,
-                              workload_window_s=args.workload_window, slo_s=args.slo)
+                              workload_window_s=args.workload_window, slo_s=args.slo,
+                              macro_bounds=args.macro_bounds)
     identity = args.identity or (store.identity if store is not None else DEFAULT_HOME / "coordinator.key")
     key = load_or_create_identity(identity)
     serving = None
@@ -624,7 +644,7 @@ async def _run_node(args: argparse.Namespace) -> None:
                          engine_config=EngineConfig(kv_cache_bytes=int(args.kv_cache_mb * (1 << 20))),
                          pace_factory=pace_factory(args.emulate, args.compute_dilation) if args.emulate else None,
                          kv_transfer=transfer_policy(args.kv_transfer),
-                         batch_policy=batch_policy_for(args.batching, args.prompt_tokens))
+                         batch_policy=batch_policy_for(args.batching, args.prompt_tokens, trio.current_time))
         daemon = NodeDaemon(config, transport, hops)
         async with trio.open_nursery() as nursery:
             # SIGTERM or Ctrl-C: the sessions here move to other nodes with their KV before the node goes.

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field, replace
 
 import trio
 
+from hetnode.coordinator.ecoserve_scheduler import SLOS
 from hetnode.coordinator.generation import GenerationError
 from hetnode.coordinator.planning import live_cluster, live_profiles
 from hetnode.coordinator.pool_scheduler import PoolScheduler
@@ -39,6 +40,7 @@ from hetnode.ids import NodeId
 from hetnode.models.config import ModelConfig
 from hetnode.planner.cluster import ClusterSpec
 from hetnode.planner.cronus_plan import cronus_placement, cronus_splitters
+from hetnode.planner.ecoserve_plan import MACRO, N_LOWER, N_UPPER, ecoserve_placement, ecoserve_predictors
 from hetnode.planner.layout import Candidate, proportional_layout
 from hetnode.planner.model import ModelSpec, from_model_config
 from hetnode.planner.placement import PlannerOptions, evaluate, plan_placement
@@ -48,6 +50,7 @@ from hetnode.planner.split import split_placement
 from hetnode.planner.thunderserve.deploy import thunderserve_placement
 from hetnode.planner.thunderserve.reschedule import reschedule
 from hetnode.planner.thunderserve.settings import ThunderServeOptions, Traffic
+from hetnode.policy.ecoserve import Slos
 from hetnode.policy.workload_monitor import WorkloadMonitor
 from hetnode.protocol.messages import Assignment, AssignmentStatus, Load, Route
 from hetnode.protocol.routes import route_peers
@@ -63,12 +66,18 @@ PLAN_BYTES_PER_PARAM = 2
 # "cronus": pairs of a weak and a strong node, each holding the whole model (planner/cronus_plan.py).
 # "thunderserve": ThunderServe's tabu search over phase-split deployments (planner/thunderserve/), routed by its
 # orchestration; a node lost or a workload shift reschedules it lightly (its groups kept, phases flipped).
-METHODS = ("helix", "petals", "swarm", "sp", "sp+", "pipeline", "split", "cronus", "thunderserve")
+# "ecoserve": every node holding the whole model an instance, in macro-instances (planner/ecoserve_plan.py).
+METHODS = ("helix", "petals", "swarm", "sp", "sp+", "pipeline", "split", "cronus", "thunderserve", "ecoserve")
 # The methods that follow a shift of the request mix, when --reschedule-shift is set.
 _FOLLOW_THE_MIX = ("split", "thunderserve")
 # Kinds of re-plan that ThunderServe answers with its lightweight reschedule rather than a new search.
 _LIGHT_KINDS = ("node_lost", "node_left", "node_leaving", "workload_shift")
 _WIRE_ROLES = {"ppi": "prefill", "cpi": "mixed"}
+
+
+def _wire_role(role: str) -> str:
+    """The role a node is told: an EcoServe instance (role "macro<k>") runs both phases, as a "mixed" node."""
+    return "mixed" if role.startswith(MACRO) else _WIRE_ROLES.get(role, role)
 
 
 @dataclass(frozen=True)
@@ -85,8 +94,11 @@ class PlanningConfig:
     # than this share from what the plan was sized for, over the last `workload_window_s` (0: never).
     reschedule_shift: float = 0.0
     workload_window_s: float = 120.0
-    # ThunderServe's TTFT and TPOT SLOs in seconds, which its orchestration maximizes the attainment of.
-    slo_s: tuple[float, float] = (5.0, 0.5)
+    # The TTFT and TPOT SLOs in seconds: ThunderServe's orchestration maximizes the share of requests meeting
+    # them, EcoServe's Algorithm 2 checks an instance against them.
+    slo_s: tuple[float, float] = (SLOS.ttft_s, SLOS.tpot_s)
+    # EcoServe's mitosis bounds (N_l, N_u): macro-instances of N_l to N_u instances.
+    macro_bounds: tuple[int, int] = (N_LOWER, N_UPPER)
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -102,6 +114,11 @@ class PlanningConfig:
         if self.split_workload[0] < 1 or self.split_workload[1] < 0:
             raise ConfigError(f"split workload must be >= 1 prompt and >= 0 output tokens, not "
                               f"{self.split_workload}", key="split_workload")
+        if not (self.slo_s[0] > 0 and self.slo_s[1] > 0):
+            raise ConfigError(f"the SLOs must be > 0 seconds, not {self.slo_s}", key="slo_s")
+        if not 1 <= self.macro_bounds[0] < self.macro_bounds[1]:
+            raise ConfigError(f"EcoServe's macro-instance bounds need 1 <= N_l < N_u, not {self.macro_bounds}",
+                              key="macro_bounds")
         if not self.reschedule_shift >= 0 or not self.workload_window_s > 0:
             raise ConfigError(f"the reschedule shift must be >= 0 ({self.reschedule_shift}) and the workload "
                               f"window > 0 ({self.workload_window_s})", key="reschedule_shift")
@@ -347,6 +364,11 @@ class Deployment:
         """What the baseline policies read from the nodes, as the simulator feeds them from its nodes: the
         tokens waiting in each node's queue (shortest-queue) and each node's measured step throughput, its T_j
         until it has measured one (swarm); both from the nodes' latest heartbeats."""
+        if placement.method == "ecoserve":
+            return {"predictors": ecoserve_predictors(placement, self.spec, {
+                str(r.peer_id): r.profile for r in self.registry.nodes.values()}),
+                "lower": self.planning.macro_bounds[0], "upper": self.planning.macro_bounds[1],
+                "slos": Slos(*self.planning.slo_s)}
         if placement.method == "cronus":
             return {"splitters": cronus_splitters(placement, self.spec, {
                 str(r.peer_id): r.profile for r in self.registry.nodes.values()})}
@@ -385,6 +407,10 @@ class Deployment:
                                     {str(r.peer_id): r.profile.memory_bytes for r in usable}), profiles
         if self.planning.method == "thunderserve":
             return await self._thunderserve(usable, cluster, kind), profiles
+        if self.planning.method == "ecoserve":
+            lower, upper = self.planning.macro_bounds
+            return ecoserve_placement(cluster.name, self.spec, {str(r.peer_id): r.profile.memory_bytes for r in usable},
+                                      lower=lower, upper=upper), profiles
         if self.planning.method == "split":
             prompt, output = self.planning.split_workload
             return split_placement(cluster, self.spec, profiles,
@@ -462,7 +488,7 @@ class Deployment:
     async def _assign(self, plan: Plan, members: list[NodeRecord]) -> None:
         by_peer = {NodeId(s.peer): s for s in plan.shards}
         # A node's role on the wire is the phase it runs: Cronus's PPI prefills, its CPI finishes and decodes.
-        roles = {NodeId(n): _WIRE_ROLES.get(r.role, r.role) for r in plan.placement.replicas for n in r.nodes}
+        roles = {NodeId(n): _wire_role(r.role) for r in plan.placement.replicas for n in r.nodes}
         for r in members:
             s = by_peer.get(r.peer_id)
             a = Assignment(plan_version=plan.version, model=self.model,
@@ -522,6 +548,12 @@ class Deployment:
         if scheduler is not None:
             now = trio.current_time()
             self._wake(scheduler, scheduler.partial_done(key, now), now)
+
+    def route_progress(self, key: str, output_len: int) -> None:
+        """The session `key` has generated `output_len` tokens (EcoServe's saved TPOT reads decodes' progress)."""
+        scheduler = self._routed.get(key)
+        if scheduler is not None:
+            scheduler.progress(key, output_len, trio.current_time())
 
     def route_done(self, key: str, output_len: int | None) -> None:
         """The session `key` ended: after `output_len` generated tokens, or moved away (None)."""

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from typing import Any, Unpack
 
 from hetnode.coordinator.cronus_scheduler import CronusScheduler
+from hetnode.coordinator.ecoserve_scheduler import EcoServeScheduler
 from hetnode.coordinator.pair_schedulers import RandomPairScheduler, TstpScheduler
 from hetnode.coordinator.pool_scheduler import PoolScheduler
 from hetnode.coordinator.scheduler import EdgeSet, IwrrScheduler, PipelineScheduler, QueuedScheduler, SchedulerOptions
@@ -136,6 +137,8 @@ def scheduler_for(plan: PlacementPlan, name: str) -> str:
     the plans it fits)."""
     if plan.method == "cronus":
         return CronusScheduler.name
+    if plan.method == "ecoserve":
+        return EcoServeScheduler.name
     if plan.replicas:
         if name in SPLIT_SCHEDULERS:
             return name
@@ -158,6 +161,11 @@ def make_scheduler(name: str, plan: PlacementPlan, **kwargs: Any) -> Scheduler:
             raise ConfigError(f"scheduler {name!r} cannot route plan {plan.method!r}: a Cronus plan is routed by "
                               "'cronus', and only such a plan")
         return CronusScheduler(plan, **kwargs)
+    if key == EcoServeScheduler.name or plan.method == "ecoserve":
+        if key != EcoServeScheduler.name or plan.method != "ecoserve":
+            raise ConfigError(f"scheduler {name!r} cannot route plan {plan.method!r}: an EcoServe plan is routed "
+                              "by 'ecoserve', and only such a plan")
+        return EcoServeScheduler(plan, **kwargs)
     if key in SPLIT_SCHEDULERS or plan.replicas:
         if key not in SPLIT_SCHEDULERS or not plan.replicas:
             raise ConfigError(f"scheduler {name!r} cannot route plan {plan.method!r}: a phase-split plan is routed "

@@ -309,6 +309,11 @@ class QueuedScheduler(ABC):
         unless the policy holds a place in such a phase until then (Cronus's PPI)."""
         return []
 
+    def progress(self, request_id: str, output_len: int, now: float) -> None:
+        """The request has generated `output_len` tokens; both executors may call it at every token. Only a policy
+        that reads decodes' progress (EcoServe's saved TPOT) keeps it."""
+        return None
+
     def finish(self, request_id: str, output_len: int, now: float) -> list[Decision]:
         """A running request ended after `output_len` generated tokens: free its KV estimate, learn from its
         length, and return what became of the queued requests that could now move (FIFO order)."""

@@ -587,6 +587,8 @@ class PipelineGenerator:
             request.session.prefilled = True
             self.deployment.route_prefilled(request.session.id)
             self._progressed()
+        else:
+            self.deployment.route_progress(request.session.id, len(request.generated))
         top = tuple((int(t), float(lp)) for t, lp in msg.top_logprobs) if msg.top_logprobs else None
         return TokenEvent(msg.token, msg.logprob, top, msg.stopped)
 

@@ -67,6 +67,25 @@ class Held:
         return self.done + self.output
 
 
+@dataclass(slots=True)
+class PhaseSwitch:
+    """Temporal disaggregation's one rule ("separate"): prefill while any prompt can run, else decode; the
+    instant a prefill phase gives way to decoding is t_switch. The PaDG simulator's instances (through
+    `InstanceScheduler`) and a node's batch loop (`policy.temporal_batching`) both decide each step by it."""
+
+    phase: str = DECODE
+    switched_at: float = 0.0  # when the last prefill phase ended (t_switch)
+
+    def next(self, prefill: bool, decode: bool, now: float) -> str | None:
+        """The phase of the next step, given whether a prompt can run and whether a decode can; None: idle."""
+        if prefill:
+            self.phase = PREFILL
+            return PREFILL
+        if self.phase == PREFILL:
+            self.phase, self.switched_at = DECODE, now
+        return DECODE if decode else None
+
+
 @dataclass(frozen=True, slots=True)
 class Plan:
     """One step: its kind, prompt chunks (rid, prefilled before, tokens) and decode items (rid, context)."""
@@ -81,10 +100,18 @@ class InstanceScheduler:
     config: InstanceConfig = field(default_factory=InstanceConfig)
     waiting: deque[Held] = field(default_factory=deque)  # routed, not all prefilled, in order
     running: dict[int, Held] = field(default_factory=dict)  # admitted (KV held), by rid, in admission order
-    switched_at: float = 0.0  # when the last prefill phase ended (t_switch)
-    phase: str = DECODE
+    phases: PhaseSwitch = field(default_factory=PhaseSwitch)
     routed: int = 0  # requests routed here so far (the macro-instance scheduler's view counts against it)
     preempted: list[int] = field(default_factory=list)  # rids preempted since the executor last looked
+
+    @property
+    def phase(self) -> str:
+        return self.phases.phase
+
+    @property
+    def switched_at(self) -> float:
+        """When the last prefill phase ended (t_switch)."""
+        return self.phases.switched_at
 
     def route(self, rid: int, prompt: int, now: float) -> None:
         """A request the macro-instance scheduler (or a load balancer) sent here."""
@@ -123,13 +150,11 @@ class InstanceScheduler:
                 return None
             return Plan("hybrid", chunks, decodes)
         chunks = self._chunks(cfg.max_batch_tokens)
-        if chunks:
-            self.phase = PREFILL
+        decodes = () if chunks else self._decodes(decoding)
+        phase = self.phases.next(bool(chunks), bool(decodes), now)
+        if phase == PREFILL:
             return Plan(PREFILL, chunks)
-        if self.phase == PREFILL:
-            self.phase, self.switched_at = DECODE, now
-        decodes = self._decodes(decoding)
-        return Plan(DECODE, (), decodes) if decodes else None
+        return Plan(DECODE, (), decodes) if phase == DECODE else None
 
     def _decodes(self, decoding: list[Held]) -> tuple[tuple[int, int], ...]:
         return tuple((h.rid, h.tokens) for h in decoding[:self.config.max_decodes])

@@ -193,13 +193,20 @@ def splitwise_policy(machine: MachineConfig | None = None) -> Callable[[KVLedger
     return make
 
 
-BATCHINGS = ("shared", "splitwise")  # the runtime's `--batching` and the simulator's `SimOptions.batching`
+# The runtime's `--batching` and the simulator's `SimOptions.batching`.
+BATCHINGS = ("shared", "splitwise", "ecoserve")
 
 
-def batch_policy_for(name: str, prompt_tokens: int = PROMPT_TOKENS) -> Callable[[KVLedger, BatchConfig], BatchPolicy]:
-    """The batch policy factory a node runs by name: the shared policy, or Splitwise's machine-level one."""
+def batch_policy_for(name: str, prompt_tokens: int = PROMPT_TOKENS, clock: Callable[[], float] = lambda: 0.0,
+                     ) -> Callable[[KVLedger, BatchConfig], BatchPolicy]:
+    """The batch policy factory a node runs by name: the shared policy, Splitwise's machine-level one, or
+    EcoServe's temporal disaggregation (`temporal_batching.py`, its t_switch read off `clock`)."""
     if name == "shared":
         return BatchPolicy
     if name == "splitwise":
         return splitwise_policy(MachineConfig(prompt_tokens=prompt_tokens))
+    if name == "ecoserve":
+        from hetnode.policy.temporal_batching import temporal_policy  # it builds on this module's neighbours
+
+        return temporal_policy(clock)
     raise ValueError(f"batching must be one of {', '.join(BATCHINGS)}, not {name!r}")

@@ -182,9 +182,15 @@ def _workload_args(args: argparse.Namespace) -> list[str]:
     """What `testnet up` was told about the workload, for its coordinator (defaults where a caller's namespace
     predates an option)."""
     prompt, output = getattr(args, "split_workload", (750, 240))
-    ttft, tpot = getattr(args, "slo", (5.0, 0.5))
+    ttft, tpot = getattr(args, "slo", (5.0, 0.1))
     return ["--split-workload", f"{prompt},{output}", "--reschedule-shift", str(getattr(args, "reschedule_shift", 0.0)),
             "--workload-window", str(getattr(args, "workload_window", 120.0)), "--slo", f"{ttft},{tpot}"]
+
+
+def _batching(args: argparse.Namespace) -> str:
+    """The nodes' --batching: EcoServe's placement runs its instances' temporal batching unless told otherwise."""
+    batching = getattr(args, "batching", "shared")
+    return "ecoserve" if batching == "shared" and getattr(args, "placement", "") == "ecoserve" else batching
 
 
 def join_args(args: argparse.Namespace, spec: NodeSpec, bootstrap: str, state_dir: Path,
@@ -198,7 +204,7 @@ def join_args(args: argparse.Namespace, spec: NodeSpec, bootstrap: str, state_di
            "--identity", str(state_dir / "keys" / f"{spec.name}.key"), "--name", spec.name,
            "--region", spec.region, "--log-level", args.log_level, *emulate,
            "--kv-transfer", getattr(args, "kv_transfer", "policy"),
-           "--batching", getattr(args, "batching", "shared")]
+           "--batching", _batching(args)]
     if getattr(args, "metrics", False):
         cmd += ["--metrics", f"{listen.split('/')[2]}:0"]  # the node's own address (its namespace's, with --netns)
     if spec.device != "cpu":
@@ -299,7 +305,8 @@ async def start(args: argparse.Namespace) -> Running:
             getattr(args, "placement", "helix"), "--scheduler", getattr(args, "scheduler", "iwrr"),
             "--kv-codec", getattr(args, "kv_codec", "auto"),
             "--plan-time-limit", str(getattr(args, "plan_time_limit", 10.0)),
-            "--route-wait", str(getattr(args, "route_wait", 30.0)), *_workload_args(args), *emulate]
+            "--route-wait", str(getattr(args, "route_wait", 30.0)), *_workload_args(args),
+            "--macro-bounds", ",".join(map(str, getattr(args, "macro_bounds", (4, 16)))), *emulate]
         cproc, ready = await _spawn(coord_cmd, coord_log, env, lifeline=lifeline,
                                     ready_timeout_s=args.ready_timeout, name="coordinator")
         procs.append((Proc("coordinator", "coordinator", cproc.pid, str(coord_log), ready["peer_id"], coord_cmd),
