@@ -447,6 +447,8 @@ def _check_plan(path: str, cluster: ClusterSpec, model: ModelSpec, profiles: Pro
 async def _run_coordinator(args: argparse.Namespace) -> None:
     from hetnode.coordinator.api import build_app, serve_api
     from hetnode.coordinator.daemon import Coordinator, CoordinatorConfig
+    from hetnode.coordinator.dashboard import dashboard_routes
+    from hetnode.coordinator.live_stats import LiveStats
     from hetnode.protocol.identity import load_or_create_identity
     from hetnode.protocol.libp2p_transport import open_libp2p_transport
     from hetnode.runtime import announce_ready, maybe_shaped, parse_hostport, shutdown_on_signal
@@ -481,7 +483,8 @@ async def _run_coordinator(args: argparse.Namespace) -> None:
         serving = (model_config, tokenizer)
     async with open_libp2p_transport(key, listen) as raw, maybe_shaped(raw, args.emulate_links) as transport:
         coordinator = Coordinator(config, transport)
-        routes = []
+        live = LiveStats(trio.current_time)
+        routes = dashboard_routes(coordinator, live)
         if serving is not None:
             from hetnode.coordinator.openai_api import openai_routes
 
@@ -489,14 +492,14 @@ async def _run_coordinator(args: argparse.Namespace) -> None:
                                                    tokenizer=serving[1], home_region=args.region,
                                                    planning=planning)
             generator.kv_codecs = KVCodecPolicy(args.kv_codec)
-            routes = openai_routes(generator)
+            routes += openai_routes(generator, metrics=live)
         app = build_app(coordinator, api_key=args.api_key, extra_routes=routes)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(partial(shutdown_on_signal, nursery.cancel_scope, lifeline_fd=args.lifeline_fd))
             await nursery.start(coordinator.run)
             url = await nursery.start(serve_api, app, host, port)
-            log.info("coordinator %s listening on %s; API at %s", transport.peer_id,
-                     " ".join(transport.listen_addrs()), url)
+            log.info("coordinator %s listening on %s; API at %s, dashboard at %s/dashboard", transport.peer_id,
+                     " ".join(transport.listen_addrs()), url, url)
             announce_ready(args.ready_fd, role="coordinator", peer_id=transport.peer_id,
                            addrs=transport.listen_addrs(), api=url)
 

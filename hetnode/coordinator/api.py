@@ -22,6 +22,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from hetnode.coordinator import dashboard
 from hetnode.coordinator.daemon import Coordinator
 from hetnode.coordinator.deployment import METHODS
 
@@ -40,7 +41,9 @@ def error_response(status: int, message: str, *, type_: str = "invalid_request_e
 class ApiKeyMiddleware:
     """Bearer-token check in front of every route except the open ones."""
 
-    OPEN_PATHS = frozenset({"/healthz"})
+    # The dashboard's static page is open: a browser cannot send the key on navigation, and the page holds no
+    # data; it sends the key itself on the JSON routes it polls (dashboard.py).
+    OPEN_PATHS = frozenset({"/healthz"}) | dashboard.OPEN_PATHS
 
     def __init__(self, app: ASGIApp, api_key: str | None) -> None:
         self.app = app
