@@ -32,11 +32,15 @@ class _Entry:
 
 
 def outcome_of(record: RequestRecord) -> Outcome:
-    """ok: answered to its end; refused: a 4xx before it ran; client_gone: the client left; failed: the rest."""
-    if record.client_gone:
-        return "client_gone"
+    """ok: answered to its end; refused: a 4xx before it ran; client_gone: the client left; failed: the rest.
+
+    A finish reason means the whole answer was sent, so that is ok even when the record also says the client
+    went: hypercorn reports the disconnect of a client that closes after reading the answer, and the route's
+    watch can see it before the route marks the answer complete."""
     if record.status == 200 and record.finish_reason is not None:
         return "ok"
+    if record.client_gone:
+        return "client_gone"
     if 400 <= record.status < 500:
         return "refused"
     return "failed"

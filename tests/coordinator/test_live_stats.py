@@ -27,6 +27,7 @@ def test_outcomes_and_tpot() -> None:
     assert outcome_of(record(status=503, finish=None)) == "failed"
     assert outcome_of(record(finish=None)) == "failed"  # a 200 stream that ended with an error event
     assert outcome_of(record(gone=True, finish=None)) == "client_gone"
+    assert outcome_of(record(gone=True)) == "ok"  # the whole answer went out before the client closed
     # 5 tokens in 1 s with the first at 0.2 s: the other 4 took 0.8 s.
     assert tpot_of(record()) == pytest.approx(0.2)
     assert tpot_of(record(tokens=1)) is None and tpot_of(record(ttft=None)) is None

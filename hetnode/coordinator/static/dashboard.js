@@ -145,7 +145,8 @@ function drawFlows(g, plan, pos) {
   for (const f of flows) {
     const a = end(f.from), b = end(f.to);
     if (!pos.has(a) || !pos.has(b) || a === b) continue;
-    const p = edgePath(a, b, pos, -1);
+    // Token ids out of the coordinator and tokens back bow to different sides.
+    const p = edgePath(a, b, pos, f.to === "sink" ? -2 : -1);
     g.append(svg("path", { class: "edge flow", d: p.d, "stroke-width": (1.5 + 6 * f.flow / top).toFixed(2),
                            "marker-end": "url(#arrow)", "data-from": f.from, "data-to": f.to }));
     g.append(svg("text", { class: "edge-label flow", x: p.label.x, y: p.label.y, "text-anchor": "middle" },
@@ -186,8 +187,9 @@ function drawGraph(cluster, plan) {
   const L = layout(cluster, plan);
   root.setAttribute("viewBox", `0 0 ${L.width} ${L.height}`);
   const defs = svg("defs");
-  const marker = svg("marker", { id: "arrow", viewBox: "0 0 10 10", refX: 9, refY: 5, markerWidth: 5,
-                                 markerHeight: 5, orient: "auto-start-reverse" });
+  // Sized in the drawing's units, not the stroke's: thick flows would otherwise get huge arrowheads.
+  const marker = svg("marker", { id: "arrow", viewBox: "0 0 10 10", refX: 9, refY: 5, markerWidth: 11,
+                                 markerHeight: 11, markerUnits: "userSpaceOnUse", orient: "auto-start-reverse" });
   marker.append(svg("path", { d: "M0,0 L10,5 L0,10 z", fill: "#2f6fd6" }));
   defs.append(marker);
   const regions = svg("g"), edges = svg("g"), nodes = svg("g");
