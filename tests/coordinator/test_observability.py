@@ -86,7 +86,7 @@ async def split_network(model: Path) -> AsyncIterator[Live]:
             plan = await coord.deployment.wait_ready(30)
             assert plan is not None and plan.placement.method == "split"
             metrics = CoordinatorMetrics(coord)
-            app = build_app(coord, api_key=KEY, extra_routes=[*openai_routes(gen, metrics=metrics),
+            app = build_app(coord, api_key=KEY, extra_routes=[*openai_routes(gen, metrics=[metrics]),
                                                               *observe_routes(metrics, gen)])
             # Served by hypercorn over TCP, as `hetnode coordinator` does (its disconnect events differ from
             # httpx's ASGI transport's: a finished answer must not count as a client that left).
