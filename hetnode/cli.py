@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import secrets
 import socket
@@ -40,11 +41,12 @@ DEFAULT_HOME = Path(os.environ.get("HETNODE_HOME", Path.home() / ".hetnode"))
 
 def _planning_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--placement", default="helix",
-                   choices=["helix", "petals", "swarm", "sp", "sp+", "pipeline", "split", "cronus"],
+                   choices=["helix", "petals", "swarm", "sp", "sp+", "pipeline", "split", "cronus", "thunderserve"],
                    help="how the coordinator places layers (default: helix, the max-flow MILP; pipeline: one "
                         "pipeline through every node; split: prefill and decode replicas, KV handed between; "
                         "cronus: weak and strong nodes in pairs, each holding the model, the weak one prefilling "
-                        "the start of each prompt)")
+                        "the start of each prompt; thunderserve: ThunderServe's search over prefill and decode "
+                        "groups, routed by its orchestration, rescheduled lightly when a node is lost)")
     p.add_argument("--split-workload", type=_workload, default=(750, 240), metavar="IN,OUT",
                    help="prompt and output tokens of a typical request, which size a split plan's prefill and "
                         "decode pools (default: 750,240)")
@@ -54,11 +56,15 @@ def _planning_args(p: argparse.ArgumentParser) -> None:
                         "--workload-window seconds (0, the default: never)")
     p.add_argument("--workload-window", type=_positive, default=120.0, metavar="S",
                    help="seconds of requests the coordinator's view of the workload covers (default: 120)")
+    p.add_argument("--slo", type=_slo, default=(5.0, 0.5), metavar="TTFT,TPOT",
+                   help="time to first token and time per output token, in seconds, that a thunderserve plan's "
+                        "orchestration maximizes the share of requests meeting (default: 5,0.5)")
     p.add_argument("--scheduler", default="iwrr",
-                   choices=["iwrr", "random", "shortest-queue", "swarm", "splitwise"],
-                   help="how each request's pipeline is chosen (default: iwrr, Helix's). A split plan is routed by "
-                        "CLS's join-the-shortest-queue, or with `splitwise` by Splitwise's prefill, decode and mixed "
-                        "pools (other plans then by iwrr)")
+                   choices=["iwrr", "random", "shortest-queue", "swarm", "cls", "splitwise", "tstp", "random-pairs"],
+                   help="how each request's pipeline is chosen (default: iwrr, Helix's). A phase-split plan is routed "
+                        "by CLS's join-the-shortest-queue (cls; a thunderserve plan by its orchestration, tstp), by "
+                        "Splitwise's prefill, decode and mixed pools (splitwise) or by random prefill-decode pairs "
+                        "(random-pairs, ThunderServe's ablation); other plans then by iwrr")
     p.add_argument("--plan-time-limit", type=_positive, default=10.0, metavar="S",
                    help="seconds the helix search may take per re-plan (default: 10)")
     p.add_argument("--route-wait", type=_positive, default=30.0, metavar="S",
@@ -292,6 +298,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _slo(value: str) -> tuple[float, float]:
+    parts = value.split(",")
+    try:
+        ttft, tpot = (float(x) for x in parts)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected TTFT,TPOT in seconds (e.g. 5,0.5), not {value!r}") from None
+    if not (ttft > 0 and tpot > 0 and math.isfinite(ttft) and math.isfinite(tpot)):
+        raise argparse.ArgumentTypeError(f"both SLOs must be positive and finite, not {value!r}")
+    return ttft, tpot
+
+
 def _workload(value: str) -> tuple[int, int]:
     parts = value.split(",")
     try:
@@ -518,7 +535,7 @@ async def _run_coordinator(args: argparse.Namespace) -> None:
 
     planning = PlanningConfig(method=args.placement, scheduler=args.scheduler, time_limit_s=args.plan_time_limit,
                               split_workload=args.split_workload, reschedule_shift=args.reschedule_shift,
-                              workload_window_s=args.workload_window)
+                              workload_window_s=args.workload_window, slo_s=args.slo)
     identity = args.identity or (store.identity if store is not None else DEFAULT_HOME / "coordinator.key")
     key = load_or_create_identity(identity)
     serving = None

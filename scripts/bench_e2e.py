@@ -301,18 +301,26 @@ async def serving_benchmark(model: str, threads: list[int], batches: list[int], 
                 task_status.started()
                 await stop.wait()
 
-        for n in threads:
+        # Started side by side: the servers load the model while the testnet's nodes join and probe.
+        ups: dict[str, float] = {}
+
+        async def bring_up(cm: Any, key: str) -> None:
             t0 = time.perf_counter()
-            await nursery.start(hold, local_server(model, n, work_dir / f"local-{n}t.log"), f"local{n}")
+            await nursery.start(hold, cm, key)
+            ups[key] = time.perf_counter() - t0
+
+        async with trio.open_nursery() as starting:
+            for n in threads:
+                starting.start_soon(bring_up, local_server(model, n, work_dir / f"local-{n}t.log"), f"local{n}")
+            starting.start_soon(bring_up, testnet(model, work_dir / "testnet"), "testnet")
+        for n in threads:
             info = started[f"local{n}"]
             log(f"single process, {info['threads']} thread(s): {info['api']} (pid {info['pid']}, "
-                f"up in {time.perf_counter() - t0:.1f} s)")
+                f"up in {ups[f'local{n}']:.1f} s)")
             sides.append(Side(f"local_{n}t", f"single process, {n} thread{'s' if n > 1 else ''}", info["api"],
                               {"server": info["pid"]}))
-        t0 = time.perf_counter()
-        await nursery.start(hold, testnet(model, work_dir / "testnet"), "testnet")
         running = started["testnet"]
-        log(f"testnet up in {time.perf_counter() - t0:.1f} s: {running.state.api}, logs in "
+        log(f"testnet up in {ups['testnet']:.1f} s: {running.state.api}, logs in "
             f"{work_dir / 'testnet' / 'logs'}; pids " + ", ".join(f"{p.name}={p.pid}" for p in running.state.procs))
         sides.append(Side("testnet", f"testnet, {TESTNET_NODES} nodes x 1 thread", running.state.api,
                           {p.name: p.pid for p in running.state.procs}))

@@ -32,7 +32,7 @@ from hetnode.coordinator.generation import GenerationError
 from hetnode.coordinator.planning import live_cluster, live_profiles
 from hetnode.coordinator.pool_scheduler import PoolScheduler
 from hetnode.coordinator.registry import NodeRecord, Registry
-from hetnode.coordinator.routing import Scheduler, make_scheduler, scheduler_for, scheduler_names
+from hetnode.coordinator.routing import Scheduler, make_scheduler, policy_names, scheduler_for
 from hetnode.coordinator.scheduler import Decision
 from hetnode.errors import ConfigError
 from hetnode.ids import NodeId
@@ -45,6 +45,9 @@ from hetnode.planner.placement import PlannerOptions, evaluate, plan_placement
 from hetnode.planner.plan import NodePlacement, PlacementPlan
 from hetnode.planner.profile import ProfileTable, Workload, kv_tokens
 from hetnode.planner.split import split_placement
+from hetnode.planner.thunderserve.deploy import thunderserve_placement
+from hetnode.planner.thunderserve.reschedule import reschedule
+from hetnode.planner.thunderserve.settings import ThunderServeOptions, Traffic
 from hetnode.policy.workload_monitor import WorkloadMonitor
 from hetnode.protocol.messages import Assignment, AssignmentStatus, Load, Route
 from hetnode.protocol.routes import route_peers
@@ -58,7 +61,13 @@ PLAN_BYTES_PER_PARAM = 2
 # proportion to memory bandwidth. Tests that need a multi-stage pipeline on a small cluster ask for it.
 # "split" is the first phase-split plan (planner/split.py): prefill and decode replicas, routed by CLS.
 # "cronus": pairs of a weak and a strong node, each holding the whole model (planner/cronus_plan.py).
-METHODS = ("helix", "petals", "swarm", "sp", "sp+", "pipeline", "split", "cronus")
+# "thunderserve": ThunderServe's tabu search over phase-split deployments (planner/thunderserve/), routed by its
+# orchestration; a node lost or a workload shift reschedules it lightly (its groups kept, phases flipped).
+METHODS = ("helix", "petals", "swarm", "sp", "sp+", "pipeline", "split", "cronus", "thunderserve")
+# The methods that follow a shift of the request mix, when --reschedule-shift is set.
+_FOLLOW_THE_MIX = ("split", "thunderserve")
+# Kinds of re-plan that ThunderServe answers with its lightweight reschedule rather than a new search.
+_LIGHT_KINDS = ("node_lost", "node_left", "node_leaving", "workload_shift")
 _WIRE_ROLES = {"ppi": "prefill", "cpi": "mixed"}
 
 
@@ -76,13 +85,15 @@ class PlanningConfig:
     # than this share from what the plan was sized for, over the last `workload_window_s` (0: never).
     reschedule_shift: float = 0.0
     workload_window_s: float = 120.0
+    # ThunderServe's TTFT and TPOT SLOs in seconds, which its orchestration maximizes the attainment of.
+    slo_s: tuple[float, float] = (5.0, 0.5)
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ConfigError(f"unknown placement method {self.method!r}; known: {', '.join(METHODS)}",
                               key="method")
-        if self.scheduler not in scheduler_names():
-            raise ConfigError(f"unknown scheduler {self.scheduler!r}; known: {', '.join(scheduler_names())}",
+        if self.scheduler not in policy_names():
+            raise ConfigError(f"unknown scheduler {self.scheduler!r}; known: {', '.join(policy_names())}",
                               key="scheduler")
         if not self.time_limit_s > 0:
             raise ConfigError(f"time limit must be > 0, not {self.time_limit_s}", key="time_limit_s")
@@ -143,6 +154,7 @@ class Plan:
             "scheduler": {"name": type(self.scheduler).name, "queued": self.scheduler.queue_len,
                           "running": self.scheduler.running},
             "replicas": self._replicas_json(names),
+            "notes": list(self.placement.notes),  # the planner's own account (a ThunderServe plan's estimates)
         }
 
     def _replicas_json(self, names: dict[str, str]) -> list[dict[str, object]]:
@@ -152,6 +164,14 @@ class Plan:
         if isinstance(self.scheduler, PoolScheduler):
             for entry, (home, pool, _) in zip(out, self.scheduler.pools(), strict=True):
                 entry["home"], entry["pool"] = home, pool
+        orch = self.placement.orchestration
+        if orch is not None:  # ThunderServe's routing: the share of requests each replica takes
+            prefill = [e for e in out if e["role"] == "prefill"]
+            decode = [e for e in out if e["role"] == "decode"]
+            for i, entry in enumerate(prefill):
+                entry["share"] = orch.prefill_share[i]
+            for j, entry in enumerate(decode):
+                entry["share"] = sum(x * row[j] for x, row in zip(orch.prefill_share, orch.decode_share, strict=True))
         return out
 
 
@@ -233,13 +253,13 @@ class Deployment:
         whose mix has shifted is planned again for the observed one."""
         now = trio.current_time()
         self.workload.arrived(now, input_len)
-        if self.planning.method != "split" or not self.planning.reschedule_shift:
+        if self.planning.method not in _FOLLOW_THE_MIX or not self.planning.reschedule_shift:
             return
         why = self.workload.shifted(now)
         if why:
             prompt, output = self.workload.rebase(now)
             self.planning = replace(self.planning, split_workload=(max(1, round(prompt)), max(0, round(output))))
-            log.info("workload shift (%s): re-planning the phase-split deployment", why)
+            log.info("workload shift (%s): planning the phase-split deployment again", why)
             self.membership_changed(f"workload shift: {why}")
 
     def request_finished(self, output_len: int) -> None:
@@ -276,7 +296,7 @@ class Deployment:
     async def _replan(self, reason: str, kind: str = "operator") -> Plan | None:
         members = self.registry.up_members()
         try:
-            placement, profiles = await self._place(members)
+            placement, profiles = await self._place(members, kind)
         except ConfigError as exc:
             self.problem = f"no plan: {exc}"
             log.warning("%s", self.problem)
@@ -344,7 +364,7 @@ class Deployment:
             return {"throughput": lambda node: load(node).tokens_per_s or planned.get(node, 0.0)}
         return {}
 
-    async def _place(self, members: list[NodeRecord]) -> tuple[PlacementPlan, ProfileTable]:
+    async def _place(self, members: list[NodeRecord], kind: str = "operator") -> tuple[PlacementPlan, ProfileTable]:
         profiles, skipped = live_profiles(members, self.spec, kv_share=self.planning.kv_share)
         for peer, why in skipped.items():
             log.info("node %s holds no layers: %s", self.registry.nodes[NodeId(peer)].name, why)
@@ -363,6 +383,8 @@ class Deployment:
         if self.planning.method == "cronus":
             return cronus_placement(cluster.name, self.spec, {str(r.peer_id): r.profile.matmul_tflops for r in usable},
                                     {str(r.peer_id): r.profile.memory_bytes for r in usable}), profiles
+        if self.planning.method == "thunderserve":
+            return await self._thunderserve(usable, cluster, kind), profiles
         if self.planning.method == "split":
             prompt, output = self.planning.split_workload
             return split_placement(cluster, self.spec, profiles,
@@ -372,6 +394,37 @@ class Deployment:
         placement = await trio.to_thread.run_sync(functools.partial(
             plan_placement, cluster, self.spec, profiles, method=self.planning.method, options=options))
         return placement, profiles
+
+    async def _thunderserve(self, usable: list[NodeRecord], cluster: ClusterSpec, kind: str) -> PlacementPlan:
+        """ThunderServe's search over the up members; after a loss or a shift of the mix, its lightweight
+        reschedule of the plan in use instead (§3.4: surviving groups keep their layers, phases may flip), unless
+        no group of it survives or a node it does not know has joined."""
+        prompt, output = self.planning.split_workload
+        rate = self.workload.mix(trio.current_time()).rate
+        options = ThunderServeOptions(traffic=Traffic(input_len=prompt, output_len=max(1, output),
+                                                      rate=rate if rate > 0 else 1.0),
+                                      slo_s=self.planning.slo_s)
+        current = self.plan.placement if self.plan is not None else None
+        up = {str(r.peer_id) for r in usable}
+        if (current is not None and current.method == "thunderserve" and kind in _LIGHT_KINDS
+                and up <= {p.node for p in current.placements}):
+            gone = {p.node for p in current.placements} - up
+            # The plan's own cluster (its nodes, gone ones included), to read its layouts back from.
+            records = [self.registry.nodes[NodeId(n)] for r in current.replicas for n in r.nodes
+                       if NodeId(n) in self.registry.nodes]
+            try:
+                light = await trio.to_thread.run_sync(functools.partial(
+                    reschedule, current, live_cluster(self.registry, self.coordinator, self.home_region, records),
+                    self.spec, options, gone=gone))
+            except ConfigError as exc:
+                log.info("no lightweight reschedule (%s): searching anew", exc)
+            else:
+                return light
+        placement = await trio.to_thread.run_sync(functools.partial(thunderserve_placement, cluster, self.spec,
+                                                                    options))
+        if any(r.tp > 1 for r in placement.replicas):
+            raise ConfigError("the ThunderServe plan uses tensor parallelism, which the runtime does not have")
+        return placement
 
     def _served_again(self, restored: PlacementPlan, cluster: ClusterSpec, profiles: ProfileTable) -> PlacementPlan:
         """The restored plan's layers with flows recomputed over today's links (a replica plan routes by its

@@ -124,6 +124,11 @@ SPLIT_SCHEDULERS: dict[str, type[SplitScheduler]] = {
     cls.name: cls for cls in (SplitScheduler, PoolScheduler, TstpScheduler, RandomPairScheduler)}
 
 
+def policy_names() -> list[str]:
+    """Every name an operator's `--scheduler` may give: the pipeline policies and the phase-split ones."""
+    return [*SCHEDULERS, *SPLIT_SCHEDULERS]
+
+
 def scheduler_for(plan: PlacementPlan, name: str) -> str:
     """The policy a plan is routed by, for the operator's `--scheduler name`: a phase-split plan's replicas by
     `name` when that is a phase-split policy, else by CLS; any other plan by `name`, or by Helix's IWRR when
@@ -132,7 +137,10 @@ def scheduler_for(plan: PlacementPlan, name: str) -> str:
     if plan.method == "cronus":
         return CronusScheduler.name
     if plan.replicas:
-        return name if name in SPLIT_SCHEDULERS else SplitScheduler.name
+        if name in SPLIT_SCHEDULERS:
+            return name
+        # A ThunderServe plan carries the orchestration it was searched with: routed by it unless told otherwise.
+        return TstpScheduler.name if plan.orchestration is not None else SplitScheduler.name
     return IwrrScheduler.name if name in SPLIT_SCHEDULERS else name
 
 

@@ -178,6 +178,15 @@ class Running:
         return Path(self.state.state_dir) / "state.json"
 
 
+def _workload_args(args: argparse.Namespace) -> list[str]:
+    """What `testnet up` was told about the workload, for its coordinator (defaults where a caller's namespace
+    predates an option)."""
+    prompt, output = getattr(args, "split_workload", (750, 240))
+    ttft, tpot = getattr(args, "slo", (5.0, 0.5))
+    return ["--split-workload", f"{prompt},{output}", "--reschedule-shift", str(getattr(args, "reschedule_shift", 0.0)),
+            "--workload-window", str(getattr(args, "workload_window", 120.0)), "--slo", f"{ttft},{tpot}"]
+
+
 def join_args(args: argparse.Namespace, spec: NodeSpec, bootstrap: str, state_dir: Path,
               emulate: list[str], *, listen: str = "/ip4/127.0.0.1/tcp/0") -> list[str]:
     """The `hetnode join ...` arguments of one testnet node.
@@ -289,7 +298,7 @@ async def start(args: argparse.Namespace) -> Running:
             getattr(args, "placement", "helix"), "--scheduler", getattr(args, "scheduler", "iwrr"),
             "--kv-codec", getattr(args, "kv_codec", "auto"),
             "--plan-time-limit", str(getattr(args, "plan_time_limit", 10.0)),
-            "--route-wait", str(getattr(args, "route_wait", 30.0)), *emulate]
+            "--route-wait", str(getattr(args, "route_wait", 30.0)), *_workload_args(args), *emulate]
         cproc, ready = await _spawn(coord_cmd, coord_log, env, lifeline=lifeline,
                                     ready_timeout_s=args.ready_timeout, name="coordinator")
         procs.append((Proc("coordinator", "coordinator", cproc.pid, str(coord_log), ready["peer_id"], coord_cmd),

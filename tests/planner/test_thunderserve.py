@@ -214,3 +214,19 @@ def test_a_group_keeps_the_first_deployments_hosts_together() -> None:
         for k in owners:
             assert {POOL.gpus[g].host for g in dep.groups[k].gpus} == {h} or len(owners) == 1
     assert isinstance(dep.groups[0], Group)
+
+
+def test_absolute_slos_replace_the_scales_and_are_checked() -> None:
+    from hetnode.errors import ConfigError
+    from hetnode.planner.thunderserve.settings import Traffic
+    from hetnode.planner.thunderserve.slo import slo_for
+
+    model = model_spec("llama-30b")
+    options = ThunderServeOptions(traffic=Traffic(input_len=700, output_len=200, rate=1), slo_s=(2.0, 0.1))
+    slo = slo_for(model, options)
+    assert (slo.ttft_s, slo.tpot_s, slo.e2e_s) == (2.0, 0.1, pytest.approx(2.0 + 200 * 0.1))
+    scaled = slo_for(model, replace(options, slo_s=None))
+    assert scaled.ttft_s != 2.0  # the scales of the reference latency otherwise
+    for bad in ((0.0, 0.1), (1.0, math.inf)):
+        with pytest.raises(ConfigError, match="absolute SLOs"):
+            ThunderServeOptions(slo_s=bad)

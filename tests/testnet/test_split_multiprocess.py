@@ -58,14 +58,20 @@ def split_shape(api: str) -> tuple[list[int], list[int]]:
 
 
 def serve_and_check(tmp_path: Path, model: str, nodes: Nodes, shape: tuple[list[int], list[int]], hf: Any,
-                    tok: Any, prompts: list[list[int]], max_tokens: int) -> None:
+                    tok: Any, prompts: list[list[int]], max_tokens: int, policy: tuple[str, ...] = ()) -> None:
+    """`policy`: more `testnet up` arguments (Splitwise's pools and batching)."""
     state_dir = tmp_path / "tn"
     cluster = cluster_file(tmp_path / "cluster.toml", model, nodes)
     state = start_testnet(state_dir, model, cluster=cluster,
-                          extra=("--placement", "split", "--kv-codec", "fp16", "--compute-dilation", "1"))
+                          extra=("--placement", "split", "--kv-codec", "fp16", "--compute-dilation", "1", *policy))
     try:
         check_against_transformers(state["api"], model, hf, tok, prompts, max_tokens)  # waits for a ready plan
         assert split_shape(state["api"]) == shape
+        plan = httpx.get(f"{state['api']}/v1/plan", timeout=10).json()["plan"]
+        if "splitwise" in policy:  # the pools: every replica's home role and the pool it is lent to now
+            assert plan["scheduler"]["name"] == "splitwise" and all("pool" in r for r in plan["replicas"]), plan
+        else:
+            assert plan["scheduler"]["name"] == "cls", plan
         handoffs = httpx.get(f"{state['api']}/v1/plan", timeout=10).json()["handoffs"]  # per request, visible
         assert len(handoffs) >= len(prompts) and all(
             k["codec"] == "fp16" and k["bytes"] > 0 for h in handoffs for k in h["links"])
@@ -76,9 +82,13 @@ def serve_and_check(tmp_path: Path, model: str, nodes: Nodes, shape: tuple[list[
         stop_testnet(state_dir)
 
 
-@pytest.mark.parametrize(("nodes", "shape"), [(P2_D1, ([2], [1])), (P1_D2, ([1], [2]))], ids=["p2-d1", "p1-d2"])
+# CLS's routing with the nodes' shared batching; Splitwise's pools with its machine-level batching on the nodes.
+@pytest.mark.parametrize(("nodes", "shape", "policy"), [
+    (P2_D1, ([2], [1]), ()), (P1_D2, ([1], [2]), ("--scheduler", "splitwise", "--batching", "splitwise"))],
+    ids=["p2-d1-cls", "p1-d2-splitwise"])
 def test_smollm2_split_greedy_matches_transformers(nodes: Nodes, shape: tuple[list[int], list[int]],
-                                                   tmp_path: Path, smollm2_transformers: Any) -> None:
+                                                   policy: tuple[str, ...], tmp_path: Path,
+                                                   smollm2_transformers: Any) -> None:
     from hetnode.models.tokenizer import chat_prompt_ids, load_tokenizer
 
     hf = smollm2_transformers
@@ -88,7 +98,7 @@ def test_smollm2_split_greedy_matches_transformers(nodes: Nodes, shape: tuple[li
         tok.encode("The three primary colors are"),
         tok.encode("Once upon a time, " * 120),  # ~600 tokens: a transfer the hops stream layer by layer
     ]
-    serve_and_check(tmp_path, "smollm2-135m", nodes, shape, hf, tok, prompts, 20)
+    serve_and_check(tmp_path, "smollm2-135m", nodes, shape, hf, tok, prompts, 20, policy)
 
 
 @pytest.mark.parametrize(("arch", "nodes", "shape"), [("llama", P2_D1, ([2], [1])), ("qwen2", P1_D2, ([1], [2]))])

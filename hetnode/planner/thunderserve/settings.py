@@ -55,6 +55,9 @@ class ThunderServeOptions:
     # faster than any link here (an assumption; the runtime measures its own rates).
     codec_rate: float = 200e9
     moves: tuple[str, ...] = ("flip", "split", "merge", "move")  # the neighbour moves the search uses
+    # Absolute (TTFT, TPOT) SLOs in seconds, in place of the scales: a live cluster's small model on emulated
+    # GPUs is faster than any network it crosses, so multiples of its roofline latency would be met by no route.
+    slo_s: tuple[float, float] | None = None
 
     def __post_init__(self) -> None:
         problems = []
@@ -71,5 +74,7 @@ class ThunderServeOptions:
         unknown = set(self.moves) - {"flip", "split", "merge", "move"}
         if unknown or not self.moves:
             problems.append("moves: a non-empty subset of flip, split, merge, move")
+        if self.slo_s is not None and not all(x > 0 and math.isfinite(x) for x in self.slo_s):
+            problems.append("absolute SLOs (TTFT, TPOT) must be positive and finite")
         if problems:
             raise ConfigError(f"bad ThunderServe options: {'; '.join(problems)}")

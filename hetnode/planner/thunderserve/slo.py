@@ -44,9 +44,13 @@ class Slo:
 
 
 def slo_for(model: ModelSpec, options: ThunderServeOptions) -> Slo:
-    """The SLOs: the options' scales times the model's latencies on REFERENCE_DEVICE (roofline)."""
-    device = parse_device(REFERENCE_DEVICE)
+    """The SLOs: the options' scales times the model's latencies on REFERENCE_DEVICE (roofline), or the options'
+    absolute ones (end to end: TTFT + output_len x TPOT)."""
     traffic = options.traffic
+    if options.slo_s is not None:
+        ttft_s, tpot_s = options.slo_s
+        return Slo(ttft_s=ttft_s, tpot_s=tpot_s, e2e_s=ttft_s + traffic.output_len * tpot_s)
+    device = parse_device(REFERENCE_DEVICE)
     s_in = max(1, round(traffic.input_len))
     bpe = round(model.bytes_per_param)
     ttft = step_time(device, model.shape, model.num_layers, s_in, s_in, attended_pairs=s_in * (s_in + 1) // 2,
