@@ -196,6 +196,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--token", default=None, help="admission token (default: random)")
     up.add_argument("--heartbeat-deadline", type=_positive, default=5.0, metavar="S",
                     help="seconds without heartbeat before a node is marked down (default: 5)")
+    up.add_argument("--probe-interval", type=_positive, default=60.0, metavar="S",
+                    help="the coordinator's seconds between link re-probes while membership is stable (default: 60)")
     up.add_argument("--ready-timeout", type=_positive, default=120.0, metavar="S",
                     help="fail if a process is not ready within this many seconds (default: 120)")
     up.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])

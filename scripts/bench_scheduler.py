@@ -8,7 +8,7 @@ saturated one (requests queue; each finish starts the next). Prompt lengths are 
 like the Azure conversation trace's. The target is 20,000 decisions/s per policy.
 
 Beside them, Cronus's routing (`CronusScheduler` on one A100+A10 pair serving LLaMA-3 8B, its balancer fitted on
-the two devices): one decision is a `submit` whose split Algorithm 1 picks over its 512 candidates, then its
+the two devices): one decision is a `submit` whose split Algorithm 1 picks among its 512 candidates, then its
 first token (`prefilled`) and, once `inflight` requests run, the `finish` of the oldest; its rate is set beside
 IWRR's in the first scenario.
 
@@ -21,8 +21,9 @@ flows of networkx's max flow with the slower links between regions.
 The partially disaggregated designs' per-request decisions are timed beside it ("partial" in the result):
 EcoServe's macro-instance scheduler (Algorithms 1-2 over 8 and 16 instances' reported states, each holding 64
 decodes and a few pending prompts; each decision is one `route` plus the routed instance's status report, as
-instances report when they change) and Cronus's balancer (`CronusBalancer.split`, Algorithm 1's 512 candidate
-split points, against a CPI with 64 decodes).
+instances report when they change) and Cronus's balancer (`CronusBalancer.split`, Algorithm 1's choice among 512
+candidate split points, against a CPI with 64 decodes), beside the plain scan of all 512 that it must agree with
+(`_scan_split`, "cronus-balancer-scan") on the same prompts in the same run.
 
     .venv/bin/python scripts/bench_scheduler.py [--decisions 50000] [--inflight N] [--quick] [--json]
 """
@@ -35,6 +36,7 @@ import random
 import sys
 import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +51,7 @@ from hetnode.planner.model import PRESETS
 from hetnode.planner.plan import SINK, SOURCE, NodePlacement, PlacementPlan
 from hetnode.planner.profile import kv_tokens
 from hetnode.planner.profile_sources import profile_table_for
-from hetnode.policy.cronus import ChunkedIteration, CpiState, CronusBalancer, LinearPrefill
+from hetnode.policy.cronus import ChunkedIteration, CpiState, CronusBalancer, LinearPrefill, Split, _scan_split
 from hetnode.policy.ecoserve import Decoding, InstanceState, Slos
 from hetnode.policy.macro_scheduler import MacroScheduler
 from hetnode.policy.prefill_predictor import PROFILE_LENGTHS, PrefillPredictor
@@ -292,8 +294,11 @@ def run_partial(decisions: int, repeats: int, seed: int) -> dict[str, dict[str, 
     for n in (8, 16):
         out[f"ecoserve-macro-{n}"] = max((_macro_run(n, prompts, decisions, seed) for _ in range(repeats)),
                                          key=lambda r: r["decisions_s"])
-    out["cronus-balancer"] = max((_cronus_run(prompts, decisions) for _ in range(repeats)),
-                                 key=lambda r: r["decisions_s"])
+    balancer = CronusBalancer(LinearPrefill(2.5e-4, 0.02), ChunkedIteration(2e-6, 5e-7, 0.03))
+    for name, split in (("cronus-balancer", balancer.split),
+                        ("cronus-balancer-scan", lambda prompt, state: _scan_split(balancer, prompt, state))):
+        out[name] = max((_cronus_run(split, prompts, decisions) for _ in range(repeats)),
+                        key=lambda r: r["decisions_s"])
     return out
 
 
@@ -324,12 +329,11 @@ def _macro_run(instances: int, prompts: list[int], decisions: int, seed: int) ->
     return {"decisions_s": decisions / elapsed, "us_per_decision": elapsed / decisions * 1e6}
 
 
-def _cronus_run(prompts: list[int], decisions: int) -> dict[str, float]:
-    balancer = CronusBalancer(LinearPrefill(2.5e-4, 0.02), ChunkedIteration(2e-6, 5e-7, 0.03))
+def _cronus_run(split: Callable[[int, CpiState], Split], prompts: list[int], decisions: int) -> dict[str, float]:
     state = CpiState(decodes=64, decode_context=64 * 600, free_blocks=20_000, block_size=16, max_batch_tokens=512)
     start = time.process_time()
     for i in range(decisions):
-        balancer.split(prompts[i & 4095], state)
+        split(prompts[i & 4095], state)
     elapsed = time.process_time() - start
     return {"decisions_s": decisions / elapsed, "us_per_decision": elapsed / decisions * 1e6}
 
@@ -373,14 +377,14 @@ def main() -> None:
                   f"{r['ratio_to_target']:>8.2f}x  {r['mean_stages']:>6.2f}  {r['queued']:>6}  {r['rejected']:>8}")
     c = result["cronus"]
     vs = f", {c['vs_iwrr']:.2f}x IWRR's ({next(iter(result['scenarios']))})" if c["vs_iwrr"] else ""
-    print(f"\ncronus (A100+A10 pair, Algorithm 1 over 512 candidates): {c['decisions_s']:,.0f} decisions/s, "
+    print(f"\ncronus (A100+A10 pair, Algorithm 1 among 512 candidates): {c['decisions_s']:,.0f} decisions/s, "
           f"{c['us_per_decision']:.1f} us each{vs}; {c['split_share']:.0%} of prompts split")
     iwrr = max(c["policies"]["iwrr"]["decisions_s"] for c in result["scenarios"].values()
                if "iwrr" in c["policies"]) if any("iwrr" in c["policies"] for c in result["scenarios"].values()) else 0
     print("\npartially disaggregated designs' per-request decisions (beside IWRR's best scenario)")
     for name, r in result["partial"].items():
         beside = f"{r['decisions_s'] / iwrr:.2f}x IWRR" if iwrr else ""
-        print(f"{name:>18}  {r['decisions_s']:>11,.0f}/s  {r['us_per_decision']:>8.1f} us  {beside}")
+        print(f"{name:>20}  {r['decisions_s']:>11,.0f}/s  {r['us_per_decision']:>8.1f} us  {beside}")
 
 
 if __name__ == "__main__":

@@ -516,6 +516,13 @@ class Deployment:
             now = trio.current_time()
             self._wake(scheduler, scheduler.prefilled(key, now), now)
 
+    def route_partial_done(self, key: str) -> None:
+        """The earlier phases of session `key` are done with it (every hop of them handed its KV on)."""
+        scheduler = self._routed.get(key)
+        if scheduler is not None:
+            now = trio.current_time()
+            self._wake(scheduler, scheduler.partial_done(key, now), now)
+
     def route_done(self, key: str, output_len: int | None) -> None:
         """The session `key` ended: after `output_len` generated tokens, or moved away (None)."""
         scheduler = self._routed.pop(key, None)

@@ -304,6 +304,11 @@ class QueuedScheduler(ABC):
         unless the policy charges a prefill apart (the phase-split scheduler frees the prefill replica)."""
         return []
 
+    def partial_done(self, request_id: str, now: float) -> list[Decision]:
+        """The request's earlier phases are done with it (their hops handed the KV on). Nothing changes here
+        unless the policy holds a place in such a phase until then (Cronus's PPI)."""
+        return []
+
     def finish(self, request_id: str, output_len: int, now: float) -> list[Decision]:
         """A running request ended after `output_len` generated tokens: free its KV estimate, learn from its
         length, and return what became of the queued requests that could now move (FIFO order)."""

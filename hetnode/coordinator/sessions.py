@@ -60,6 +60,7 @@ from hetnode.protocol.messages import (
     Failed,
     Freeze,
     Frozen,
+    HandedOver,
     Hop,
     HopReport,
     Install,
@@ -122,6 +123,7 @@ class _Session:
         self.leaving: set[NodeId] = set()  # hops of its last phase that are draining: move it, KV and all
         self.replaced: set[NodeId] = set()  # those of them that stay, with other layers after a re-plan
         self.frozen: dict[NodeId, int] = {}  # answers to Freeze: each hop's computed positions
+        self.handed: set[NodeId] = set()  # hops of its earlier phases done with it (HandedOver)
         # Tokens that came before an earlier one: a decode phase's second token may overtake the prefill phase's
         # first (they come from different hops, over different streams).
         self.early: dict[int, Token] = {}
@@ -138,6 +140,8 @@ class _Session:
         self.samplers = {NodeId(phase.hops[-1].peer) for phase in route.phases}
         # Hops that start from handed-over KV: the prefill starts when each has reserved it (Ready).
         self.receivers = {NodeId(h.peer) for phase in route.phases[1:] for h in phase.hops}
+        # Hops that hand KV on to a later phase: each says when its part is done (HandedOver).
+        self.handers = {NodeId(h.peer) for phase in route.phases[:-1] for h in phase.hops}
 
 
 @dataclass(frozen=True)
@@ -312,6 +316,8 @@ class PipelineGenerator:
                 self._to_session(peer, token.session, token)
         elif isinstance(msg, Failed | Ready | Frozen):
             self._to_session(peer, msg.session, msg)
+        elif isinstance(msg, HandedOver):
+            self._handed_over(peer, msg)
         elif isinstance(msg, ErrorReply):
             log.warning("data path error from %s: %s: %s", self._name(peer), msg.code, msg.message)
         else:
@@ -338,6 +344,20 @@ class PipelineGenerator:
             session.send.send_nowait(msg)
         except trio.WouldBlock:
             log.warning("session %s: more results from %s than it can produce; dropped", session_id, peer)
+
+    def _handed_over(self, peer: NodeId, msg: HandedOver) -> None:
+        """Once every hop of the earlier phases is done with the session, the scheduler hears it (Cronus frees the
+        PPI's place then, rather than at the first token, which comes a whole CPI prefill later)."""
+        session = self._sessions.get(SessionId(msg.session))
+        if session is None or session.handed >= session.handers:
+            return  # a moved request's old session, or told already
+        if peer not in session.handers:
+            log.warning("session %s: HandedOver from %s, which hands it nothing", msg.session, self._name(peer))
+            return
+        session.handed.add(peer)
+        if session.handed >= session.handers:
+            self.traces.handed_over(session.id, trio.current_time())
+            self.deployment.route_partial_done(session.id)
 
     def node_leaving(self, peer: NodeId) -> None:
         """`peer` drains before it leaves: every session whose KV it holds moves with that KV to other nodes

@@ -29,12 +29,14 @@ class SessionTrace:
     started_s: float  # when its route was installed
     route: dict[str, Any]
     first_token_s: float | None = None
+    handed_over_s: float | None = None  # when every hop of its earlier phases had handed its KV on
     ended_s: float | None = None
     end: str = ""  # "finished", "moved", or why it failed
     hops: list[dict[str, Any]] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return {"session": self.session, "started_s": self.started_s, "first_token_s": self.first_token_s,
+                "handed_over_s": self.handed_over_s,
                 "ended_s": self.ended_s, "end": self.end, "route": self.route, "hops": self.hops}
 
 
@@ -131,6 +133,11 @@ class TraceStore:
         found = self._sessions.get(session)
         if found is not None and found[1].first_token_s is None:
             found[1].first_token_s = now - trace.start
+
+    def handed_over(self, session: str, now: float) -> None:
+        found = self._sessions.get(session)
+        if found is not None and found[1].handed_over_s is None:
+            found[1].handed_over_s = now - found[0].start
 
     def moved(self, trace: RequestTrace, kind: str, reason: str, old: str, new: str, recomputed: int,
               now: float) -> None:

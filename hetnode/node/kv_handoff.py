@@ -35,7 +35,7 @@ from hetnode.node.engine import Engine, EngineError, LayerDone, TorchEngine
 from hetnode.node.hop_session import HopSession
 from hetnode.node.metrics import NodeMetrics
 from hetnode.policy import KVTransferPolicy
-from hetnode.protocol.messages import KV, ErrorReply, Export, Freeze, Frozen, TensorMeta
+from hetnode.protocol.messages import KV, ErrorReply, Export, Freeze, Frozen, HandedOver, TensorMeta
 from hetnode.protocol.outbox import Outbox
 from hetnode.protocol.routes import KVPeer, kv_targets, places_of, route_problem
 from hetnode.protocol.transport import Transport
@@ -209,6 +209,7 @@ class KVHandoffs:
                 # Everything this hop computed for the session is on its way: its KV is not needed here.
                 # Its coordinator is remembered a while, so a send that fails later is still reported.
                 self._drop(session.id, "handed_over")
+                self.outbox.post(session.coordinator, HandedOver(session=session.id, end=end))
                 self._handed[session.id] = session.coordinator
                 if len(self._handed) > _HANDED_MEMORY:
                     self._handed.popitem(last=False)

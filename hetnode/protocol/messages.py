@@ -403,6 +403,15 @@ class Ready(_Msg, tag="ready", frozen=True, kw_only=True):
     session: SessionStr
 
 
+class HandedOver(_Msg, tag="handed_over", frozen=True, kw_only=True):
+    """A hop of a phase before the last has computed its whole span of `session` and queued all of that KV to the
+    next phase: its part of the request is done (hop -> coordinator; Cronus's partial prefill instance can take
+    its next prompt)."""
+
+    session: SessionStr
+    end: Count  # the positions [0, end) it computed
+
+
 class Release(_Msg, tag="release", frozen=True, kw_only=True):
     """Free the session's KV on this hop (the coordinator sends it to every hop when the session ends)."""
 
@@ -438,7 +447,7 @@ class Export(_Msg, tag="export", frozen=True, kw_only=True):
     route: Route
 
 
-InferMessage = (Install | Items | Tokens | Failed | Ready | Release | Renew | Freeze | Frozen | Export
+InferMessage = (Install | Items | Tokens | Failed | Ready | HandedOver | Release | Renew | Freeze | Frozen | Export
                 | ErrorReply)
 infer_decoder = msgspec.msgpack.Decoder(InferMessage)
 
@@ -463,5 +472,5 @@ kv_decoder = msgspec.msgpack.Decoder(KVMessage)
 ALL_MESSAGE_TYPES: tuple[type[msgspec.Struct], ...] = (
     ErrorReply, Join, Welcome, Refuse, Heartbeat, Members, ProbeOrder, LinkReport, Assignment, AssignmentStatus, Leave,
     Ping, Pong, BulkStart, BulkDone, DiscoverRequest, DiscoverReply,
-    Install, Items, Tokens, Failed, Ready, Release, Renew, KV,
+    Install, Items, Tokens, Failed, Ready, HandedOver, Release, Renew, KV,
 )

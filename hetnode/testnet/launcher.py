@@ -294,6 +294,7 @@ async def start(args: argparse.Namespace) -> Running:
             *prefix, *base, "coordinator", "--listen", listen, "--api", api_bind,
             "--identity", str(state_dir / "keys" / "coordinator.key"), "--state-dir", str(state_dir / "coordinator"),
             "--heartbeat-deadline", str(args.heartbeat_deadline), "--log-level", args.log_level,
+            "--probe-interval", str(getattr(args, "probe_interval", 60.0)),
             "--model", args.model, "--region", cluster.coordinator_region, "--placement",
             getattr(args, "placement", "helix"), "--scheduler", getattr(args, "scheduler", "iwrr"),
             "--kv-codec", getattr(args, "kv_codec", "auto"),

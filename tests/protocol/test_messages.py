@@ -108,6 +108,7 @@ MESSAGES = st.one_of(
     built(m.Failed, session=short_text, hop_peer=peer, reason=short_text, unreachable=st.just("") | peer,
               cause=st.sampled_from(["lost", "preempted", "full", "refused"])),
     built(m.Ready, session=short_text),
+    built(m.HandedOver, session=short_text, end=count),
     built(m.KV, session=short_text, first_layer=count, layers=st.integers(1, 1024), start=position, count=positive,
               codec=codec, tensor=meta),
     built(m.Renew, sessions=st.lists(short_text, max_size=4)),

@@ -53,7 +53,8 @@ def test_netns_testnet_serves_and_probes_measure_the_kernel_rates(tmp_path: Path
     cluster = tmp_path / "netns2.toml"
     cluster.write_text(CLUSTER)
     state_dir = tmp_path / "tn"
-    state = start_testnet(state_dir, "smollm2-135m", cluster=cluster, extra=("--netns",))
+    # Probe rounds every 10 s: the first ones compete with loading the shards, a later one reads the kernel rates.
+    state = start_testnet(state_dir, "smollm2-135m", cluster=cluster, extra=("--netns", "--probe-interval", "10"))
     tag = state["netns"]["tag"]
     try:
         api = state["api"]
