@@ -524,6 +524,8 @@ def _check_plan(path: str, cluster: ClusterSpec, model: ModelSpec, profiles: Pro
 async def _run_coordinator(args: argparse.Namespace) -> None:
     from hetnode.coordinator.api import build_app, serve_api
     from hetnode.coordinator.daemon import Coordinator, CoordinatorConfig
+    from hetnode.coordinator.dashboard import dashboard_routes
+    from hetnode.coordinator.live_stats import LiveStats
     from hetnode.coordinator.state_dir import CoordinatorState, SavedPlan, StateDir, same_api_port, same_port
     from hetnode.protocol.identity import load_or_create_identity
     from hetnode.protocol.libp2p_transport import open_libp2p_transport
@@ -572,7 +574,8 @@ async def _run_coordinator(args: argparse.Namespace) -> None:
         from hetnode.coordinator.observe_api import observe_routes
 
         metrics = CoordinatorMetrics(coordinator)
-        routes = []
+        live = LiveStats(trio.current_time)
+        routes = dashboard_routes(coordinator, live)
         generator = None
         if serving is not None:
             from hetnode.coordinator.openai_api import openai_routes
@@ -583,7 +586,7 @@ async def _run_coordinator(args: argparse.Namespace) -> None:
                                                    planning=planning, ready_timeout_s=args.route_wait)
             generator.kv_codecs = KVCodecPolicy(args.kv_codec)
             generator.traces = TraceStore(args.trace_history)
-            routes = openai_routes(generator, metrics=metrics)
+            routes += openai_routes(generator, metrics=[metrics, live])
             deployment = coordinator.deployment
             assert deployment is not None
             if store is not None:
@@ -609,8 +612,8 @@ async def _run_coordinator(args: argparse.Namespace) -> None:
             nursery.start_soon(partial(shutdown_on_signal, nursery.cancel_scope, lifeline_fd=args.lifeline_fd))
             await nursery.start(coordinator.run)
             url = await nursery.start(serve_api, app, host, port)
-            log.info("coordinator %s listening on %s; API at %s", transport.peer_id,
-                     " ".join(transport.listen_addrs()), url)
+            log.info("coordinator %s listening on %s; API at %s, dashboard at %s/dashboard", transport.peer_id,
+                     " ".join(transport.listen_addrs()), url, url)
             if store is not None:
                 saved.token, saved.api_key = token, api_key
                 saved.listen, saved.api = transport.listen_addrs(), url.removeprefix("http://")

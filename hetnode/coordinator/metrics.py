@@ -25,15 +25,6 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 
-def outcome_of(record: RequestRecord) -> str:
-    """A request's outcome label: completed, cancelled (the client left), client_error (4xx), server_error."""
-    if record.client_gone:
-        return "cancelled"
-    if record.status == 200:
-        return "completed"
-    return "client_error" if 400 <= record.status < 500 else "server_error"
-
-
 class CoordinatorMetrics:
     def __init__(self, coordinator: Coordinator) -> None:
         self.coordinator = coordinator
@@ -53,7 +44,7 @@ class CoordinatorMetrics:
         r.register(_Live(coordinator))
 
     def observe_request(self, record: RequestRecord) -> None:
-        outcome = outcome_of(record)
+        outcome = record.outcome
         self.requests.labels(record.endpoint, outcome).inc()
         self.prompt_tokens.inc(record.prompt_tokens if record.status == 200 else 0)
         self.completion_tokens.inc(record.completion_tokens)
@@ -61,9 +52,8 @@ class CoordinatorMetrics:
             self.ttft.observe(record.time_to_first_token_s)
         if outcome == "completed":
             self.e2e.observe(record.duration_s)
-            if record.time_to_first_token_s is not None and record.completion_tokens > 1:
-                self.tpot.observe((record.duration_s - record.time_to_first_token_s)
-                                  / (record.completion_tokens - 1))
+            if record.tpot_s is not None:
+                self.tpot.observe(record.tpot_s)
 
 
 class _Live(Collector):

@@ -1,6 +1,6 @@
 """OpenAI-compatible endpoints over a `Generator`: /v1/models, /v1/completions, /v1/chat/completions.
 
-    app = build_app(coordinator, api_key=key, extra_routes=openai_routes(generator, metrics=metrics))
+    app = build_app(coordinator, api_key=key, extra_routes=openai_routes(generator, metrics=[metrics]))
 
 Answers follow OpenAI's shapes, so the official clients work unchanged. Streaming answers are server-sent
 events, `data: {chunk}` each, ending with `data: [DONE]`.
@@ -20,9 +20,9 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import trio
 from starlette.requests import Request
@@ -57,6 +57,10 @@ from hetnode.coordinator.tokenizing import SHORT_PROMPT_CHARS, PromptTokenizer
 log = logging.getLogger(__name__)
 
 
+Outcome = Literal["completed", "cancelled", "client_error", "server_error"]
+OUTCOMES: tuple[Outcome, ...] = ("completed", "cancelled", "client_error", "server_error")
+
+
 @dataclass(frozen=True, slots=True)
 class RequestRecord:
     """One finished (or refused, or abandoned) completion request, for metrics."""
@@ -71,16 +75,37 @@ class RequestRecord:
     time_to_first_token_s: float | None
     duration_s: float
 
+    @property
+    def outcome(self) -> Outcome:
+        """completed: answered to its end; cancelled: the client left first; client_error: refused with a 4xx;
+        server_error: the rest (a 5xx, or a stream that ended with an error event). The one classification
+        that /metrics and the dashboard both count by."""
+        if self.client_gone:
+            return "cancelled"
+        if self.status == 200 and self.finish_reason is not None:
+            return "completed"
+        return "client_error" if 400 <= self.status < 500 else "server_error"
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Time per output token after the first: only for requests that produced two tokens or more."""
+        ttft = self.time_to_first_token_s
+        if ttft is None or self.completion_tokens < 2:
+            return None
+        return max(0.0, self.duration_s - ttft) / (self.completion_tokens - 1)
+
 
 class ApiMetrics(Protocol):
     def observe_request(self, record: RequestRecord) -> None: ...
 
 
-def openai_routes(generator: Generator, *, metrics: ApiMetrics | None = None,
+def openai_routes(generator: Generator, *, metrics: Sequence[ApiMetrics] = (),
                   short_prompt_chars: int = SHORT_PROMPT_CHARS) -> list[Route]:
     """The OpenAI routes, to pass to `build_app(extra_routes=...)`.
 
-    short_prompt_chars: prompts up to this long are tokenized in a lane of their own (see tokenizing.py)."""
+    metrics: what each ended request is reported to (the coordinator's Prometheus counters, the dashboard's
+    LiveStats). short_prompt_chars: prompts up to this long are tokenized in a lane of their own (see
+    tokenizing.py)."""
     api = _OpenAIApi(generator, metrics, short_prompt_chars)
     ops = openai_spec.operations(generator.model_name, vocab_size=generator.model_config.vocab_size,
                                  max_chars=api.tokenizing.max_chars)
@@ -94,9 +119,9 @@ def openai_routes(generator: Generator, *, metrics: ApiMetrics | None = None,
 
 
 class _OpenAIApi:
-    def __init__(self, generator: Generator, metrics: ApiMetrics | None, short_prompt_chars: int) -> None:
+    def __init__(self, generator: Generator, metrics: Sequence[ApiMetrics], short_prompt_chars: int) -> None:
         self.generator = generator
-        self.metrics = metrics
+        self.metrics = tuple(metrics)
         self.created = int(time.time())
         self.pieces = TokenPieces(generator.tokenizer)
         self.tokenizing = PromptTokenizer(generator.tokenizer, short_chars=short_prompt_chars,
@@ -152,8 +177,9 @@ class _OpenAIApi:
         self.record(RequestRecord(endpoint, status, False, 0, 0, None, False, None, trio.current_time() - start))
 
     def record(self, record: RequestRecord) -> None:
-        if self.metrics is not None:
-            self.metrics.observe_request(record)
+        """The one place an ended request is reported: every observer sees the same record."""
+        for observer in self.metrics:
+            observer.observe_request(record)
 
 
 class _GenerationResponse(Response):

@@ -172,6 +172,7 @@ class Registry:
                 "addrs": r.addrs,
                 "state": r.state,
                 "state_reason": r.state_reason,
+                "draining": r.draining,
                 "profile": _profile_json(r.profile),
                 "load": {
                     "queued_tokens": r.load.queued_tokens,

@@ -381,6 +381,7 @@ def print_summary(state: TestnetState, cluster: ClusterSpec, elapsed: float) -> 
         print(f"  {spec.name:<14} {spec.device:<8} region {spec.region or '-'}")
     auth = f" -H 'Authorization: Bearer {state.api_key}'" if state.api_key else ""
     print(f"API:       {state.api}")
+    print(f"dashboard: {state.api}/dashboard" + (f"#key={state.api_key}" if state.api_key else ""))
     for proc in state.procs:
         if proc.metrics:
             print(f"metrics:   {proc.name:<14} {proc.metrics}/metrics")

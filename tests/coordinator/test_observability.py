@@ -23,7 +23,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from hetnode.coordinator.api import build_app, serve_api
 from hetnode.coordinator.daemon import Coordinator, CoordinatorConfig
+from hetnode.coordinator.dashboard import dashboard_routes
 from hetnode.coordinator.deployment import PlanningConfig
+from hetnode.coordinator.live_stats import LiveStats
 from hetnode.coordinator.metrics import CoordinatorMetrics
 from hetnode.coordinator.observe_api import observe_routes
 from hetnode.coordinator.openai_api import openai_routes
@@ -86,8 +88,10 @@ async def split_network(model: Path) -> AsyncIterator[Live]:
             plan = await coord.deployment.wait_ready(30)
             assert plan is not None and plan.placement.method == "split"
             metrics = CoordinatorMetrics(coord)
-            app = build_app(coord, api_key=KEY, extra_routes=[*openai_routes(gen, metrics=metrics),
-                                                              *observe_routes(metrics, gen)])
+            live = LiveStats(trio.current_time)  # the dashboard's, fed beside /metrics as `hetnode coordinator` does
+            app = build_app(coord, api_key=KEY, extra_routes=[*openai_routes(gen, metrics=[metrics, live]),
+                                                              *observe_routes(metrics, gen),
+                                                              *dashboard_routes(coord, live)])
             # Served by hypercorn over TCP, as `hetnode coordinator` does (its disconnect events differ from
             # httpx's ASGI transport's: a finished answer must not count as a client that left).
             url = await nursery.start(serve_api, app, "127.0.0.1", 0)
@@ -163,6 +167,10 @@ async def test_metrics_and_traces_follow_the_requests_served(tiny_model: Path) -
         scrape = samples(r.text)
         assert total(scrape, "hetnode_requests_total", endpoint="completions", outcome="completed") == len(PROMPTS)
         assert total(scrape, "hetnode_requests_total") == len(PROMPTS)
+        # The dashboard's stats saw the same records, by the same outcomes.
+        stats = (await client.get("/v1/stats")).json()["requests"]
+        assert stats["totals"] == {"completed": len(PROMPTS), "cancelled": 0, "client_error": 0, "server_error": 0}
+        assert stats["ttft_s"]["p50"] is not None
         assert total(scrape, "hetnode_request_ttft_seconds_count") == len(PROMPTS)
         assert total(scrape, "hetnode_request_e2e_seconds_count") == len(PROMPTS)
         assert total(scrape, "hetnode_completion_tokens_total") == usage

@@ -109,7 +109,7 @@ async def gen(engine: TorchEngine, tokenizer: Any, nursery: trio.Nursery) -> Loc
 
 
 @asynccontextmanager
-async def api_app(generator: Generator, metrics: ApiMetrics | None = None, **options: Any,
+async def api_app(generator: Generator, *metrics: ApiMetrics, **options: Any,
                   ) -> AsyncIterator[Starlette]:
     """The coordinator's real app (middleware, error handlers) with the OpenAI routes."""
     async with MemoryNetwork().transport("coord") as transport:

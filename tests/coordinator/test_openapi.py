@@ -6,11 +6,14 @@ from pathlib import Path
 
 import httpx
 import pytest
+import trio
 from schemathesis.openapi import from_dict
 from starlette.routing import Route
 
 from hetnode.coordinator.api import build_app
 from hetnode.coordinator.daemon import Coordinator, CoordinatorConfig
+from hetnode.coordinator.dashboard import dashboard_routes
+from hetnode.coordinator.live_stats import LiveStats
 from hetnode.coordinator.openai_api import openai_routes
 from hetnode.coordinator.openapi import undocumented_routes
 from hetnode.models.resolve import load_config
@@ -29,7 +32,9 @@ async def test_the_document_names_every_route_and_method(tiny_model: Path) -> No
         coord = Coordinator(CoordinatorConfig(token="t"), ct)
         gen = coord.enable_serving(model="tiny", model_config=load_config(tiny_model),
                                    tokenizer=load_tokenizer(tiny_model))
-        app = build_app(coord, api_key="k3y", extra_routes=openai_routes(gen))
+        live = LiveStats(trio.current_time)
+        app = build_app(coord, api_key="k3y",
+                        extra_routes=[*openai_routes(gen, metrics=[live]), *dashboard_routes(coord, live)])
         # Every route the app serves carries its description; a plain Route would be missing from the document.
         assert undocumented_routes(app.routes) == []
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://api") as client:
@@ -42,9 +47,12 @@ async def test_the_document_names_every_route_and_method(tiny_model: Path) -> No
         documented = {(path, method) for path, ops in doc["paths"].items() for method in ops}
         assert served == documented
         assert ("/v1/chat/completions", "post") in documented and ("/openapi.json", "get") in documented
+        assert ("/v1/stats", "get") in documented and ("/dashboard", "get") in documented
         # The open routes are exactly those the middleware lets through without a key.
         assert doc["paths"]["/healthz"]["get"]["security"] == []
         assert doc["paths"]["/v1/cluster"]["get"]["security"] == [{"bearer": []}]
+        assert doc["paths"]["/dashboard"]["get"]["security"] == []  # the page holds no data (dashboard.py)
+        assert doc["paths"]["/v1/stats"]["get"]["security"] == [{"bearer": []}]
         # The bounds come from the validator's own constants and the model served.
         body = doc["paths"]["/v1/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
         assert body["properties"]["model"] == {"enum": ["tiny"]}

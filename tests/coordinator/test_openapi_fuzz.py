@@ -30,7 +30,9 @@ from schemathesis.specs.openapi.checks import (
 
 from hetnode.coordinator.api import build_app, serve_api
 from hetnode.coordinator.daemon import Coordinator, CoordinatorConfig
+from hetnode.coordinator.dashboard import dashboard_routes
 from hetnode.coordinator.deployment import PlanningConfig
+from hetnode.coordinator.live_stats import LiveStats
 from hetnode.coordinator.openai_api import openai_routes
 from hetnode.models.resolve import load_config
 from hetnode.models.tiny import write_tiny_model
@@ -91,7 +93,9 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
             await nursery.start(hops.run)
             await nursery.start(node.run)
             assert coord.deployment is not None and await coord.deployment.wait_ready(60) is not None
-            app = build_app(coord, api_key=KEY, extra_routes=openai_routes(gen), max_wait_s=1.0)
+            live = LiveStats(trio.current_time)
+            app = build_app(coord, api_key=KEY, max_wait_s=1.0,
+                            extra_routes=[*openai_routes(gen, metrics=[live]), *dashboard_routes(coord, live)])
             ready.append(await nursery.start(serve_api, app, "127.0.0.1", 0))
             stop.append((trio.lowlevel.current_trio_token(), nursery.cancel_scope))
             started.set()
