@@ -15,7 +15,7 @@ import socket
 import sys
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import trio
@@ -309,33 +309,31 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _slo(value: str) -> tuple[float, float]:
-    parts = value.split(",")
+def _two(value: str, cast: type[int] | type[float], form: str) -> tuple[Any, Any]:
+    """Two comma-separated numbers (`form` names them in the error, e.g. 'IN,OUT (two integers)')."""
     try:
-        ttft, tpot = (float(x) for x in parts)
+        a, b = (cast(v) for v in value.split(","))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected TTFT,TPOT in seconds (e.g. 5,0.5), not {value!r}") from None
+        raise argparse.ArgumentTypeError(f"expected {form}, not {value!r}") from None
+    return a, b
+
+
+def _slo(value: str) -> tuple[float, float]:
+    ttft, tpot = _two(value, float, "TTFT,TPOT in seconds (e.g. 5,0.1)")
     if not (ttft > 0 and tpot > 0 and math.isfinite(ttft) and math.isfinite(tpot)):
         raise argparse.ArgumentTypeError(f"both SLOs must be positive and finite, not {value!r}")
     return ttft, tpot
 
 
 def _macro_bounds(value: str) -> tuple[int, int]:
-    try:
-        lower, upper = (int(v) for v in value.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected N_l,N_u (two integers), not {value!r}") from None
+    lower, upper = _two(value, int, "N_l,N_u (two integers)")
     if not 1 <= lower < upper:
         raise argparse.ArgumentTypeError(f"need 1 <= N_l < N_u, not {lower},{upper}")
     return lower, upper
 
 
 def _workload(value: str) -> tuple[int, int]:
-    parts = value.split(",")
-    try:
-        prompt, output = (int(p) for p in parts)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected IN,OUT (two integers), not {value!r}") from None
+    prompt, output = _two(value, int, "IN,OUT (two integers)")
     if prompt < 1 or output < 0:
         raise argparse.ArgumentTypeError(f"needs at least 1 prompt and 0 output tokens: {value!r}")
     return prompt, output
