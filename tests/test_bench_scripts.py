@@ -18,6 +18,7 @@ pytestmark = pytest.mark.slow
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
 
+@pytest.mark.alone
 def test_bench_e2e_quick() -> None:
     r = subprocess.run([sys.executable, str(SCRIPTS / "bench_e2e.py"), "--quick", "--json"],
                        capture_output=True, text=True, timeout=900)
@@ -174,6 +175,7 @@ def test_bench_planner_progress_quick() -> None:
         assert flows[-1] <= run["max_flow"] + 1e-6 and run["max_flow"] <= run["upper_bound"] + 1e-6
 
 
+@pytest.mark.alone
 def test_chaos_quick() -> None:
     """A short chaos run: node kills, one coordinator restart; nothing hangs, nothing is silently wrong, no KV
     is left on any node (the script exits 1 otherwise)."""

@@ -46,6 +46,7 @@ latency_ms = 0.5
 WANT = {("coordinator", "node-0"): 24.0, ("node-0", "coordinator"): 24.0}  # the rest: 8
 
 
+@pytest.mark.alone
 def test_netns_testnet_serves_and_probes_measure_the_kernel_rates(tmp_path: Path) -> None:
     problem = netns_problem()
     if problem:

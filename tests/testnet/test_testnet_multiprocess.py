@@ -113,6 +113,7 @@ def test_join_rejects_malformed_and_unreachable_bootstrap(tmp_path: Path) -> Non
     assert "could not join" in r.stderr
 
 
+@pytest.mark.alone
 def test_emulated_links_measure_as_configured(tmp_path: Path) -> None:
     """The shipped demo cluster: every probe close to the configured bandwidth (+15%/-50%) and round trip (15%)."""
     from hetnode.planner.cluster import load_cluster
