@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,18 @@ def start_testnet(state_dir: Path, model: str, nodes: int = 3, *, cluster: Path 
     assert r.returncode == 0, r.stdout + r.stderr
     state: dict[str, Any] = json.loads((state_dir / "state.json").read_text())
     return state
+
+
+def wait_for_ready_plan(api: str, timeout_s: float = 300) -> dict[str, Any]:
+    """The first plan that is ready (its nodes have loaded their shards): a request sent before then waits only
+    --route-wait and gets a 503 if loading takes longer, as it does when another testnet shares the cores."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        plan = httpx.get(f"{api}/v1/plan", timeout=10).json().get("plan") or {}
+        if plan.get("ready"):
+            return dict(plan)
+        assert time.monotonic() < deadline, f"no ready plan within {timeout_s:g} s: {plan}"
+        time.sleep(0.2)
 
 
 def stop_testnet(state_dir: Path) -> None:
