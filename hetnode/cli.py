@@ -22,6 +22,7 @@ import trio
 
 from hetnode.argtypes import non_negative as _non_negative
 from hetnode.argtypes import positive as _positive
+from hetnode.argtypes import positive_int
 from hetnode.argtypes import positive_int as _positive_int
 from hetnode.errors import ConfigError, HetnodeError, PeerUnreachable, Refused
 from hetnode.policy.kv_codec import OPERATOR_CHOICES
@@ -53,6 +54,20 @@ def _planning_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--macro-bounds", type=_macro_bounds, default=(4, 16), metavar="NL,NU",
                    help="with --placement ecoserve: mitosis's N_l and N_u, the fewest and most instances of a "
                         "macro-instance (default: 4,16)")
+    p.add_argument("--scale-from", type=int, default=0, metavar="N",
+                   help="with --placement ecoserve: mitosis scaling; N instances serve at first, the others (and "
+                        "nodes that join later) stay loaded but spare until a window's SLO attainment under "
+                        "--scale-target adds one; --scale-idle under-used windows in a row remove one (default 0: "
+                        "every instance serves, nothing scales)")
+    p.add_argument("--scale-window", type=_positive, default=30.0, metavar="S",
+                   help="seconds of one scaling window (default: 30)")
+    p.add_argument("--scale-target", type=_positive, default=0.9, metavar="F",
+                   help="the SLO attainment (share of requests meeting --slo) under which a window adds an "
+                        "instance (default: 0.9)")
+    p.add_argument("--scale-low-use", type=_positive, default=0.3, metavar="F",
+                   help="the instances' mean busy share under which a window counts as under-used (default: 0.3)")
+    p.add_argument("--scale-idle", type=positive_int, default=4, metavar="N",
+                   help="under-used windows in a row that remove an instance (default: 4)")
     p.add_argument("--split-workload", type=_workload, default=(750, 240), metavar="IN,OUT",
                    help="prompt and output tokens of a typical request, which size a split plan's prefill and "
                         "decode pools (default: 750,240)")
@@ -552,10 +567,15 @@ async def _run_coordinator(args: argparse.Namespace) -> None:
     from hetnode.coordinator.deployment import PlanningConfig
     from hetnode.policy.kv_codec import KVCodecPolicy
 
+    if args.scale_from and args.placement != "ecoserve":
+        raise ConfigError(f"--scale-from scales EcoServe's instances: it needs --placement ecoserve, not "
+                          f"{args.placement}", key="--scale-from")
     planning = PlanningConfig(method=args.placement, scheduler=args.scheduler, time_limit_s=args.plan_time_limit,
                               split_workload=args.split_workload, reschedule_shift=args.reschedule_shift,
                               workload_window_s=args.workload_window, slo_s=args.slo,
-                              macro_bounds=args.macro_bounds)
+                              macro_bounds=args.macro_bounds, scale_from=args.scale_from,
+                              scale_window_s=args.scale_window, scale_target=args.scale_target,
+                              scale_low_use=args.scale_low_use, scale_idle_windows=args.scale_idle)
     identity = args.identity or (store.identity if store is not None else DEFAULT_HOME / "coordinator.key")
     key = load_or_create_identity(identity)
     serving = None

@@ -115,6 +115,7 @@ class Coordinator:
             nursery.start_soon(self.probes.run)
             if self.deployment is not None and self.generator is not None:
                 nursery.start_soon(self.deployment.run)
+                nursery.start_soon(self.deployment.run_scaling)
                 await nursery.start(self.generator.run)
             task_status.started()
 

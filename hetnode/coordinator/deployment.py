@@ -28,7 +28,7 @@ from dataclasses import dataclass, field, replace
 
 import trio
 
-from hetnode.coordinator.ecoserve_scheduler import SLOS
+from hetnode.coordinator.ecoserve_scheduler import SLOS, EcoServeScheduler
 from hetnode.coordinator.generation import GenerationError
 from hetnode.coordinator.planning import live_cluster, live_profiles
 from hetnode.coordinator.pool_scheduler import PoolScheduler
@@ -51,6 +51,7 @@ from hetnode.planner.thunderserve.deploy import thunderserve_placement
 from hetnode.planner.thunderserve.reschedule import reschedule
 from hetnode.planner.thunderserve.settings import ThunderServeOptions, Traffic
 from hetnode.policy.ecoserve import Slos
+from hetnode.policy.ecoserve_overall import ScalingTrigger
 from hetnode.policy.workload_monitor import WorkloadMonitor
 from hetnode.protocol.messages import Assignment, AssignmentStatus, Load, Route
 from hetnode.protocol.routes import route_peers
@@ -99,6 +100,13 @@ class PlanningConfig:
     slo_s: tuple[float, float] = (SLOS.ttft_s, SLOS.tpot_s)
     # EcoServe's mitosis bounds (N_l, N_u): macro-instances of N_l to N_u instances.
     macro_bounds: tuple[int, int] = (N_LOWER, N_UPPER)
+    # EcoServe's mitosis scaling: this many instances serve at first, the rest stay spare (0: all serve, no
+    # scaling); once per window the trigger (policy.ecoserve_overall.ScalingTrigger) adds or removes one.
+    scale_from: int = 0
+    scale_window_s: float = 30.0
+    scale_target: float = 0.9
+    scale_low_use: float = 0.3
+    scale_idle_windows: int = 4
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -119,6 +127,13 @@ class PlanningConfig:
         if not 1 <= self.macro_bounds[0] < self.macro_bounds[1]:
             raise ConfigError(f"EcoServe's macro-instance bounds need 1 <= N_l < N_u, not {self.macro_bounds}",
                               key="macro_bounds")
+        if self.scale_from < 0 or not self.scale_window_s > 0 or self.scale_idle_windows < 1:
+            raise ConfigError(f"EcoServe's scaling needs --scale-from >= 0 ({self.scale_from}), a window > 0 s "
+                              f"({self.scale_window_s}) and >= 1 idle window ({self.scale_idle_windows})",
+                              key="scale_from")
+        if not (0 < self.scale_target <= 1 and 0 < self.scale_low_use <= 1):
+            raise ConfigError(f"the scaling target ({self.scale_target}) and low use ({self.scale_low_use}) are "
+                              "shares in (0, 1]", key="scale_target")
         if not self.reschedule_shift >= 0 or not self.workload_window_s > 0:
             raise ConfigError(f"the reschedule shift must be >= 0 ({self.reschedule_shift}) and the workload "
                               f"window > 0 ({self.workload_window_s})", key="reschedule_shift")
@@ -178,6 +193,10 @@ class Plan:
         """Each replica's role, and under Splitwise's pools its home role and the pool it is in now."""
         out: list[dict[str, object]] = [{"role": r.role, "nodes": [_short(n, names) for n in r.nodes]}
                                         for r in self.placement.replicas]
+        if isinstance(self.scheduler, EcoServeScheduler):  # the macro-instances as scaling has grouped them now
+            now = {n: f"{MACRO}{k}" for k, group in enumerate(self.scheduler.macros()) for n in group}
+            for entry, r in zip(out, self.placement.replicas, strict=True):
+                entry["macro"] = now.get(r.nodes[0], "spare" if r.nodes[0] in self.scheduler.spare() else "down")
         if isinstance(self.scheduler, PoolScheduler):
             for entry, (home, pool, _) in zip(out, self.scheduler.pools(), strict=True):
                 entry["home"], entry["pool"] = home, pool
@@ -240,6 +259,7 @@ class Deployment:
         self._changed = trio.Event()
         self._pending_reason = "initial"
         self.replans: Counter[str] = Counter()  # new plan versions by replan_kind, since start (for /metrics)
+        self.scaling: list[dict[str, object]] = []  # EcoServe's mitosis changes, newest last (GET /v1/plan)
         self._pending_method: str | None = None
         self._planning = trio.Lock()
         # Requests routed by a scheduler, by session: the scheduler to tell when the session ends.
@@ -301,6 +321,38 @@ class Deployment:
             await trio.sleep(self.debounce_s)
             self._dirty = trio.Event()
             await self.replan(self._pending_reason, kind=replan_kind(self._pending_reason))
+
+    async def run_scaling(self) -> None:
+        """EcoServe's mitosis (`--scale-from`): at the end of each window the routing plan's scheduler judges it,
+        and may add a spare instance or remove one. The call is timed: it is all the pause routing sees while
+        instances move between macro-instances (their nodes are told nothing and serve on)."""
+        if not self.planning.scale_from:
+            return
+        while True:
+            await trio.sleep(self.planning.scale_window_s)  # a period, not a wait for something to happen
+            plan = self._usable(())
+            if plan is None or not isinstance(plan.scheduler, EcoServeScheduler) or plan.scheduler.scaler is None:
+                continue
+            now = trio.current_time()
+            started = time.perf_counter()
+            change, admitted = plan.scheduler.scale(now)
+            pause = time.perf_counter() - started
+            if change is None:
+                continue
+            names = {str(p): r.name for p, r in self.registry.nodes.items()}
+            entry = {"at": time.time(), "plan": plan.version, "action": change.action,
+                     "instance": names.get(str(change.instance), str(change.instance)),
+                     "attainment": change.attainment, "utilization": change.utilization,
+                     "sizes": list(change.sizes), "pause_s": pause,
+                     "moves": [{"instance": names.get(str(m.instance), str(m.instance)), "from": m.source,
+                                "to": m.target} for m in change.moves]}
+            self.scaling.append(entry)
+            del self.scaling[:-100]
+            log.info("mitosis: %s %s (attainment %.2f, utilization %.2f): macro-instances %s, %d moved, "
+                     "routing paused %.1f us", change.action, entry["instance"], change.attainment,
+                     change.utilization, list(change.sizes), len(change.moves), pause * 1e6)
+            self._wake(plan.scheduler, admitted, now)
+            self._notify()
 
     async def replan(self, reason: str, method: str | None = None, *, kind: str = "operator") -> Plan | None:
         """Plan over the up members; `method` (an operator's request) becomes the method from now on. `kind`
@@ -368,7 +420,7 @@ class Deployment:
             return {"predictors": ecoserve_predictors(placement, self.spec, {
                 str(r.peer_id): r.profile for r in self.registry.nodes.values()}),
                 "lower": self.planning.macro_bounds[0], "upper": self.planning.macro_bounds[1],
-                "slos": Slos(*self.planning.slo_s)}
+                "slos": Slos(*self.planning.slo_s), **self._scaling(placement)}
         if placement.method == "cronus":
             return {"splitters": cronus_splitters(placement, self.spec, {
                 str(r.peer_id): r.profile for r in self.registry.nodes.values()})}
@@ -385,6 +437,20 @@ class Deployment:
             planned = {p.node: profiles.profiles[p.node].tokens_per_s(p.layers) for p in placement.placements}
             return {"throughput": lambda node: load(node).tokens_per_s or planned.get(node, 0.0)}
         return {}
+
+    def _scaling(self, placement: PlacementPlan) -> dict[str, object]:
+        """An EcoServe scheduler's mitosis (`--scale-from`): its trigger, and the instances that serve at first:
+        those that served under the previous plan, so that a re-plan (a node joined or left) does not undo the
+        scaling (a node that joins is spare until the trigger adds it); on the first plan the first
+        `scale_from` in name order."""
+        if not self.planning.scale_from:
+            return {}
+        instances = sorted(n for r in placement.replicas for n in r.nodes)
+        before = self.plan.scheduler if self.plan is not None else None
+        active = sorted(before.active & set(instances)) if isinstance(before, EcoServeScheduler) else []
+        p = self.planning
+        return {"trigger": ScalingTrigger(p.scale_target, p.scale_low_use, p.scale_idle_windows),
+                "active": active or instances[:p.scale_from], "since": trio.current_time()}
 
     async def _place(self, members: list[NodeRecord], kind: str = "operator") -> tuple[PlacementPlan, ProfileTable]:
         profiles, skipped = live_profiles(members, self.spec, kv_share=self.planning.kv_share)
@@ -666,7 +732,7 @@ class Deployment:
         mix = self.workload.mix(trio.current_time())
         return {"model": self.model, "num_layers": self.model_config.num_layers,
                 "plan": self.plan.to_json() if self.plan else None, "problem": self.problem,
-                "history": self.history,
+                "history": self.history, "scaling": self.scaling,
                 "workload": {"window_s": mix.window_s, "arrivals": mix.arrivals, "finished": mix.finished,
                              "rate": mix.rate, "mean_input": mix.mean_input, "mean_output": mix.mean_output,
                              "planned_for": list(self.workload.baseline)}}

@@ -17,13 +17,22 @@ The state goes to the macro-instance scheduler (`MacroScheduler.update`) before 
 always reads every instance's latest state. A request is queued when no instance of the chosen macro-instance
 has KV room for it; a node that goes down leaves its macro-instance at once.
 
+Mitosis scaling (§3.5), when given a `ScalingTrigger`: only the `active` instances serve at first, the rest are
+spare (loaded, routed nothing). The executor calls `scale` once per window; the window's SLO attainment (each
+finished request judged as the simulator judges it: EcoServe's TTFT to its decode phase, and its TPOT; a request
+whose TTFT SLO ran out before its decode phase counts as a miss) and the active instances' utilization (the share
+of the window each held a request) go to the same `Scaler` the simulator scales with: a spare instance is added,
+or the last one removed. A removed instance finishes what it holds, routed nothing new. A split or merge moves
+instances between macro-instance schedulers with their state; their running requests never notice (nothing is
+sent to the node), and routing pauses only for the call itself (the executor times it).
+
 Pure: no I/O, no clock (every call passes `now`).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable, Mapping
+from collections.abc import Collection, Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -32,7 +41,7 @@ from hetnode.errors import ConfigError
 from hetnode.planner.ecoserve_plan import N_LOWER, N_UPPER, macro_of
 from hetnode.planner.plan import PlacementPlan
 from hetnode.policy.ecoserve import Decoding, InstanceState, PrefillTime, Slos
-from hetnode.policy.ecoserve_overall import Overall
+from hetnode.policy.ecoserve_overall import Overall, Scaler, Scaling, ScalingTrigger, attainment
 from hetnode.policy.macro_scheduler import MacroScheduler
 
 SLOS = Slos(ttft_s=5.0, tpot_s=0.1)  # the simulator's default SLOs (padg_cli)
@@ -42,8 +51,18 @@ SLOS = Slos(ttft_s=5.0, tpot_s=0.1)  # the simulator's default SLOs (padg_cli)
 class _Held:
     prompt: int
     routed_at: float
+    arrived_at: float
     output: int = 0  # tokens generated so far
     first_token_at: float = -1.0
+    decode_at: float = -1.0  # its instance switched to decoding with it (EcoServe's TTFT ends here)
+
+    def meets(self, slos: Slos, now: float) -> bool:
+        """Finished now: whether it met both SLOs as the simulator judges (`padg.Request.meets`)."""
+        start = self.decode_at if self.output > 1 and self.decode_at >= 0 else self.first_token_at
+        if start < 0:
+            return False
+        tpot = (now - start) / (self.output - 1) if self.output > 1 else 0.0
+        return start - self.arrived_at <= slos.ttft_s and tpot <= slos.tpot_s
 
 
 @dataclass(slots=True)
@@ -52,6 +71,9 @@ class _Instance:
     switched_at: float = 0.0
     held: dict[str, _Held] = field(default_factory=dict)
     down: bool = False
+    busy_s: float = 0.0  # time it held a request, up to busy_at
+    busy_at: float = 0.0
+    busy_mark: float = 0.0  # busy_s as the last window ended
 
     def phase_prompts(self) -> list[int]:
         return [h.prompt for h in self.held.values() if h.routed_at >= self.switched_at]
@@ -65,7 +87,8 @@ class EcoServeScheduler(QueuedScheduler):
     def __init__(self, plan: PlacementPlan, *, predictors: Mapping[str, PrefillTime], slos: Slos = SLOS,
                  lower: int = N_LOWER, upper: int = N_UPPER, kv_capacity: Mapping[str, int] | None = None,
                  high_water: float = 0.9, avg_output_len: float = 240.0, queue_limit: int = 1024, seed: int = 0,
-                 output_ratio: float = 1.0, learn_output: bool = True) -> None:
+                 output_ratio: float = 1.0, learn_output: bool = True, trigger: ScalingTrigger | None = None,
+                 active: Collection[str] | None = None, since: float = 0.0) -> None:
         super().__init__(high_water=high_water, avg_output_len=avg_output_len, queue_limit=queue_limit,
                          output_ratio=output_ratio, learn_output=learn_output)
         if plan.method != "ecoserve" or not plan.replicas or any(len(r.nodes) != 1 for r in plan.replicas):
@@ -88,8 +111,17 @@ class EcoServeScheduler(QueuedScheduler):
         self.plan = plan
         self.slos = slos
         self.overall = Overall(lower, upper, lambda: MacroScheduler(slos, slowest))
-        for node in sorted(self._instances):  # the plan's order of addition: its macro-instances again
+        serving = sorted(self._instances) if active is None else sorted(set(active) & set(self._instances))
+        if not serving:
+            raise ConfigError(f"none of the active instances {sorted(active or ())} is an instance of the plan "
+                              f"({', '.join(sorted(self._instances))})")
+        for node in serving:  # the plan's order of addition: its macro-instances again
             self.overall.add(node, InstanceState(switched_at=0.0))
+        # The spare instances join in name order; without a trigger there are none (every instance serves).
+        self.scaler = None if trigger is None else Scaler(self.overall, trigger, list(sorted(self._instances)))
+        self.scalings: list[Scaling] = []  # the latest changes, oldest first
+        self._met: list[bool] = []  # verdicts of the requests finished since the last window
+        self._window_at = since  # the first window starts with the scheduler
         self._capacity = dict(kv_capacity or {})
         self._running: dict[str, str] = {}  # request -> its instance
         self._down: set[str] = set()
@@ -108,8 +140,11 @@ class EcoServeScheduler(QueuedScheduler):
         held = inst.held[request_id]
         if held.first_token_at < 0:
             held.first_token_at, held.output = now, max(held.output, 1)
-        if all(h.first_token_at >= 0 for h in inst.held.values() if h.routed_at >= inst.switched_at):
+        phase = [h for h in inst.held.values() if h.routed_at >= inst.switched_at]
+        if all(h.first_token_at >= 0 for h in phase):
             inst.switched_at = now
+            for h in phase:
+                h.decode_at = now
         return []
 
     def progress(self, request_id: str, output_len: int, now: float) -> None:
@@ -118,6 +153,14 @@ class EcoServeScheduler(QueuedScheduler):
         if node is not None:
             held = self._instances[node].held[request_id]
             held.output = max(held.output, output_len)
+
+    def finish(self, request_id: str, output_len: int, now: float) -> list[Decision]:
+        node = self._running.get(request_id)
+        if node is not None:
+            held = self._instances[node].held[request_id]
+            held.output = max(held.output, output_len)
+            self._met.append(held.meets(self.slos, now))
+        return super().finish(request_id, output_len, now)
 
     def node_down(self, node: str, now: float | None = None) -> NodeDown:
         if now is not None:
@@ -128,9 +171,15 @@ class EcoServeScheduler(QueuedScheduler):
             return NodeDown(node, (), ())
         self._down.add(node)
         inst.down = True
-        k = self.overall.macro_of(node)
-        self.overall.macros[k].remove(node)
-        self.overall.mitosis.sizes[k] -= 1
+        if node in self.active:
+            self.overall.drop(node)
+        if self.scaler is not None:
+            self.scaler.order.remove(node)
+            spare = self.scaler.spare()
+            if not self.overall.macros and spare:  # the last serving instance went: a spare takes over at once
+                moves = self.overall.add(spare[0], self.state(str(spare[0]), self._now))
+                self.scalings.append(Scaling(self._now, "add", spare[0], math.nan, math.nan,
+                                             tuple(self.overall.sizes), tuple(moves)))
         affected = tuple(inst.held)
         return NodeDown(node, affected, self._reject_unservable())
 
@@ -142,6 +191,34 @@ class EcoServeScheduler(QueuedScheduler):
         self._now = self._now if now is None else max(self._now, now)
         self._capacity[node] = tokens
         return self._drain(self._now)
+
+    def scale(self, now: float) -> tuple[Scaling | None, list[Decision]]:
+        """The window since the last call ends: mitosis's change if the trigger calls for one (see the module
+        docstring), and the queued requests an added instance let start."""
+        if self.scaler is None:
+            raise ValueError("this EcoServe scheduler scales nothing: it was made without a trigger")
+        self._now = max(self._now, now)
+        start, self._window_at = self._window_at, now
+        ttft = self.slos.ttft_s
+        late = sum(1 for i in self._instances.values() for h in i.held.values()
+                   if h.decode_at < 0 and start < h.arrived_at + ttft <= now)
+        late += sum(1 for w in self._queue.values() if start < w.since + ttft <= now)
+        attained = attainment(self._met, late)
+        self._met = []
+        active = self.active
+        use = []
+        for node, inst in self._instances.items():
+            busy = self._busy(inst, now)
+            if node in active and now > start:
+                use.append(min(1.0, (busy - inst.busy_mark) / (now - start)))
+            inst.busy_mark = busy
+        change = self.scaler.window(now, attained, sum(use) / len(use) if use else 0.0,
+                                    lambda node: self.state(str(node), now))
+        if change is None:
+            return None, []
+        self.scalings.append(change)
+        del self.scalings[:-100]
+        return change, self._drain(now) if change.action == "add" else []
 
     # -- views -----------------------------------------------------------------------------------------------
 
@@ -162,6 +239,15 @@ class EcoServeScheduler(QueuedScheduler):
         node = self._running.get(request_id)
         return None if node is None else (self._instances[node].hop,)
 
+    @property
+    def active(self) -> frozenset[str]:
+        """The instances in a macro-instance: routed to."""
+        return frozenset(str(i) for m in self.overall.macros for i in m.ids)
+
+    def spare(self) -> list[str]:
+        """Up instances routed nothing, in the order mitosis would add them."""
+        return [str(i) for i in self.scaler.spare()] if self.scaler is not None else []
+
     def macros(self) -> list[list[str]]:
         """The macro-instances' instances, as the overall scheduler groups them now."""
         return [[str(i) for i in m.ids] for m in self.overall.macros]
@@ -172,16 +258,22 @@ class EcoServeScheduler(QueuedScheduler):
         decodes = tuple(Decoding(h.output, h.first_token_at) for h in inst.held.values()
                         if h.routed_at < inst.switched_at and h.first_token_at >= 0)
         free = self.high_water * self._room(node) - self._charged(inst)
-        k = self.overall.macro_of(node)
+        try:
+            routed = self.overall.macros[self.overall.macro_of(node)].counts[node]
+        except KeyError:  # a spare instance
+            routed = 0
         return InstanceState(switched_at=inst.switched_at, pending_prefills=tuple(inst.phase_prompts()),
-                             decodes=decodes, free_kv_tokens=int(max(0.0, min(free, 1 << 40))),
-                             routed=self.overall.macros[k].counts[node])
+                             decodes=decodes, free_kv_tokens=int(max(0.0, min(free, 1 << 40))), routed=routed)
 
     # -- the policy -----------------------------------------------------------------------------------------
 
     def _room(self, node: str) -> float:
         cap = self._capacity.get(node)
         return math.inf if cap is None else float(cap)
+
+    def _busy(self, inst: _Instance, now: float) -> float:
+        """Its time holding a request, up to `now`."""
+        return inst.busy_s + (now - inst.busy_at if inst.held else 0.0)
 
     def _charged(self, inst: _Instance) -> float:
         return sum(h.prompt for h in inst.held.values()) + len(inst.held) * self._output.mean
@@ -208,13 +300,16 @@ class EcoServeScheduler(QueuedScheduler):
                 break
             chosen = macro.route(input_len, need, now)
         node = str(chosen)
-        self._instances[node].held[request_id] = _Held(input_len, now)
+        inst = self._instances[node]
+        inst.busy_s, inst.busy_at = self._busy(inst, now), now
+        inst.held[request_id] = _Held(input_len, now, now - waited)
         self._running[request_id] = node
         self.decisions += 1
         return Decision(request_id, (self._instances[node].hop,), waited_s=waited)
 
     def _release(self, running: str) -> None:
         inst = self._instances[running]
+        inst.busy_s, inst.busy_at = self._busy(inst, self._now), self._now
         for rid in [r for r in inst.held if self._running.get(r) is None]:
             del inst.held[rid]
 

@@ -7,13 +7,16 @@
   only the scheduler that routes to it changes (§3.5.2's proxy object; here the instance's id and its state).
 - `ScalingTrigger`: when to add or remove: an SLO-attainment window under `target` adds one instance; `idle_windows`
   windows in a row with attainment at or above target and utilization under `low_use` remove one.
+- `Scaler`: one window's scaling, as both executors (the PaDG simulator, the coordinator's EcoServe scheduler) do
+  it: the trigger's verdict on the window's `attainment`, then the first spare instance added or the last one
+  removed (Fig. 7's order), never below one instance.
 
 Pure: the executor measures windows and carries out the moves.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
 from hetnode.policy.ecoserve import InstanceState, Mitosis
@@ -106,6 +109,17 @@ class Overall:
         target = len(self.macros) - 1
         return leaving, state, [Move(m, source, target) for m, source in moves]
 
+    def drop(self, instance: Hashable) -> None:
+        """An instance that went down leaves its macro-instance at once (not Fig. 7's order: it is gone); a
+        macro-instance left empty goes too."""
+        k = self.macro_of(instance)
+        self.macros[k].remove(instance)
+        self.mitosis.sizes[k] -= 1
+        if not self.mitosis.sizes[k]:
+            self.macros.pop(k)
+            self.credit.pop(k)
+            self.mitosis.sizes.pop(k)
+
     def _new_macro(self) -> None:
         self.macros.append(self.make())
         self.credit.append(0.0)
@@ -134,3 +148,54 @@ class ScalingTrigger:
             self.quiet = 0
             return -1
         return 0
+
+
+def attainment(met: Sequence[bool], late: int) -> float:
+    """A window's SLO attainment: of the requests that finished in it (`met`: each one's verdict) and those whose
+    TTFT SLO ran out in it before their decode phase began (`late`: already missed), the share that met both
+    SLOs; 1.0 for a window with nothing to judge."""
+    judged = len(met) + late
+    return sum(met) / judged if judged else 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class Scaling:
+    """One window's change: `instance` added or removed, on the window's attainment and utilization, leaving
+    macro-instances of `sizes`, with the instances a split or merge moved."""
+
+    at: float
+    action: str  # "add" or "remove"
+    instance: Hashable
+    attainment: float
+    utilization: float
+    sizes: tuple[int, ...]
+    moves: tuple[Move, ...]
+
+
+@dataclass
+class Scaler:
+    overall: Overall
+    trigger: ScalingTrigger
+    order: list[Hashable]  # every instance that may serve, in the order spare ones are added
+
+    def spare(self) -> list[Hashable]:
+        """The instances in no macro-instance, in `order`."""
+        serving = {i for m in self.overall.macros for i in m.ids}
+        return [i for i in self.order if i not in serving]
+
+    def window(self, now: float, attained: float, utilization: float,
+               state: Callable[[Hashable], InstanceState]) -> Scaling | None:
+        """The trigger's verdict on a window, carried out on the overall scheduler; `state` is a spare instance's
+        state as it joins. None when nothing changes (no verdict, no spare to add, or one instance left)."""
+        decision = self.trigger.decide(attained, utilization)
+        if decision > 0:
+            spare = self.spare()
+            if not spare:
+                return None
+            instance, moves = spare[0], self.overall.add(spare[0], state(spare[0]))
+        elif decision < 0 and sum(self.overall.sizes) > 1:
+            instance, _, moves = self.overall.remove()
+        else:
+            return None
+        return Scaling(now, "add" if decision > 0 else "remove", instance, attained, utilization,
+                       tuple(self.overall.sizes), tuple(moves))

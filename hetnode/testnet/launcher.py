@@ -178,13 +178,22 @@ class Running:
         return Path(self.state.state_dir) / "state.json"
 
 
+# The coordinator's planning options that `testnet up` takes too (cli._planning_args) and hands on as they are.
+_FORWARDED = (("split_workload", "--split-workload"), ("reschedule_shift", "--reschedule-shift"),
+              ("workload_window", "--workload-window"), ("slo", "--slo"), ("macro_bounds", "--macro-bounds"),
+              ("scale_from", "--scale-from"), ("scale_window", "--scale-window"), ("scale_target", "--scale-target"),
+              ("scale_low_use", "--scale-low-use"), ("scale_idle", "--scale-idle"))
+
+
 def _workload_args(args: argparse.Namespace) -> list[str]:
-    """What `testnet up` was told about the workload, for its coordinator (defaults where a caller's namespace
-    predates an option)."""
-    prompt, output = getattr(args, "split_workload", (750, 240))
-    ttft, tpot = getattr(args, "slo", (5.0, 0.1))
-    return ["--split-workload", f"{prompt},{output}", "--reschedule-shift", str(getattr(args, "reschedule_shift", 0.0)),
-            "--workload-window", str(getattr(args, "workload_window", 120.0)), "--slo", f"{ttft},{tpot}"]
+    """What `testnet up` was told about the workload and the planning, for its coordinator. An option the caller's
+    namespace lacks (one made before the option existed) is left to the coordinator's default."""
+    out = []
+    for dest, flag in _FORWARDED:
+        if hasattr(args, dest):
+            value = getattr(args, dest)
+            out += [flag, ",".join(map(str, value)) if isinstance(value, tuple) else str(value)]
+    return out
 
 
 def _batching(args: argparse.Namespace) -> str:
@@ -305,8 +314,7 @@ async def start(args: argparse.Namespace) -> Running:
             getattr(args, "placement", "helix"), "--scheduler", getattr(args, "scheduler", "iwrr"),
             "--kv-codec", getattr(args, "kv_codec", "auto"),
             "--plan-time-limit", str(getattr(args, "plan_time_limit", 10.0)),
-            "--route-wait", str(getattr(args, "route_wait", 30.0)), *_workload_args(args),
-            "--macro-bounds", ",".join(map(str, getattr(args, "macro_bounds", (4, 16)))), *emulate]
+            "--route-wait", str(getattr(args, "route_wait", 30.0)), *_workload_args(args), *emulate]
         cproc, ready = await _spawn(coord_cmd, coord_log, env, lifeline=lifeline,
                                     ready_timeout_s=args.ready_timeout, name="coordinator")
         procs.append((Proc("coordinator", "coordinator", cproc.pid, str(coord_log), ready["peer_id"], coord_cmd),

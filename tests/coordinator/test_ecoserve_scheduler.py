@@ -183,3 +183,16 @@ def test_the_operators_settings_are_checked() -> None:
         PlanningConfig(method="ecoserve", slo_s=(0.0, 0.1))
     with pytest.raises(ConfigError, match="N_l < N_u"):
         PlanningConfig(method="ecoserve", macro_bounds=(4, 4))
+    with pytest.raises(ConfigError, match="scale-from >= 0"):
+        PlanningConfig(method="ecoserve", scale_from=-1)
+    with pytest.raises(ConfigError, match="shares in"):
+        PlanningConfig(method="ecoserve", scale_from=1, scale_target=1.5)
+
+
+def test_scale_from_needs_the_ecoserve_placement() -> None:
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "hetnode", "coordinator", "--model", "none", "--scale-from", "2"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and "--scale-from" in out.stderr and "--placement ecoserve" in out.stderr, out.stderr

@@ -1,8 +1,9 @@
 """EcoServe on a multi-process testnet (`--placement ecoserve`): every node an instance holding the whole model,
 one macro-instance, each request routed by the coordinator's macro-instance scheduler (Algorithms 1 and 2) and
 run by its node's temporal batching (a step all prefill or all decode). Greedy output equals transformers' on the
-same weights, token for token; a node that joins while requests stream becomes an instance of the
-macro-instance and takes requests, and the instances already serving neither restart nor reload.
+same weights, token for token, while mitosis scaling (`--scale-from`) adds spare instances on SLO misses, the
+last one splitting off a second macro-instance; a node that joins while requests stream becomes an instance of
+the macro-instance and takes requests, and the instances already serving neither restart nor reload.
 """
 
 from __future__ import annotations
@@ -49,10 +50,11 @@ def instances(api: str, count: int, timeout_s: float = 120) -> list[tuple[str, s
     return sorted((r["role"], r["nodes"][0]) for r in plan["replicas"])
 
 
-def test_smollm2_ecoserve_greedy_matches_transformers(ecoserve: Any, smollm2_transformers: Any) -> None:
+def test_smollm2_ecoserve_greedy_matches_transformers_while_mitosis_adds_instances(
+        ecoserve: Any, smollm2_transformers: Any) -> None:
     from hetnode.models.tokenizer import chat_prompt_ids, load_tokenizer
 
-    start, _ = ecoserve
+    start, tmp = ecoserve
     tok = load_tokenizer(MODEL)
     prompts = [
         chat_prompt_ids(tok, [{"role": "user", "content": "What is the capital of France?"}]),
@@ -60,9 +62,43 @@ def test_smollm2_ecoserve_greedy_matches_transformers(ecoserve: Any, smollm2_tra
         tok.encode("Once upon a time, " * 60),
         tok.encode("def fibonacci(n):"),
     ]
-    state = start(2)
-    assert instances(state["api"], 2) == [("macro0", "node-0"), ("macro0", "node-1")]
-    check_against_transformers(state["api"], MODEL, smollm2_transformers, tok, prompts, 20)
+    # Mitosis from one serving instance of three, macro-instances of 1 to 2, one-second windows, and a TTFT SLO
+    # below any prefill: every window that judges a request is a miss and adds the next spare instance,
+    # [1] -> [2] -> [2, 1] (the third splits off a second macro-instance).
+    state = start(3, "--scale-from", "1", "--scale-window", "1", "--slo", "0.0001,0.1", "--macro-bounds", "1,2")
+    api = state["api"]
+    assert [role for role, _ in instances(api, 3)] == ["macro0", "macro0", "macro1"]
+    # One instance serves, the other two are spare, to be added in the plan's order (their peer ids'). Which one
+    # serves depends on the order the nodes joined in: the first plan's serve on, a node joining later is spare.
+    replicas = httpx.get(f"{api}/v1/plan", timeout=10).json()["plan"]["replicas"]
+    first = next(r["nodes"][0] for r in replicas if r["macro"] == "macro0")
+    second, third = (r["nodes"][0] for r in replicas if r["macro"] == "spare")
+    check_against_transformers(api, MODEL, smollm2_transformers, tok, prompts, 20)
+
+    prompt = "Once upon a time, in a land far away, " * 8
+    want = completion(api, prompt, 8)
+    served: Counter[str] = Counter()
+    deadline = time.monotonic() + 180
+    while True:
+        plan = httpx.get(f"{api}/v1/plan", timeout=10).json()
+        grouping = {r["nodes"][0]: r["macro"] for r in plan["plan"]["replicas"]}
+        if len(plan["scaling"]) >= 2 and served[second] and served[third]:
+            break
+        assert time.monotonic() < deadline, (plan["scaling"], grouping, served)
+        route: list[str] = []
+        assert completion(api, prompt, 8, on_headers=route.append) == want
+        served[route[0].split(": ", 1)[1].split(" ")[0]] += 1
+    adds = [(e["action"], e["instance"], e["sizes"], e["moves"]) for e in plan["scaling"][:2]]
+    assert adds == [("add", second, [2], []), ("add", third, [2, 1], [])], plan["scaling"]
+    if len(plan["scaling"]) == 2:  # (a quiet spell of four windows may have removed one since)
+        assert grouping == {first: "macro0", second: "macro0", third: "macro1"}
+    # The spare instances loaded their shards with the first plan and were only routed to later: no node
+    # restarted or loaded twice.
+    for name in ("node-0", "node-1", "node-2"):
+        node_log = (tmp / "tn" / "logs" / f"{name}.log").read_text()
+        assert node_log.count("serving layers") == 1, name
+    print("mitosis:", [(e["action"], e["sizes"], round(e["attainment"], 2), round(e["utilization"], 2),
+                        round(e["pause_s"] * 1e6, 1)) for e in plan["scaling"]])
 
 
 def test_an_instance_added_under_load_joins_the_macro_instance_and_takes_requests(ecoserve: Any) -> None:

@@ -51,7 +51,7 @@ from hetnode.planner.instance_cost import PCIE_GBPS, Chunk, InstanceCost
 from hetnode.planner.model import ModelSpec
 from hetnode.policy.balancer import least_loaded
 from hetnode.policy.ecoserve import Slos
-from hetnode.policy.ecoserve_overall import Overall, ScalingTrigger
+from hetnode.policy.ecoserve_overall import Overall, Scaler, ScalingTrigger, attainment
 from hetnode.policy.instance_steps import HYBRID, SEPARATE, InstanceConfig, InstanceScheduler, Plan
 from hetnode.policy.macro_scheduler import MacroScheduler
 from hetnode.policy.prefill_predictor import PROFILE_LENGTHS, PrefillPredictor
@@ -269,7 +269,9 @@ class PadgSim:
             for inst in self.instances:
                 if inst.active:
                     self.overall.add(inst.index, inst.scheduler.status())
-        self.trigger = ScalingTrigger(options.scale_target, options.scale_low_use, options.scale_idle_windows)
+        self.scaler = None if self.overall is None else Scaler(
+            self.overall, ScalingTrigger(options.scale_target, options.scale_low_use, options.scale_idle_windows),
+            [i.index for i in self.instances])
         self.scaling: list[dict[str, Any]] = []
 
     # -- arrivals and routing ------------------------------------------------------------------------------
@@ -384,22 +386,14 @@ class PadgSim:
         finished = [r for r in self.requests if r.finished and start < r.last_token <= now]
         late = [r for r in self.requests if math.isnan(r.decode_start) and not r.finished
                 and start < r.arrival + self.slos.ttft_s <= now]
-        judged = len(finished) + len(late)
-        attained = sum(r.meets(self.slos) for r in finished) / judged if judged else 1.0
-        decision = self.trigger.decide(attained, self._window_use(now))
-        if decision > 0 and self.overall is not None:
-            spare = [i for i in self.instances if not i.active]
-            if spare:
-                inst = spare[0]
-                inst.active = True
-                moves = self.overall.add(inst.index, inst.scheduler.status())
-                self.scaling.append({"t": now, "action": "add", "instance": inst.index, "attainment": attained,
-                                     "sizes": self.overall.sizes, "moves": len(moves)})
-        elif decision < 0 and self.overall is not None and sum(i.active for i in self.instances) > 1:
-            leaving, _, moves = self.overall.remove()
-            self.instances[cast(int, leaving)].active = False
-            self.scaling.append({"t": now, "action": "remove", "instance": leaving, "attainment": attained,
-                                 "sizes": self.overall.sizes, "moves": len(moves)})
+        attained = attainment([r.meets(self.slos) for r in finished], len(late))
+        use = self._window_use(now)
+        if self.scaler is not None:
+            change = self.scaler.window(now, attained, use, lambda k: self.instances[cast(int, k)].scheduler.status())
+            if change is not None:
+                self.instances[cast(int, change.instance)].active = change.action == "add"
+                self.scaling.append({"t": now, "action": change.action, "instance": change.instance,
+                                     "attainment": attained, "sizes": list(change.sizes), "moves": len(change.moves)})
         self.events.at(now + self.o.window_s, self.scale)
 
     def _window_use(self, now: float) -> float:
