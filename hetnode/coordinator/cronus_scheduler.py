@@ -12,7 +12,10 @@ The decision routes [0, L_p) to the PPI and the rest of the prompt and the decod
 (`Decision.split`); L_p = L_in is a prefill phase and a decode phase.
 
 The PPI's place is freed when the executor reports the partial prefill done (`partial_done`), or at the latest at
-the request's first token (`prefilled`). A pair whose PPI is down still serves: its CPI prefills whole prompts
+the request's first token (`prefilled`). With `refit_window`, the two times a split request shows (the PPI's
+partial prefill, dispatch or the PPI's previous hand-over to its hand-over; the CPI's rest, hand-over to first
+token) refit the pair's balancer (`policy/cronus_refit.py`); a request whose hand-over was never reported
+teaches nothing. A pair whose PPI is down still serves: its CPI prefills whole prompts
 itself (one mixed phase), so requests moved off a dead PPI finish on the CPI. A pair whose CPI is down serves
 nothing.
 
@@ -30,7 +33,8 @@ from typing import ClassVar
 from hetnode.coordinator.scheduler import Decision, NodeDown, NodeKV, PipelineHop, QueuedScheduler
 from hetnode.errors import ConfigError
 from hetnode.planner.plan import PlacementPlan
-from hetnode.policy.cronus import PPI_LIMIT, CpiState, Splitter
+from hetnode.policy.cronus import PPI_LIMIT, CpiState, CronusBalancer, Splitter
+from hetnode.policy.cronus_refit import PredictorRefit
 
 PPI, CPI = "ppi", "cpi"
 CHUNK = 512  # the CPI's token budget per iteration (§5.1)
@@ -51,6 +55,8 @@ class _Pair:
     decoding_prompt: int = 0
     ppi_down: bool = False
     cpi_down: bool = False
+    refit: PredictorRefit | None = None
+    ppi_free_at: float = -math.inf  # the PPI's last hand-over
 
 
 @dataclass(slots=True)
@@ -59,6 +65,9 @@ class _Running:
     input_len: int
     split: int  # tokens the PPI prefills (0: none, the CPI does it all)
     decoding: bool = False
+    routed_at: float = 0.0
+    state: CpiState | None = None  # what the balancer read at dispatch
+    handed_at: float = -1.0  # the PPI's hand-over
 
 
 class CronusScheduler(QueuedScheduler):
@@ -70,11 +79,12 @@ class CronusScheduler(QueuedScheduler):
                  cpi_state: Callable[[str], CpiState] | None = None, kv_capacity: Mapping[str, int] | None = None,
                  high_water: float = 0.9, avg_output_len: float = 240.0, queue_limit: int = 1024,
                  ppi_limit: int = PPI_LIMIT, max_batch_tokens: int = CHUNK, seed: int = 0,
-                 output_ratio: float = 1.0, learn_output: bool = True) -> None:
+                 output_ratio: float = 1.0, learn_output: bool = True, refit_window: int = 0) -> None:
         super().__init__(high_water=high_water, avg_output_len=avg_output_len, queue_limit=queue_limit,
                          output_ratio=output_ratio, learn_output=learn_output)
-        if ppi_limit < 1 or max_batch_tokens < 1:
-            raise ValueError(f"ppi_limit ({ppi_limit}) and max_batch_tokens ({max_batch_tokens}) must be >= 1")
+        if ppi_limit < 1 or max_batch_tokens < 1 or refit_window < 0:
+            raise ValueError(f"ppi_limit ({ppi_limit}) and max_batch_tokens ({max_batch_tokens}) must be >= 1, "
+                             f"refit_window ({refit_window}) >= 0")
         replicas = plan.replicas
         if not replicas or len(replicas) % 2 or any(
                 (a.role, b.role) != (PPI, CPI) for a, b in zip(replicas[::2], replicas[1::2], strict=True)):
@@ -100,6 +110,9 @@ class CronusScheduler(QueuedScheduler):
         self.plan = plan
         self._pairs = [_Pair(hops[i], hops[i + 1], frozenset(replicas[i].nodes), frozenset(replicas[i + 1].nodes),
                              splitters[i // 2]) for i in range(0, len(hops), 2)]
+        for pair in self._pairs:
+            if refit_window and isinstance(pair.splitter, CronusBalancer):
+                pair.refit = PredictorRefit(pair.splitter.ppi, pair.splitter.cpi, window=refit_window)
         self._capacity = dict(kv_capacity or {})
         self._cpi_state = cpi_state
         self.ppi_limit = ppi_limit
@@ -116,11 +129,17 @@ class CronusScheduler(QueuedScheduler):
         running = self._running.get(request_id)
         if running is None or request_id not in self._pairs[running.pair].at_ppi:
             return []
-        self._pairs[running.pair].at_ppi.discard(request_id)
+        pair = self._pairs[running.pair]
+        pair.at_ppi.discard(request_id)
+        if pair.refit is not None and running.split > 0 and isinstance(pair.splitter, CronusBalancer):
+            started = max(running.routed_at, pair.ppi_free_at)
+            pair.splitter.ppi = pair.refit.observe_partial(running.split, self._now - started)
+        pair.ppi_free_at = running.handed_at = self._now
         return self._drain(self._now)
 
     def prefilled(self, request_id: str, now: float) -> list[Decision]:
         """The request's first token: it decodes on the CPI now (and has certainly left the PPI)."""
+        self._now = max(self._now, now)
         running = self._running.get(request_id)
         if running is None:
             return []
@@ -129,7 +148,16 @@ class CronusScheduler(QueuedScheduler):
             pair = self._pairs[running.pair]
             pair.decoding += 1
             pair.decoding_prompt += running.input_len
-        return self.partial_done(request_id, now)
+            if (pair.refit is not None and running.handed_at >= 0 and running.state is not None
+                    and 0 < running.split < running.input_len and isinstance(pair.splitter, CronusBalancer)):
+                pair.splitter.cpi = pair.refit.observe_chunked(running.input_len, running.split, running.state,
+                                                               self._now - running.handed_at)
+        if request_id not in self._pairs[running.pair].at_ppi:
+            return []
+        # No hand-over reported: the first token frees the PPI's place (its time teaches the balancer nothing).
+        self._pairs[running.pair].at_ppi.discard(request_id)
+        self._pairs[running.pair].ppi_free_at = self._now
+        return self._drain(self._now)
 
     def node_down(self, node: str, now: float | None = None) -> NodeDown:
         if now is not None:
@@ -236,7 +264,7 @@ class CronusScheduler(QueuedScheduler):
         state = self._cpi_state(pair.cpi[0].node) if self._cpi_state is not None else self.cpi_estimate(i)
         split = pair.splitter.split(input_len, state).tokens
         pair.at_ppi.add(request_id)
-        self._running[request_id] = _Running(i, input_len, split)
+        self._running[request_id] = _Running(i, input_len, split, routed_at=self._now, state=state)
         return Decision(request_id, pair.ppi, decode=pair.cpi, split=split if split < input_len else None,
                         waited_s=waited)
 

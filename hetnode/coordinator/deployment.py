@@ -50,6 +50,7 @@ from hetnode.planner.split import split_placement
 from hetnode.planner.thunderserve.deploy import thunderserve_placement
 from hetnode.planner.thunderserve.reschedule import reschedule
 from hetnode.planner.thunderserve.settings import ThunderServeOptions, Traffic
+from hetnode.policy.cronus_refit import REFIT_WINDOW
 from hetnode.policy.ecoserve import Slos
 from hetnode.policy.ecoserve_overall import ScalingTrigger
 from hetnode.policy.workload_monitor import WorkloadMonitor
@@ -423,7 +424,7 @@ class Deployment:
                 "slos": Slos(*self.planning.slo_s), **self._scaling(placement)}
         if placement.method == "cronus":
             return {"splitters": cronus_splitters(placement, self.spec, {
-                str(r.peer_id): r.profile for r in self.registry.nodes.values()})}
+                str(r.peer_id): r.profile for r in self.registry.nodes.values()}), "refit_window": REFIT_WINDOW}
         if placement.replicas:
             return {"regions": {str(r.peer_id): r.region for r in self.registry.nodes.values()}}
 

@@ -194,7 +194,7 @@ class PartialPrefill(Design):
     coordinator's own `CronusScheduler` with the CPI engine's exact state."""
 
     def __init__(self, setup: PairSetup, loop: Loop, *, ppi: DeviceSpec, cpi: DeviceSpec, splitter: Splitter,
-                 name: str, queue_limit: int) -> None:
+                 name: str, queue_limit: int, refit_window: int = 0) -> None:
         super().__init__(setup, loop)
         self.name = name
         m = setup.model
@@ -206,7 +206,7 @@ class PartialPrefill(Design):
         # The frontend holds requests for the PPI only (§4.2): no KV mask (Algorithm 1 itself gives the PPI the
         # whole prompt when the CPI lacks room), and a queue as long as the workload.
         self.scheduler = CronusScheduler(pair_plan(m), splitters=[splitter], cpi_state=lambda _: self.cpi_state(),
-                                         queue_limit=queue_limit, max_batch_tokens=CHUNK)
+                                         queue_limit=queue_limit, max_batch_tokens=CHUNK, refit_window=refit_window)
         self.link = Link(setup)
         self.requests: dict[str, PairRequest] = {}
 
@@ -382,12 +382,14 @@ def _embedding_tokens(device: DeviceSpec, model: ModelSpec, layers: int) -> int:
                // (model.kv_bytes_per_token_layer * layers))
 
 
-def build(design: str, setup: PairSetup, loop: Loop, *, queue_limit: int = 1 << 20) -> Design:
+def build(design: str, setup: PairSetup, loop: Loop, *, queue_limit: int = 1 << 20, refit_window: int = 0) -> Design:
+    """A design of the pair; `refit_window` (Cronus: 0, the reproduction's setting, keeps the profile fits) lets
+    its balancer refit Eqs. 2 and 3 on the times it sees, as the coordinator's does."""
     if design == "cronus":
         balancer = CronusBalancer(fit_partial_prefill(setup.low, setup.model),
                                   fit_chunked_iteration(setup.high, setup.model, CHUNK))
         return PartialPrefill(setup, loop, ppi=setup.low, cpi=setup.high, splitter=balancer, name=design,
-                              queue_limit=queue_limit)
+                              queue_limit=queue_limit, refit_window=refit_window)
     if design in ("disagg-hl", "disagg-lh"):
         ppi, cpi = (setup.high, setup.low) if design == "disagg-hl" else (setup.low, setup.high)
         return PartialPrefill(setup, loop, ppi=ppi, cpi=cpi, splitter=WholePrompt(), name=design,
