@@ -30,7 +30,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from hetnode.coordinator.scheduler import Decision, NodeDown, NodeKV, PipelineHop, QueuedScheduler
+from hetnode.coordinator.scheduler import Decision, NamedCapacityScheduler, NodeDown, NodeKV, PipelineHop
 from hetnode.errors import ConfigError
 from hetnode.planner.plan import PlacementPlan
 from hetnode.policy.cronus import PPI_LIMIT, CpiState, CronusBalancer, Splitter
@@ -70,7 +70,7 @@ class _Running:
     handed_at: float = -1.0  # the PPI's hand-over
 
 
-class CronusScheduler(QueuedScheduler):
+class CronusScheduler(NamedCapacityScheduler):
     name: ClassVar[str] = "cronus"
     _unit = "PPI-CPI pair"
     _full = "waiting: every pair's PPI holds its requests (two at most, Cronus §4.2) or its CPI has no KV room"
@@ -181,15 +181,6 @@ class CronusScheduler(QueuedScheduler):
         the request's first token (its partial prefill, or the KV hand-off after it, may still be under way)."""
         pair = self._pairs[running.pair]
         return node in pair.cpi_nodes or (running.split > 0 and not running.decoding)
-
-    def set_capacity(self, node: str, tokens: int, now: float | None = None) -> list[Decision]:
-        if tokens < 0:
-            raise ValueError(f"kv capacity of {node} must be >= 0, not {tokens}")
-        if self._capacity.get(node) == tokens:
-            return []
-        self._now = self._now if now is None else max(self._now, now)
-        self._capacity[node] = tokens
-        return self._drain(self._now)
 
     # -- views -----------------------------------------------------------------------------------------------
 

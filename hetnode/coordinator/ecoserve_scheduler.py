@@ -36,7 +36,7 @@ from collections.abc import Collection, Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from hetnode.coordinator.scheduler import Decision, NodeDown, NodeKV, PipelineHop, QueuedScheduler
+from hetnode.coordinator.scheduler import Decision, NamedCapacityScheduler, NodeDown, NodeKV, PipelineHop
 from hetnode.errors import ConfigError
 from hetnode.planner.ecoserve_plan import N_LOWER, N_UPPER, macro_of
 from hetnode.planner.plan import PlacementPlan
@@ -79,7 +79,7 @@ class _Instance:
         return [h.prompt for h in self.held.values() if h.routed_at >= self.switched_at]
 
 
-class EcoServeScheduler(QueuedScheduler):
+class EcoServeScheduler(NamedCapacityScheduler):
     name: ClassVar[str] = "ecoserve"
     _unit = "instance"
     _full = "waiting: no instance of the macro-instance has KV room under its high-water mark"
@@ -182,15 +182,6 @@ class EcoServeScheduler(QueuedScheduler):
                                              tuple(self.overall.sizes), tuple(moves)))
         affected = tuple(inst.held)
         return NodeDown(node, affected, self._reject_unservable())
-
-    def set_capacity(self, node: str, tokens: int, now: float | None = None) -> list[Decision]:
-        if tokens < 0:
-            raise ValueError(f"kv capacity of {node} must be >= 0, not {tokens}")
-        if self._capacity.get(node) == tokens:
-            return []
-        self._now = self._now if now is None else max(self._now, now)
-        self._capacity[node] = tokens
-        return self._drain(self._now)
 
     def scale(self, now: float) -> tuple[Scaling | None, list[Decision]]:
         """The window since the last call ends: mitosis's change if the trigger calls for one (see the module

@@ -398,6 +398,24 @@ class QueuedScheduler(ABC):
         return out
 
 
+class NamedCapacityScheduler(QueuedScheduler):
+    """A policy that keeps each node's KV capacity by node name (Cronus's and EcoServe's: whole-model nodes, no
+    graph of vertices), replaced by what the node's heartbeats report."""
+
+    _capacity: dict[str, int]
+
+    def set_capacity(self, node: str, tokens: int, now: float | None = None) -> list[Decision]:
+        """The node's KV pool holds `tokens`; returns the queued requests that the change let start, or left
+        unservable, as `finish` does."""
+        if tokens < 0:
+            raise ValueError(f"kv capacity of {node} must be >= 0, not {tokens}")
+        if self._capacity.get(node) == tokens:
+            return []
+        self._now = self._now if now is None else max(self._now, now)
+        self._capacity[node] = tokens
+        return self._drain(self._now)
+
+
 class PipelineScheduler(QueuedScheduler):
     """Shared machinery of the routing policies; see the module docstring.
 
