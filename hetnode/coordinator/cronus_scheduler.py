@@ -211,6 +211,21 @@ class CronusScheduler(NamedCapacityScheduler):
         pair = self._pairs[running.pair]
         return pair.ppi if request_id in pair.at_ppi else pair.cpi
 
+    def predictors(self) -> list[dict[str, object]]:
+        """Each pair's balancer as it stands (Eq. 2's k and b, Eq. 3's k_ctxp, k_ctxd and b) and the times it has
+        been refitted on so far; {} for a pair whose splitter predicts nothing (whole prompts)."""
+        out: list[dict[str, object]] = []
+        for pair in self._pairs:
+            b = pair.splitter
+            if not isinstance(b, CronusBalancer):
+                out.append({})
+                continue
+            seen = (len(pair.refit.partial), len(pair.refit.chunked)) if pair.refit is not None else (0, 0)
+            out.append({"ppi": {"k": b.ppi.k, "b": b.ppi.b}, "cpi": {"k_ctxp": b.cpi.k_ctxp, "k_ctxd": b.cpi.k_ctxd,
+                                                                     "b": b.cpi.b},
+                        "refitted_on": {"partial": seen[0], "chunked": seen[1]}})
+        return out
+
     def cpi_estimate(self, pair: int) -> CpiState:
         """The CPI's state as this scheduler knows it: its decoding requests, their prompts plus the average
         output so far (half of it), and the KV room left of its smallest node."""

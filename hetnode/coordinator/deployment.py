@@ -28,6 +28,7 @@ from dataclasses import dataclass, field, replace
 
 import trio
 
+from hetnode.coordinator.cronus_scheduler import CronusScheduler
 from hetnode.coordinator.ecoserve_scheduler import SLOS, EcoServeScheduler
 from hetnode.coordinator.generation import GenerationError
 from hetnode.coordinator.planning import live_cluster, live_profiles
@@ -194,6 +195,9 @@ class Plan:
         """Each replica's role, and under Splitwise's pools its home role and the pool it is in now."""
         out: list[dict[str, object]] = [{"role": r.role, "nodes": [_short(n, names) for n in r.nodes]}
                                         for r in self.placement.replicas]
+        if isinstance(self.scheduler, CronusScheduler):  # each pair's balancer, refitted as it serves
+            for entry, predictor in zip(out[::2], self.scheduler.predictors(), strict=True):
+                entry["balancer"] = predictor
         if isinstance(self.scheduler, EcoServeScheduler):  # the macro-instances as scaling has grouped them now
             now = {n: f"{MACRO}{k}" for k, group in enumerate(self.scheduler.macros()) for n in group}
             for entry, r in zip(out, self.placement.replicas, strict=True):

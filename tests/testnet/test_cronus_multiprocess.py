@@ -72,6 +72,8 @@ def test_smollm2_cronus_greedy_matches_transformers_with_the_split_varying(cronu
     ]
     state = start("smollm2-135m")
     assert pairs(state["api"]) == [("ppi", "weak"), ("cpi", "strong")]
+    joined = httpx.get(f"{state['api']}/v1/plan", timeout=10).json()["plan"]["replicas"][0]["balancer"]
+    assert joined["refitted_on"] == {"partial": 0, "chunked": 0}
     check_against_transformers(state["api"], "smollm2-135m", hf, tok, prompts, 20)
     splits = [int(k) for k in HANDOFF.findall(log.read_text())]
     assert len(splits) == len(prompts) and len(set(splits)) == len(prompts), splits
@@ -85,6 +87,12 @@ def test_smollm2_cronus_greedy_matches_transformers_with_the_split_varying(cronu
     assert r.status_code == 200, r.text
     (session,) = httpx.get(f"{state['api']}/v1/requests/cronus-long", timeout=10).json()["sessions"]
     assert session["handed_over_s"] is not None and session["handed_over_s"] <= session["first_token_s"], session
+    # The pair's balancer was refitted on the times it saw: the partial prefills whose hand-over came before the
+    # first token (a whole prompt's first token may overtake it), and the strong node's rests of those split
+    # short of their prompt.
+    now = httpx.get(f"{state['api']}/v1/plan", timeout=10).json()["plan"]["replicas"][0]["balancer"]
+    assert now["refitted_on"]["partial"] >= 2 and now["refitted_on"]["chunked"] >= 1, now
+    assert now["ppi"] != joined["ppi"] and now["cpi"] != joined["cpi"], (joined, now)
 
 
 def test_a_weak_node_killed_mid_prompt_its_request_completes_on_the_strong_node(cronus: Any) -> None:
