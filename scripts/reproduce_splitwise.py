@@ -51,6 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from hetnode.planner.model import ModelSpec, model_spec
 from hetnode.planner.profile import ProfileTable
 from hetnode.planner.profile_sources import profile_table_for
+from hetnode.testnet.sim.node import MIXED_STEPS
 from hetnode.testnet.sim.provision import MACHINES, Design, decode_batch_for, design_cluster, evaluate, price, search
 from hetnode.testnet.sim.runner import SimOptions
 from hetnode.testnet.sim.workload import Trace, Workload, load_trace, poisson
@@ -89,13 +90,14 @@ class Found:
 class Lab:
     """Evaluations with their cache: the model, the profiles, the traces and the simulation settings."""
 
-    def __init__(self, *, duration: float, warmup: float, tolerance: float, seed: int) -> None:
+    def __init__(self, *, duration: float, warmup: float, tolerance: float, seed: int,
+                 mixed_steps: str = "sum") -> None:
         self.model: ModelSpec = model_spec("llama-70b")
         cluster, _ = design_cluster(H100, HCAP, 1, 1, self.model)
         self.profiles: ProfileTable = profile_table_for(cluster, self.model, "splitwise")
         self.lengths: dict[str, Trace] = {t: load_trace(t, length_filter=False) for t in TRACES}
         self.duration, self.warmup, self.tolerance, self.seed = duration, warmup, tolerance, seed
-        self.options = SimOptions(batching="splitwise")
+        self.options = SimOptions(batching="splitwise", mixed_steps=mixed_steps)
         # The pools lend past the batch a token machine steps through within the p50 TBT SLO, at the trace's
         # mean context (PoolScheduler.decode_batch).
         self.decode_batch = {(m, t): decode_batch_for(self.profiles, m, self.model,
@@ -296,7 +298,8 @@ def judge(claim: Claim, results: dict[str, Any]) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    lab = Lab(duration=args.duration, warmup=args.warmup, tolerance=args.tolerance, seed=args.seed)
+    lab = Lab(duration=args.duration, warmup=args.warmup, tolerance=args.tolerance, seed=args.seed,
+              mixed_steps=args.mixed_steps)
     budgets = {"power": H100_MACHINES * MACHINES[H100].power * args.scale,
                "cost": H100_MACHINES * MACHINES[H100].cost_per_hour * args.scale}
     designs: dict[str, Found] = {}
@@ -343,7 +346,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def format_tables(r: dict[str, Any]) -> str:
     lines = [f"Splitwise reproduction: Llama-2 70B, Splitwise's measured DGX model, scale {r['settings']['scale']:g} "
              f"(budgets: power {r['settings']['budgets']['power']:g} DGX-A100s, cost "
-             f"${r['settings']['budgets']['cost']:g}/h), {r['settings']['duration']:g} s per simulation",
+             f"${r['settings']['budgets']['cost']:g}/h), {r['settings']['duration']:g} s per simulation, mixed steps "
+             f"priced as {r['settings']['mixed_steps']}",
              "", f"{'budget':6s} {'trace':5s} {'design':15s} {'P':>3s} {'T':>3s} {'$/h':>7s} {'power':>6s} "
                  f"{'req/s':>7s}  what failed just above"]
     for d in r["designs"].values():
@@ -384,6 +388,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--grid", type=int, default=6, metavar="N",
                    help="prompt-machine counts tried per Splitwise design, then the best one's neighbours (default 6)")
     p.add_argument("--seed", type=int, default=0, help="the Poisson arrivals' seed")
+    p.add_argument("--mixed-steps", choices=MIXED_STEPS, default="sum",
+                   help="how a step mixing prompt tokens and decode items is priced: prefill + decode (sum, the "
+                        "default) or one pass over all its tokens (batched, as splitwise-sim prices a mixed "
+                        "iteration)")
     p.add_argument("--json", default=None, metavar="OUT", help="write every number to this JSON file")
     args = p.parse_args(argv)
     if args.quick:

@@ -6,7 +6,13 @@ its README gives the columns). A profile here is per layer, as Helix's are, so e
 the model's 80 layers:
 
 - Prompt curve: (tokens in the prompt batch, seconds per layer), from the batches of one prompt of 128 to 8,192
-  tokens and of up to 64 prompts of 512; points of the same token count are averaged.
+  tokens and of up to 64 prompts of 512; points of the same token count are averaged. Below 128 tokens nothing
+  was measured, and a curve run linearly to the origin would make a 2-token prompt cost 1 ms on a DGX-A100, far
+  under any forward pass of a 70B model: a prompt step still reads every weight, as a decode step does. So the
+  curve starts at 1 token with the machine's one-sequence decode step (the decode model below at one token of
+  context: 45 ms on a DGX-A100, 30 ms on a DGX-H100) and runs from there to the measured 128-token prompt. The
+  one curve is what every user of a prompt's time sees: the simulator's steps, the SLOs' reference
+  (`provision.alone`) and the planner.
 - Decode: the time of an iteration grows with the batch and with the context the batch attends to. The rows
   with one sequence and longer and longer generations (128 to 8,192 tokens after a 512-token prompt) give the
   context term: a least-squares line of the iteration time against the generation's mean context is
@@ -75,6 +81,11 @@ def splitwise_curves(hardware: str, num_layers: int) -> tuple[Curve, Curve, floa
     decode = _mean_by([(b, max(1e-9, ms / 1e3 / num_layers - slope * b * mean_context))
                        for _, p, b, t, _, ms in rows
                        if p == _PROMPT_OF_DECODE_ROWS and t == _BATCH_ROWS_GENERATED])
+    # The floor (module docstring): a 1-token prompt costs what a one-sequence decode step at one token of
+    # context does, so no prompt is ever priced under a forward pass.
+    one = [(x, y) for x, y in decode if x == 1]
+    if one and prompt[0][0] > 1:
+        prompt = ((1.0, one[0][1] + slope), *prompt)
     return prompt, decode, slope
 
 

@@ -58,3 +58,22 @@ def test_auto_picks_it_for_llama_70b_on_dgx_machines_and_refuses_other_models() 
         profile_table_for(cluster, PRESETS["llama-30b"], "splitwise")
     with pytest.raises(ConfigError, match="llama-70b only"):
         splitwise_profile_table(replace(LLAMA70, num_layers=40))
+
+
+def test_a_short_prompt_costs_at_least_a_decode_step_and_the_measured_prompts_are_unchanged() -> None:
+    table = splitwise_profile_table(LLAMA70)
+    for hardware, device in (("a100-80gb", "8xa100-80g"), ("h100-80gb", "8xh100"), ("h100-80gb-pcap", "8xh100-pcap")):
+        prof = table.profiles[device]
+        step = prof.decode_time(1, 80, 1)
+        for tokens in (1, 2):
+            assert step <= prof.prefill_time(tokens, 80) <= prof.prefill_time(128, 80), (device, tokens)
+        assert prof.prefill_time(1, 80) == pytest.approx(step, rel=1e-9)
+        # Every measured prompt batch (128 to 8,192 tokens, one prompt or several of 512) is still its own time.
+        with DATA.open() as f:
+            rows = [r for r in csv.DictReader(f) if r["hardware"] == hardware]
+        totals = {int(r["prompt_size"]) * int(r["batch_size"]) for r in rows}
+        assert min(totals) == 128
+        for tokens in sorted(totals):
+            want = statistics.fmean(float(r["prompt_time"]) for r in rows
+                                    if int(r["prompt_size"]) * int(r["batch_size"]) == tokens) / 1e3
+            assert prof.prefill_time(tokens, 80) == pytest.approx(want, rel=1e-9), (device, tokens)

@@ -18,6 +18,7 @@ from hetnode.testnet.sim.provision import (
     MACHINES,
     SLOS,
     Design,
+    alone,
     design_cluster,
     evaluate,
     picture,
@@ -25,7 +26,8 @@ from hetnode.testnet.sim.provision import (
     search,
     search_throughput,
 )
-from hetnode.testnet.sim.workload import load_trace, poisson
+from hetnode.testnet.sim.runner import SimOptions, simulate
+from hetnode.testnet.sim.workload import Workload, load_trace, poisson
 
 LLAMA70 = PRESETS["llama-70b"]
 
@@ -85,6 +87,23 @@ def test_a_design_meets_the_slos_at_a_light_load_and_misses_them_when_overloaded
     assert not heavy.meets and heavy.worst
     # Alone on a DGX-A100 is the reference: an H100 prefills faster, so the light load's TTFT is under 1x.
     assert light.slowdowns["ttft"][0] < 1 < heavy.slowdowns["ttft"][2]
+
+
+def test_a_short_prompt_is_never_faster_than_a_decode_step_alone_or_simulated() -> None:
+    # Splitwise measured prompts from 128 tokens up; below, the profile starts at a one-sequence decode step, and
+    # both the SLOs' reference and the simulated machine see that floor (the curve to the origin priced a
+    # 2-token prompt at 1 ms, so one step shared with decodes made it tens of times "slower" than alone).
+    cluster, plan = design_cluster("8xa100-80g", "8xa100-80g", 1, 0, LLAMA70)
+    profiles = profile_table_for(cluster, LLAMA70, "splitwise")
+    a100 = profiles.profiles["8xa100-80g"]
+    step = a100.decode_time(1, 80, 1)
+    ttft, tbt, _ = alone(a100, 80, 2, 4)
+    assert step <= ttft <= a100.prefill_time(128, 80) and tbt >= step
+    one = Workload("one", inputs=(2,), outputs=(4,), arrivals=(0.5,))
+    result = simulate(cluster, LLAMA70, profiles, plan, workload=one, scheduler="shortest-queue", duration_s=5,
+                      warmup_s=0, options=SimOptions(batching="splitwise"))
+    (r,) = result.requests
+    assert r.ttft >= step and r.ttft == pytest.approx(ttft, rel=0.05)
 
 
 def test_the_picture_marks_what_meets_and_the_choice() -> None:
