@@ -452,7 +452,7 @@ class Deployment:
         `scale_from` in name order."""
         if not self.planning.scale_from:
             return {}
-        instances = sorted(n for r in placement.replicas for n in r.nodes)
+        instances = sorted(r.nodes[0] for r in placement.replicas)  # an instance is named by its first node
         before = self.plan.scheduler if self.plan is not None else None
         active = sorted(before.active & set(instances)) if isinstance(before, EcoServeScheduler) else []
         p = self.planning

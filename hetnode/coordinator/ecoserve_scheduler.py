@@ -1,9 +1,10 @@
-"""Routing for EcoServe (§3.4): each request to one instance (a node holding the whole model) by the overall
-scheduler (`policy.ecoserve_overall.Overall`: macro-instances by weighted round-robin, then Algorithm 1 with
-Algorithm 2's checks inside the macro-instance), the same objects the PaDG simulator routes with.
+"""Routing for EcoServe (§3.4): each request to one instance (a node holding the whole model, or a pipeline of
+nodes that together hold it, named by its first node) by the overall scheduler (`policy.ecoserve_overall.Overall`:
+macro-instances by weighted round-robin, then Algorithm 1 with Algorithm 2's checks inside the macro-instance),
+the same objects the PaDG simulator routes with.
 
-A plan for it (`planner/ecoserve_plan.py`) lists every instance as a replica of one node. Algorithm 2 reads each
-instance's state (`InstanceState`), which the instance's node reveals to the coordinator as it happens:
+A plan for it (`planner/ecoserve_plan.py`) lists every instance as a replica. Algorithm 2 reads each instance's
+state (`InstanceState`), which the instance's nodes reveal to the coordinator as it happens:
 
 - a request routed there joins its prefill phase (its prompt in `pending_prefills`);
 - a request's first token (streamed to the coordinator at once) ends its prefill; when every prompt of the
@@ -67,7 +68,7 @@ class _Held:
 
 @dataclass(slots=True)
 class _Instance:
-    hop: PipelineHop
+    hops: tuple[PipelineHop, ...]  # one node holding the model, or a pipeline of nodes
     switched_at: float = 0.0
     held: dict[str, _Held] = field(default_factory=dict)
     down: bool = False
@@ -91,20 +92,28 @@ class EcoServeScheduler(NamedCapacityScheduler):
                  active: Collection[str] | None = None, since: float = 0.0) -> None:
         super().__init__(high_water=high_water, avg_output_len=avg_output_len, queue_limit=queue_limit,
                          output_ratio=output_ratio, learn_output=learn_output)
-        if plan.method != "ecoserve" or not plan.replicas or any(len(r.nodes) != 1 for r in plan.replicas):
-            raise ConfigError(f"plan {plan.cluster}/{plan.model} is not an EcoServe plan: it needs one-node "
-                              f"instances as its replicas, not {[r.nodes for r in plan.replicas]}")
+        if plan.method != "ecoserve" or not plan.replicas:
+            raise ConfigError(f"plan {plan.cluster}/{plan.model} is not an EcoServe plan: it needs instances as its "
+                              f"replicas")
         ranges = plan.ranges()
-        self._instances: dict[str, _Instance] = {}
+        self._instances: dict[str, _Instance] = {}  # by the instance's first node
+        self._instance_of: dict[str, str] = {}  # every node of an instance -> the instance
         for r in plan.replicas:
-            node = r.nodes[0]
             macro_of(r.role)
-            if ranges.get(node) != (0, plan.num_layers):
-                raise ConfigError(f"plan {plan.cluster}/{plan.model}: instance {node} holds {ranges.get(node)}, "
-                                  f"not all {plan.num_layers} layers")
-            if node not in predictors:
-                raise ConfigError(f"no prefill-time predictor for the EcoServe instance {node}")
-            self._instances[node] = _Instance(PipelineHop(node, 0, plan.num_layers))
+            layer, hops = 0, []
+            for node in r.nodes:
+                if ranges.get(node, (-1, -1))[0] != layer:
+                    raise ConfigError(f"plan {plan.cluster}/{plan.model}: instance {' -> '.join(r.nodes)} does not "
+                                      f"run every layer once, in order")
+                hops.append(PipelineHop(node, *ranges[node]))
+                layer = ranges[node][1]
+                self._instance_of[node] = r.nodes[0]
+            if layer != plan.num_layers:
+                raise ConfigError(f"plan {plan.cluster}/{plan.model}: instance {' -> '.join(r.nodes)} ends at layer "
+                                  f"{layer}, not {plan.num_layers}")
+            if r.nodes[0] not in predictors:
+                raise ConfigError(f"no prefill-time predictor for the EcoServe instance {r.nodes[0]}")
+            self._instances[r.nodes[0]] = _Instance(tuple(hops))
         # One predictor per macro-instance scheduler: the slowest instance's, so that Algorithm 2 never counts a
         # slow node's prefills as fast (the paper's instances are alike; a testnet's may not be).
         slowest = max((predictors[n] for n in self._instances), key=lambda p: p(1024))
@@ -163,14 +172,17 @@ class EcoServeScheduler(NamedCapacityScheduler):
         return super().finish(request_id, output_len, now)
 
     def node_down(self, node: str, now: float | None = None) -> NodeDown:
+        """A node went down: its instance (the node, or the pipeline it is a stage of) with it."""
         if now is not None:
             self._now = max(self._now, now)
-        inst = self._instances.get(node)
-        if node in self._down or inst is None:
+        name = self._instance_of.get(node, node)
+        inst = self._instances.get(name)
+        if node in self._down or inst is None or inst.down:
             self._down.add(node)
             return NodeDown(node, (), ())
         self._down.add(node)
         inst.down = True
+        node = name
         if node in self.active:
             self.overall.drop(node)
         if self.scaler is not None:
@@ -223,12 +235,12 @@ class EcoServeScheduler(NamedCapacityScheduler):
         return frozenset(self._down)
 
     def kv_estimate(self) -> dict[str, NodeKV]:
-        return {n: NodeKV(len(i.held), self._charged(i), self._capacity.get(n), self.high_water)
-                for n, i in self._instances.items()}
+        return {h.node: NodeKV(len(i.held), self._charged(i), self._capacity.get(h.node), self.high_water)
+                for i in self._instances.values() for h in i.hops}
 
     def pipeline_of(self, request_id: str) -> tuple[PipelineHop, ...] | None:
         node = self._running.get(request_id)
-        return None if node is None else (self._instances[node].hop,)
+        return None if node is None else self._instances[node].hops
 
     @property
     def active(self) -> frozenset[str]:
@@ -258,9 +270,12 @@ class EcoServeScheduler(NamedCapacityScheduler):
 
     # -- the policy -----------------------------------------------------------------------------------------
 
-    def _room(self, node: str) -> float:
-        cap = self._capacity.get(node)
-        return math.inf if cap is None else float(cap)
+    def _room(self, instance: str) -> float:
+        """KV tokens the instance holds: its tightest node's (every node keeps the KV of its layers for every
+        request)."""
+        caps = [self._capacity.get(h.node) for h in self._instances[instance].hops]
+        known = [c for c in caps if c is not None]
+        return float(min(known)) if known else math.inf
 
     def _busy(self, inst: _Instance, now: float) -> float:
         """Its time holding a request, up to `now`."""
@@ -296,7 +311,7 @@ class EcoServeScheduler(NamedCapacityScheduler):
         inst.held[request_id] = _Held(input_len, now, now - waited)
         self._running[request_id] = node
         self.decisions += 1
-        return Decision(request_id, (self._instances[node].hop,), waited_s=waited)
+        return Decision(request_id, self._instances[node].hops, waited_s=waited)
 
     def _release(self, running: str) -> None:
         inst = self._instances[running]

@@ -40,7 +40,7 @@ def test_the_plan_makes_every_node_that_holds_the_model_an_instance_in_macro_ins
     p = ecoserve_placement("c", MODEL, {"b": A100.memory_bytes, "a": A100.memory_bytes, "tiny": 1 << 30})
     assert [(r.role, r.nodes) for r in p.replicas] == [("macro0", ("a",)), ("macro0", ("b",))]
     assert all((x.first_layer, x.last_layer) == (0, 32) for x in p.placements) and p.notes == (
-        "cannot hold the model: tiny",)
+        "cannot hold the model, nor complete a pipeline: tiny",)
     # The 17th instance (N_u = 16) splits N_l = 4 off into a second macro-instance, as the simulator's does.
     big = plan(17)
     roles = [r.role for r in big.replicas]  # type: ignore[attr-defined]
@@ -51,8 +51,41 @@ def test_the_plan_makes_every_node_that_holds_the_model_an_instance_in_macro_ins
         groups.setdefault(r.role, []).append(r.nodes[0])
     s = EcoServeScheduler(big, predictors={r.nodes[0]: PREFILL for r in big.replicas})  # type: ignore[arg-type, attr-defined]
     assert s.macros() == [groups["macro0"], groups["macro1"]]  # the scheduler groups them as the plan says
-    with pytest.raises(ConfigError, match="holds all of"):
+    with pytest.raises(ConfigError, match="hold all of"):
         ecoserve_placement("c", MODEL, {"tiny": 1 << 30})
+
+
+def test_nodes_that_cannot_hold_the_model_form_pipelined_instances_routed_through_every_stage() -> None:
+    from hetnode.coordinator.scheduler import PipelineHop
+
+    gib = 1 << 30
+    # LLaMA-3 8B: 32 layers of 0.41 GiB. Half of 10 GiB holds 12 layers, half of 8 GiB 9: three of the small
+    # nodes make a pipeline of 12 + 12 + 9 >= 32 layers (largest first), cut in proportion; the rest is too few.
+    memory = {"big": A100.memory_bytes, "s1": 10 * gib, "s2": 10 * gib, "s3": 8 * gib, "s4": 8 * gib}
+    p = ecoserve_placement("c", MODEL, memory)
+    assert [r.nodes for r in p.replicas] == [("big",), ("s1", "s2", "s3")]
+    ranges = p.ranges()
+    assert [ranges[n] for n in ("s1", "s2", "s3")] == [(0, 12), (12, 23), (23, 32)]
+    assert p.notes == ("cannot hold the model, nor complete a pipeline: s4",)
+    from hetnode.protocol.messages import HardwareProfile
+
+    profiles = {n: HardwareProfile(device="a100", device_type="a100", memory_bytes=m, matmul_tflops=312,
+                                   mem_bandwidth_gbps=2039, dtype="float16") for n, m in memory.items()}
+    predictors = ecoserve_predictors(p, MODEL, profiles)
+    assert set(predictors) == {"big", "s1"}  # an instance by its first node
+    assert predictors["s1"](2048) == pytest.approx(predictors["big"](2048), rel=0.05)  # the same GPUs, in turn
+    s = EcoServeScheduler(p, predictors=predictors, slos=SLOS, kv_capacity={"big": 1_000, "s1": 5_000,
+                                                                             "s2": 2_000, "s3": 9_000},
+                          learn_output=False, avg_output_len=0.0, high_water=1.0)
+    routes = [s.submit(f"r{i}", 900, 0.0).pipeline for i in range(2)]  # the big node has room for one
+    assert (PipelineHop("s1", 0, 12), PipelineHop("s2", 12, 23), PipelineHop("s3", 23, 32)) in routes
+    # The pipeline holds what its tightest stage holds.
+    assert s.state("s1", 0.0).free_kv_tokens == 2_000 - 900
+    # A stage down takes its instance down, with its requests.
+    on_pipe = next(f"r{i}" for i in range(2) if routes[i][0].node == "s1")  # type: ignore[index]
+    down = s.node_down("s2", 1.0)
+    assert down.affected == (on_pipe,) and s.macros() == [["big"]]
+    assert s.node_down("s3", 1.0).affected == ()
 
 
 def test_the_predictor_comes_from_the_nodes_advertised_numbers() -> None:
