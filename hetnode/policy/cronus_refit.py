@@ -28,8 +28,6 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from hetnode.policy.cronus import ChunkedIteration, CpiState, LinearPrefill
 
 REFIT_WINDOW = 64  # the coordinator's window: the latest 64 split requests of a pair
@@ -48,18 +46,35 @@ def chunked_features(prompt: int, tokens: int, state: CpiState) -> tuple[float, 
 
 
 def _ridge(rows: Sequence[tuple[Sequence[float], float]], prior: Sequence[float], weight: float) -> list[float]:
-    x = np.array([r for r, _ in rows], dtype=float)
-    y = np.array([t for _, t in rows], dtype=float)
-    c0 = np.array(prior, dtype=float)
-    scale = (x * x).mean(axis=0)
-    scale[scale == 0] = 1.0
-    a = x.T @ x + weight * np.diag(scale)
-    b = x.T @ y + weight * scale * c0
-    try:
-        c = np.linalg.solve(a, b)
-    except np.linalg.LinAlgError:
+    """argmin_c sum (x.c - y)^2 + weight sum_j s_j (c_j - prior_j)^2, s_j the mean of x_j^2 (1 where it is 0)."""
+    n = len(prior)
+    scale = [sum(x[j] * x[j] for x, _ in rows) / len(rows) or 1.0 for j in range(n)]
+    a = [[sum(x[i] * x[j] for x, _ in rows) + (weight * scale[i] if i == j else 0.0) for j in range(n)]
+         for i in range(n)]
+    b = [sum(x[i] * y for x, y in rows) + weight * scale[i] * prior[i] for i in range(n)]
+    c = _solve(a, b)
+    if c is None:
         return list(prior)
-    return [max(0.0, float(v)) if math.isfinite(v) else p for v, p in zip(c, prior, strict=True)]
+    return [max(0.0, v) if math.isfinite(v) else p for v, p in zip(c, prior, strict=True)]
+
+
+def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
+    """a c = b by Gaussian elimination with partial pivoting (a is at most 3 x 3 here); None if singular."""
+    n = len(b)
+    m = [[*row, b[i]] for i, row in enumerate(a)]
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(m[r][col]))
+        if m[pivot][col] == 0:
+            return None
+        m[col], m[pivot] = m[pivot], m[col]
+        for r in range(col + 1, n):
+            f = m[r][col] / m[col][col]
+            for k in range(col, n + 1):
+                m[r][k] -= f * m[col][k]
+    c = [0.0] * n
+    for i in range(n - 1, -1, -1):
+        c[i] = (m[i][n] - sum(m[i][k] * c[k] for k in range(i + 1, n))) / m[i][i]
+    return c
 
 
 @dataclass
