@@ -377,6 +377,7 @@ def main(argv: list[str] | None = None) -> int:
 
     setup_logging(getattr(args, "log_level", "info"))
     try:
+        _check_planning(args)
         if args.command == "coordinator":
             trio.run(_run_coordinator, args)
         elif args.command == "join":
@@ -402,6 +403,14 @@ def main(argv: list[str] | None = None) -> int:
         if leaf is None:
             raise
         return report_error(leaf)
+
+
+def _check_planning(args: argparse.Namespace) -> None:
+    """The planning options that only make sense together (`coordinator` and `testnet up`), refused before
+    anything starts."""
+    if getattr(args, "scale_from", 0) and getattr(args, "placement", "") != "ecoserve":
+        raise ConfigError(f"--scale-from scales EcoServe's instances: it needs --placement ecoserve, not "
+                          f"{args.placement}", key="--scale-from")
 
 
 def _hetnode_error(exc: BaseException) -> HetnodeError | None:
@@ -567,9 +576,6 @@ async def _run_coordinator(args: argparse.Namespace) -> None:
     from hetnode.coordinator.deployment import PlanningConfig
     from hetnode.policy.kv_codec import KVCodecPolicy
 
-    if args.scale_from and args.placement != "ecoserve":
-        raise ConfigError(f"--scale-from scales EcoServe's instances: it needs --placement ecoserve, not "
-                          f"{args.placement}", key="--scale-from")
     planning = PlanningConfig(method=args.placement, scheduler=args.scheduler, time_limit_s=args.plan_time_limit,
                               split_workload=args.split_workload, reschedule_shift=args.reschedule_shift,
                               workload_window_s=args.workload_window, slo_s=args.slo,

@@ -5,6 +5,8 @@ same arrivals and the same tokens, route every request to the same instance."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from hetnode.coordinator.ecoserve_scheduler import EcoServeScheduler
@@ -222,10 +224,10 @@ def test_the_operators_settings_are_checked() -> None:
         PlanningConfig(method="ecoserve", scale_from=1, scale_target=1.5)
 
 
-def test_scale_from_needs_the_ecoserve_placement() -> None:
-    import subprocess
-    import sys
+def test_scale_from_needs_the_ecoserve_placement(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from hetnode.cli import main
 
-    out = subprocess.run([sys.executable, "-m", "hetnode", "coordinator", "--model", "none", "--scale-from", "2"],
-                         capture_output=True, text=True, timeout=60)
-    assert out.returncode != 0 and "--scale-from" in out.stderr and "--placement ecoserve" in out.stderr, out.stderr
+    for command in (["coordinator", "--model", "none"], ["testnet", "up", "--nodes", "1"]):
+        assert main([*command, "--scale-from", "2", "--state-dir", str(tmp_path)]) == 2
+        err = capsys.readouterr().err
+        assert "--scale-from" in err and "--placement ecoserve" in err, err
