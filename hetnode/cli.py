@@ -22,7 +22,6 @@ import trio
 
 from hetnode.argtypes import non_negative as _non_negative
 from hetnode.argtypes import positive as _positive
-from hetnode.argtypes import positive_int
 from hetnode.argtypes import positive_int as _positive_int
 from hetnode.errors import ConfigError, HetnodeError, PeerUnreachable, Refused
 from hetnode.policy.kv_codec import OPERATOR_CHOICES
@@ -66,7 +65,7 @@ def _planning_args(p: argparse.ArgumentParser) -> None:
                         "instance (default: 0.9)")
     p.add_argument("--scale-low-use", type=_positive, default=0.3, metavar="F",
                    help="the instances' mean busy share under which a window counts as under-used (default: 0.3)")
-    p.add_argument("--scale-idle", type=positive_int, default=4, metavar="N",
+    p.add_argument("--scale-idle", type=_positive_int, default=4, metavar="N",
                    help="under-used windows in a row that remove an instance (default: 4)")
     p.add_argument("--split-workload", type=_workload, default=(750, 240), metavar="IN,OUT",
                    help="prompt and output tokens of a typical request, which size a split plan's prefill and "

@@ -130,11 +130,16 @@ class CronusScheduler(NamedCapacityScheduler):
         if running is None or request_id not in self._pairs[running.pair].at_ppi:
             return []
         pair = self._pairs[running.pair]
-        pair.at_ppi.discard(request_id)
         if pair.refit is not None and running.split > 0 and isinstance(pair.splitter, CronusBalancer):
             started = max(running.routed_at, pair.ppi_free_at)
             pair.splitter.ppi = pair.refit.observe_partial(running.split, self._now - started)
-        pair.ppi_free_at = running.handed_at = self._now
+        running.handed_at = self._now
+        return self._leave_ppi(pair, request_id)
+
+    def _leave_ppi(self, pair: _Pair, request_id: str) -> list[Decision]:
+        """The request's place at the PPI is free (it handed over, or its first token came first)."""
+        pair.at_ppi.discard(request_id)
+        pair.ppi_free_at = self._now
         return self._drain(self._now)
 
     def prefilled(self, request_id: str, now: float) -> list[Decision]:
@@ -155,9 +160,7 @@ class CronusScheduler(NamedCapacityScheduler):
         if request_id not in self._pairs[running.pair].at_ppi:
             return []
         # No hand-over reported: the first token frees the PPI's place (its time teaches the balancer nothing).
-        self._pairs[running.pair].at_ppi.discard(request_id)
-        self._pairs[running.pair].ppi_free_at = self._now
-        return self._drain(self._now)
+        return self._leave_ppi(self._pairs[running.pair], request_id)
 
     def node_down(self, node: str, now: float | None = None) -> NodeDown:
         if now is not None:
