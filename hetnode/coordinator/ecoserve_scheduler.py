@@ -58,12 +58,12 @@ class _Held:
     decode_at: float = -1.0  # its instance switched to decoding with it (EcoServe's TTFT ends here)
 
     def meets(self, slos: Slos, now: float) -> bool:
-        """Finished now: whether it met both SLOs as the simulator judges (`padg.Request.meets`)."""
-        start = self.decode_at if self.output > 1 and self.decode_at >= 0 else self.first_token_at
-        if start < 0:
-            return False
-        tpot = (now - start) / (self.output - 1) if self.output > 1 else 0.0
-        return start - self.arrived_at <= slos.ttft_s and tpot <= slos.tpot_s
+        """Finished now: whether it met both SLOs (`Slos.met`, as the simulator judges); its decode phase began
+        at its first token if its phase's switch was never seen."""
+        first = self.first_token_at if self.first_token_at >= 0 else math.nan
+        return slos.met(arrival=self.arrived_at, first_token=first,
+                        decode_start=self.decode_at if self.decode_at >= 0 else first, last_token=now,
+                        output=self.output)
 
 
 @dataclass(slots=True)

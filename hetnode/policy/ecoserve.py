@@ -50,6 +50,17 @@ class Slos:
     ttft_s: float
     tpot_s: float
 
+    def met(self, *, arrival: float, first_token: float, decode_start: float, last_token: float,
+            output: int) -> bool:
+        """Whether a finished request of `output` tokens met both, as EcoServe judges (§3.3): its TTFT runs to the
+        start of its decode phase (to its first token when it has none), its TPOT over the decode phase. A time
+        not known (nan) is a miss. The simulator and the coordinator's scaling judge with this."""
+        if output > 1:
+            ttft, tpot = decode_start - arrival, (last_token - decode_start) / (output - 1)
+        else:
+            ttft, tpot = first_token - arrival, 0.0
+        return ttft <= self.ttft_s and tpot <= self.tpot_s
+
 
 PrefillTime = Callable[[int], float]  # seconds to prefill a prompt of n tokens (profiled)
 

@@ -135,7 +135,9 @@ class Request:
         return (self.last_token - self.decode_start) / (self.output - 1) if self.output > 1 else 0.0
 
     def meets(self, slos: Slos) -> bool:
-        return self.finished and self.ttft_eco <= slos.ttft_s and self.tpot <= slos.tpot_s
+        return self.finished and slos.met(arrival=self.arrival, first_token=self.first_token,
+                                          decode_start=self.decode_start, last_token=self.last_token,
+                                          output=self.output)
 
 
 @dataclass
