@@ -243,6 +243,11 @@ async def test_the_baseline_schedulers_read_the_nodes_live_load(tiny_model: Path
     for scheduler in ("shortest-queue", "swarm"):
         async with network(tiny_model, [30.0, 20.0, 10.0], method="helix", scheduler=scheduler) as (gen, _n):
             deployment = gen.deployment
+            # Under load a node may join after the first plan's debounce: wait for the plan of all three, ready.
+            with trio.fail_after(60):
+                while not (deployment.plan is not None and deployment.plan.is_ready
+                           and sorted(deployment.plan.names) == ["n0", "n1", "n2"]):
+                    await deployment._changed.wait()
             plan = deployment.plan
             assert plan is not None and sorted(plan.names) == ["n0", "n1", "n2"] and len(plan.shards) == 3
 
