@@ -125,7 +125,7 @@ def test_an_instance_added_under_load_joins_the_macro_instance_and_takes_request
     with ThreadPoolExecutor(3) as pool, log.open("w") as out:
         clients = [pool.submit(client) for _ in range(3)]
         late = subprocess.Popen(
-            [sys.executable, "-m", "hetnode", "join", "--bootstrap", state["bootstrap"], "--token", state["token"],
+            [sys.executable, "-m", "hetnode", "join", "--bootstrap", state["bootstrap"], f"--token={state['token']}",
              "--name", "late", "--listen", "/ip4/127.0.0.1/tcp/0", "--identity", str(tmp / "late.key"),
              "--batching", "ecoserve"], stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ, OMP_NUM_THREADS="1"))
         try:
