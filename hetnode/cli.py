@@ -563,7 +563,7 @@ async def _run_coordinator(args: argparse.Namespace) -> None:
     token = args.token or saved.token
     if not token:
         token = secrets.token_urlsafe(16)
-        print(f"no --token given; nodes must join with --token {token}", flush=True)
+        print(f"no --token given; nodes must join with --token={token}", flush=True)
     api_key = args.api_key or saved.api_key
     try:
         config = CoordinatorConfig(token=token, heartbeat_interval_s=min(args.heartbeat_interval,

@@ -397,7 +397,7 @@ def print_summary(state: TestnetState, cluster: ClusterSpec, elapsed: float) -> 
     print(f"token:     {state.token}")
     print(f"logs:      {Path(state.state_dir) / 'logs'}")
     print(f"try:       curl -s{auth} {state.api}/v1/cluster")
-    print(f"join more: hetnode join --bootstrap {state.bootstrap} --token {state.token} --name extra-1", flush=True)
+    print(f"join more: hetnode join --bootstrap {state.bootstrap} --token={state.token} --name extra-1", flush=True)
 
 
 async def supervise(running: Running) -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 from test_split_failover_multiprocess import completion, phase_nodes, pid_of
-from testnet_helpers import start_testnet, stop_testnet
+from testnet_helpers import start_testnet, stop_testnet, wait_for_ready_plan
 
 pytestmark = pytest.mark.slow
 
@@ -36,6 +36,7 @@ def test_sigterm_on_a_decode_node_moves_every_stream_with_its_kv(tmp_path: Path)
                           extra=("--placement", "split", "--kv-codec", "fp16"))
     try:
         api = state["api"]
+        wait_for_ready_plan(api, nodes=4)  # the victim's streams need another decode node to move to
         with ThreadPoolExecutor(len(PROMPTS)) as pool:
             want = list(pool.map(lambda p: completion(api, p, MAX_TOKENS), PROMPTS))
         before = httpx.get(f"{api}/v1/cluster", timeout=10).json()["moves"]

@@ -66,7 +66,7 @@ def wait_for_line(path: Path, needle: str, after: int, timeout_s: float = 60) ->
 def testnet(tmp_path: Path) -> Any:
     state = start_testnet(tmp_path / "tn", MODEL, nodes=4, extra=("--placement", "split", "--kv-codec", "fp16"))
     try:
-        wait_for_ready_plan(state["api"])
+        wait_for_ready_plan(state["api"], nodes=4)
         yield state, tmp_path / "tn" / "logs" / "coordinator.log"
     finally:
         stop_testnet(tmp_path / "tn")

@@ -18,23 +18,37 @@ HETNODE = [sys.executable, "-m", "hetnode"]
 
 
 def start_testnet(state_dir: Path, model: str, nodes: int = 3, *, cluster: Path | None = None,
-                  extra: tuple[str, ...] = ()) -> dict[str, Any]:
-    """A detached testnet of `nodes` CPU nodes, or of `cluster`'s nodes; `extra` arguments go to `testnet up`."""
+                  extra: tuple[str, ...] = (), ready: bool = True) -> dict[str, Any]:
+    """A detached testnet of `nodes` CPU nodes, or of `cluster`'s nodes; `extra` arguments go to `testnet up`.
+    With `ready`, once its first plan is ready: `testnet up` returns when the processes listen, and under CI load
+    loading the shards can outlast a first request's --route-wait."""
     which = ["--cluster", str(cluster)] if cluster is not None else ["--nodes", str(nodes)]
     r = subprocess.run([*HETNODE, "testnet", "up", *which, "--detach", "--state-dir", str(state_dir),
                         "--model", model, *extra], capture_output=True, text=True, timeout=180)
     assert r.returncode == 0, r.stdout + r.stderr
     state: dict[str, Any] = json.loads((state_dir / "state.json").read_text())
+    if ready:
+        try:
+            wait_for_ready_plan(state["api"], key=state.get("api_key"))
+        except BaseException:
+            stop_testnet(state_dir)
+            raise
     return state
 
 
-def wait_for_ready_plan(api: str, timeout_s: float = 300) -> dict[str, Any]:
-    """The first plan that is ready (its nodes have loaded their shards): a request sent before then waits only
-    --route-wait and gets a 503 if loading takes longer, as it does when another testnet shares the cores."""
+def wait_for_ready_plan(api: str, timeout_s: float = 300, *, nodes: int | None = None,
+                        key: str | None = None) -> dict[str, Any]:
+    """The first plan that is ready (its nodes have loaded their shards), and that places `nodes` nodes if given:
+    a request sent before then waits only --route-wait and gets a 503 if loading takes longer, as it does when
+    another testnet shares the cores, and a node that joined after the first plan's debounce is not in it yet."""
     deadline = time.monotonic() + timeout_s
     while True:
-        plan = httpx.get(f"{api}/v1/plan", timeout=10).json().get("plan") or {}
-        if plan.get("ready"):
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        r = httpx.get(f"{api}/v1/plan", timeout=10, headers=headers)
+        assert r.status_code == 200, r.text
+        plan = r.json().get("plan") or {}
+        placed = {s["peer_id"] for s in plan.get("shards", [])}
+        if plan.get("ready") and (nodes is None or len(placed) == nodes):
             return dict(plan)
         assert time.monotonic() < deadline, f"no ready plan within {timeout_s:g} s: {plan}"
         time.sleep(0.2)
