@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 from test_serving_multiprocess import complete_text_str, stream
-from testnet_helpers import start_testnet, stop_testnet
+from testnet_helpers import start_testnet, stop_testnet, wait_for_ready_plan
 
 pytestmark = pytest.mark.slow
 
@@ -37,6 +37,7 @@ def test_node_killed_during_concurrent_streams_every_request_completes(tmp_path:
     state = start_testnet(tmp_path / "tn", "smollm2-135m")
     try:
         api = state["api"]
+        wait_for_ready_plan(api, nodes=3)  # the victim in the plan, and two nodes to take its layers
         with ThreadPoolExecutor(len(PROMPTS)) as pool:
             want = list(pool.map(lambda p: complete_text_str(api, p, MAX_TOKENS), PROMPTS))
         pid = next(p["pid"] for p in state["procs"] if p["name"] == victim)

@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 import pytest
 import torch
-from testnet_helpers import check_against_transformers, complete_ids, start_testnet, stop_testnet
+from testnet_helpers import check_against_transformers, complete_ids, start_testnet, stop_testnet, wait_for_ready_plan
 
 pytestmark = pytest.mark.slow
 
@@ -31,6 +31,7 @@ def smol_testnet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str,
     state_dir = tmp_path_factory.mktemp("smol")
     state = start_testnet(state_dir, "smollm2-135m")
     try:
+        wait_for_ready_plan(state["api"], nodes=3)
         yield state
     finally:
         stop_testnet(state_dir)
