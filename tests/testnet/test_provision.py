@@ -71,6 +71,17 @@ def test_the_search_bisects_token_counts_and_picks_the_cheapest_design_that_meet
         search(fake, max_prompt=1, max_token=1, goal="speed")
 
 
+def test_between_designs_of_the_same_cost_the_search_picks_the_one_with_the_most_headroom() -> None:
+    def same_price(p: int, t: int) -> Design:  # machines of one price; more prompt machines, more headroom
+        share = {(1, 2): 0.9, (2, 1): 0.6, (1, 1): 2.0}.get((p, t), 0.5)
+        limits = {m: tuple(x * share for x in lim) for m, lim in SLOS.items()}
+        return Design(p, t, (p + t) * 38.0, (p + t) * 1.75, limits, 10, 10)  # type: ignore[arg-type]
+
+    best, _ = search(same_price, max_prompt=2, max_token=2)
+    assert best is not None and (best.prompt, best.token) == (2, 1)  # $114 as (1, 2) is, 0.6 of its SLOs used
+    assert same_price(2, 1).tightest == pytest.approx(0.6) and Design(1, 1, 1.0, 1.0).tightest == math.inf
+
+
 def test_a_design_meets_the_slos_at_a_light_load_and_misses_them_when_overloaded() -> None:
     cluster, _ = design_cluster("8xh100", "8xa100-80g", 1, 1, LLAMA70)
     profiles = profile_table_for(cluster, LLAMA70, "auto")

@@ -80,6 +80,15 @@ class Design:
             for got, limit in zip(self.slowdowns[metric], limits, strict=True))
 
     @property
+    def tightest(self) -> float:
+        """The largest share of an SLO's limit that its slowdown uses (at most 1 when every SLO is met; inf when
+        not simulated): between designs of the same cost, the lower one has the more headroom."""
+        if not self.slowdowns:
+            return math.inf
+        return max(got / limit for metric, limits in SLOS.items()
+                   for got, limit in zip(self.slowdowns[metric], limits, strict=True))
+
+    @property
     def worst(self) -> str:
         """The SLO furthest over its limit ('' when all are met)."""
         if not self.slowdowns:
@@ -185,7 +194,8 @@ Evaluate = Callable[[int, int], Design]
 
 def search(evaluate_design: Evaluate, *, max_prompt: int, max_token: int, goal: str = "cost",
            ) -> tuple[Design | None, list[Design]]:
-    """The design that meets every SLO at the least `goal` ("cost" or "power"), and every design evaluated.
+    """The design that meets every SLO at the least `goal` ("cost" or "power"), the one with the most headroom of
+    those (`Design.tightest`), and every design evaluated.
 
     For each number of prompt machines, the fewest token machines that meet the SLOs, by bisection over
     [1, max_token]; a prompt count that misses even with max_token token machines is skipped."""
@@ -212,10 +222,15 @@ def search(evaluate_design: Evaluate, *, max_prompt: int, max_token: int, goal: 
             else:
                 lo = mid + 1
         found = at(p, hi)
-        key = found.cost_per_hour if goal == "cost" else found.power
-        if best is None or key < (best.cost_per_hour if goal == "cost" else best.power):
+        if best is None or _rank(found, goal) < _rank(best, goal):
             best = found
     return best, sorted(seen.values(), key=lambda d: (d.prompt, d.token))
+
+
+def _rank(design: Design, goal: str) -> tuple[float, float]:
+    """The least cost (or power), then the most headroom: machines of one price tie often (4 prompt and 2 token
+    H100s cost what 5 and 1 do), and the bisection's first find is no better a choice than any other."""
+    return (design.cost_per_hour if goal == "cost" else design.power, design.tightest)
 
 
 EvaluateAt = Callable[[int, int, float], Design]  # prompt machines, token machines, requests/s
