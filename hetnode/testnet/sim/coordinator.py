@@ -38,7 +38,7 @@ from typing import Any, Protocol
 from hetnode.errors import HetnodeError
 from hetnode.policy import Cause, Lifecycle
 from hetnode.protocol.messages import Route
-from hetnode.protocol.routes import describe, kv_targets, pipeline_route, route_problem
+from hetnode.protocol.routes import describe, kv_targets, phase_span, pipeline_route, route_problem
 from hetnode.testnet.sim.events import grouped
 from hetnode.testnet.sim.handoff import RouteHandoff
 from hetnode.testnet.sim.node import SimNode
@@ -138,11 +138,11 @@ class SimRequest:
 class SimRoute:
     """One route, prepared once and shared (read-only) by every request the scheduler sends along it."""
 
-    __slots__ = ("depth", "entry", "first", "handoff", "hops", "kind", "nxt", "partial", "path", "seg")
+    __slots__ = ("depth", "entry", "first", "handoff", "hops", "kind", "nxt", "path", "seg")
 
     def __init__(self, entry: int, first: int, nxt: dict[int, int], seg: dict[int, int],
                  hops: tuple[tuple[SimNode, int], ...], depth: int, path: str, kind: str,
-                 handoff: RouteHandoff | None, partial: bool = False) -> None:
+                 handoff: RouteHandoff | None) -> None:
         self.entry = entry
         self.first = first
         self.nxt = nxt
@@ -152,7 +152,6 @@ class SimRoute:
         self.path = path
         self.kind = kind
         self.handoff = handoff
-        self.partial = partial  # a partial prefill then a mixed phase (Cronus): k is each request's own
 
 
 class SimToken:
@@ -281,8 +280,9 @@ class SimCoordinator:
         r.start = 0
         r.prefill_end = self.lifecycle.restart(r.input_len, r.gen, r.output_len).prefill_end
         r.num_tokens = r.prefill_end  # the whole context: the first hop's policy chunks it
-        bound = phases[0].last_token if route.partial else None
-        r.handoff_end = r.prefill_end if bound is None else min(bound, r.prefill_end)
+        # Where the first phase ends, as the runtime's coordinator splits the context (`phase_span`).
+        end = phase_span(decided, 0, r.prefill_end)[1] if len(phases) > 1 else None
+        r.handoff_end = r.prefill_end if end is None else end
         self.inflight += 1
         if self.request_s:
             now = self.free = max(self.free, now) + self.request_s
@@ -307,7 +307,7 @@ class SimCoordinator:
         """Each phase's first hop gets its part of the context (the runtime's `phase_span`): after a partial
         prefill's Ready, [0, k) to the first phase and [k, n) to the next, at once; else all of it to the first."""
         k = r.handoff_end
-        if 0 < k < r.prefill_end and r.entry != r.first and r.kv_out is not None and r.start == 0:
+        if 0 < k < r.prefill_end:
             piece = r.piece(k)  # [0, k); the request itself keeps [k, n) and goes on to decode
             self.send(self.index, r.entry, [piece], now)
             self.send(self.index, r.first, [r], now)
@@ -380,7 +380,7 @@ class SimCoordinator:
         path = " | ".join(">".join(f"{h.peer}[{h.first_layer},{h.last_layer})" for h in phase.hops)
                           for phase in phases)
         return SimRoute(starts[0], starts[-1], nxt, seg, tuple(hops), len(phases[-1].hops), path, phases[-1].kind,
-                        handoff, partial)
+                        handoff)
 
     # -- the last hop: the decode loop runs on the nodes ------------------------------------------
 
