@@ -56,8 +56,8 @@ class Decision(Protocol):
 
 
 class Scheduler(Protocol):
-    """What the simulator needs of `hetnode.coordinator.scheduler`'s schedulers (their `prefilled(id, now)` is
-    called too where a scheduler has it, as every runtime scheduler does)."""
+    """What the simulator needs of `hetnode.coordinator.scheduler`'s schedulers (their `prefilled(id, now)` and
+    `partial_done(id, now)` are called too where a scheduler has them, as every runtime scheduler does)."""
 
     def submit(self, request_id: str, input_len: int, now: float) -> Any: ...
 

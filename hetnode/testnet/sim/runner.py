@@ -9,7 +9,9 @@ The scheduler is the runtime's own object (`hetnode.coordinator.routing.make_sch
 coordinator daemon runs), driven by the simulated clock; a scheduler object may be passed instead of a name.
 The plan comes from the runtime's planner unchanged; a phase-split plan (`split_placement`: prefill and decode
 replicas) is routed by "cls", whatever the name, as the coordinator routes it, and its KV hand-offs run as
-`handoff.py` describes. Nothing here reads the wall clock except to report how long the run took.
+`handoff.py` describes; a Cronus plan (`cronus_placement`'s pairs) is routed by the coordinator's
+`CronusScheduler`, its partial prefills handed over the same way. Nothing here reads the wall clock except to
+report how long the run took.
 """
 
 from __future__ import annotations
