@@ -67,11 +67,17 @@ def cronus_splitters(plan: PlacementPlan, model: ModelSpec, profiles: Mapping[st
                      max_batch_tokens: int = CHUNK) -> list[CronusBalancer]:
     """Each pair's balancer, its predictors (Eq. 2 and 3) fitted on the pair's nodes as they reported themselves
     at join time (§4.4 fits them on profiled runs; here on the cost model of the reported numbers)."""
+    return device_splitters(plan, model, {n: measured_device(p) for n, p in profiles.items()}, max_batch_tokens)
+
+
+def device_splitters(plan: PlacementPlan, model: ModelSpec, devices: Mapping[str, DeviceSpec],
+                     max_batch_tokens: int = CHUNK) -> list[CronusBalancer]:
+    """Each pair's balancer fitted on its two nodes' device specs (the simulator's nodes: their GPU tables)."""
     out = []
     for ppi, cpi in zip(plan.replicas[::2], plan.replicas[1::2], strict=True):
-        low, high = profiles.get(ppi.nodes[0]), profiles.get(cpi.nodes[0])
+        low, high = devices.get(ppi.nodes[0]), devices.get(cpi.nodes[0])
         if low is None or high is None:
             raise ConfigError(f"no profile for the Cronus pair {ppi.nodes[0]}, {cpi.nodes[0]}")
-        out.append(CronusBalancer(fit_partial_prefill(measured_device(low), model),
-                                  fit_chunked_iteration(measured_device(high), model, max_batch_tokens)))
+        out.append(CronusBalancer(fit_partial_prefill(low, model),
+                                  fit_chunked_iteration(high, model, max_batch_tokens)))
     return out

@@ -56,7 +56,9 @@ def add_arguments(p: argparse.ArgumentParser, *, clusters: Sequence[str] = ()) -
                         "replicas, sized for the trace's mean prompt and output, routed by cls, KV handed between "
                         "them); default helix. On a two-GPU cluster: cronus (partially disaggregated prefill) and "
                         "Cronus §5's baselines dp, pp, disagg-hl, disagg-lh (pair_designs.py; with --offline or "
-                        "--rate, over the trace's first --first); or an instance placement of EcoServe's evaluation "
+                        "--rate, over the trace's first --first); cronus on more nodes pairs weak and strong ones "
+                        "and runs in the main simulator (--max-batch-tokens default 512, §5.1's); or an instance "
+                        "placement of EcoServe's evaluation "
                         "(padg_cli.py: ecoserve, nodg-vllm, nodg-sarathi, fudg-distserve, fudg-mooncake)")
     p.add_argument("--plan", default=None, metavar="FILE",
                    help="use this plan (JSON from `hetnode plan --json`) instead of planning")
@@ -139,6 +141,7 @@ def resolve_cluster(name: str, clusters_dir: Path) -> Path:
 
 def run(args: argparse.Namespace, *, clusters_dir: Path) -> int:
     from hetnode.planner.cluster import load_cluster
+    from hetnode.planner.cronus_plan import CHUNK as CRONUS_CHUNK
     from hetnode.planner.model import model_spec
     from hetnode.planner.plan import PlacementPlan
     from hetnode.planner.profile_sources import profile_table_for
@@ -148,7 +151,7 @@ def run(args: argparse.Namespace, *, clusters_dir: Path) -> int:
 
     cluster = load_cluster(resolve_cluster(args.cluster, clusters_dir))
     model = model_spec(args.model)
-    if args.method in PAIR_DESIGNS:
+    if args.method in PAIR_DESIGNS and (args.method != "cronus" or len(cluster.nodes) == 2):
         from hetnode.testnet.sim.pair_cli import run_pair
 
         if args.first is not None and args.first < 1:
@@ -175,6 +178,13 @@ def run(args: argparse.Namespace, *, clusters_dir: Path) -> int:
         _say(args, f"planning {model.name} on {cluster.name} (split, for {typical.input_len} prompt and "
                    f"{typical.output_len} output tokens) ...")
         plan = split_placement(cluster, model, profiles, workload=typical)
+    elif args.method == "cronus":  # more than two nodes: weak and strong ones in pairs, in the main simulator
+        from hetnode.planner.cronus_plan import cronus_placement
+
+        plan = cronus_placement(cluster.name, model, {n.name: n.device_spec.fp16_tflops for n in cluster.nodes},
+                                {n.name: int(n.memory_gb * 2**30) for n in cluster.nodes})
+        _say(args, "plan: " + ", ".join(f"{a.nodes[0]} (PPI) with {b.nodes[0]} (CPI)"
+                                        for a, b in zip(plan.replicas[::2], plan.replicas[1::2], strict=True)))
     else:
         from hetnode.planner.placement import PlannerOptions, plan_placement
 
@@ -192,7 +202,9 @@ def run(args: argparse.Namespace, *, clusters_dir: Path) -> int:
                           key="--warmup")
     slos = {k: v for k, v in (("ttft", args.slo_ttft), ("tpot", args.slo_tpot), ("e2e", args.slo_e2e)) if v}
     try:
-        options = options_like(args.like, offline=args.offline, max_batch_tokens=args.max_batch_tokens,
+        # Cronus's CPI runs chunked prefill of 512 tokens an iteration (§5.1), which its balancer is fitted on.
+        budget = args.max_batch_tokens or (CRONUS_CHUNK if plan.method == "cronus" else None)
+        options = options_like(args.like, offline=args.offline, max_batch_tokens=budget,
                                high_water=args.high_water, link_messages=args.link_messages,
                                kv_codec=args.kv_codec, kv_transfer=args.kv_transfer)
     except ValueError as exc:

@@ -11,10 +11,16 @@ measured there), tells the scheduler at a session's first token (`prefilled`: a 
 prefill replica), and when the last one is in, every hop gets a Release (it frees the session's KV there, a
 link latency later) and `scheduler.finish` may admit requests the scheduler had queued.
 
-A route is one mixed phase (Helix) or a prefill phase and a decode phase (Splitwise, ThunderServe). For the
-latter the decode hops reserve their KV first (`handoff.py`: the Install and Ready round trip, before the
-context goes out); the prefill phase's last hop samples the first token, streams it here at once and hands it
-to the decode phase's first hop, whose hops run once their KV has come.
+A route is one mixed phase (Helix), a prefill phase and a decode phase (Splitwise, ThunderServe), or Cronus's
+partial prefill: a prefill phase of tokens [0, k) and a mixed phase from k. For the latter two the next phase's
+hops reserve their KV first (`handoff.py`: the Install and Ready round trip, before the context goes out). After
+a whole prefill, the prefill phase's last hop samples the first token, streams it here at once and hands it to
+the decode phase's first hop, whose hops run once their KV has come. After a partial one, as the runtime's
+coordinator sends each phase's first hop its part of the context (`phase_span`), [0, k) goes to the prefill
+phase (a piece of the request, `SimRequest.piece`: its last hop samples nothing) and [k, n) to the mixed phase,
+whose hops hold it until the KV of [0, k) has come, prefill it in chunks under their token budget beside their
+decodes, sample the first token and decode. When every hop of the first phase has handed its KV on (its
+HandedOver), the scheduler hears `partial_done` (Cronus frees the PPI's place then), as the coordinator tells it.
 
 Token ids travel as 4 bytes per token (`TOKEN_BYTES`), on the links from the coordinator to the first hop, from
 the last hop to the first, and from the last hop to the coordinator. By default the coordinator itself
@@ -32,7 +38,7 @@ from typing import Any, Protocol
 from hetnode.errors import HetnodeError
 from hetnode.policy import Cause, Lifecycle
 from hetnode.protocol.messages import Route
-from hetnode.protocol.routes import describe, kv_targets, pipeline_route, route_problem
+from hetnode.protocol.routes import describe, kv_targets, phase_span, pipeline_route, route_problem
 from hetnode.testnet.sim.events import grouped
 from hetnode.testnet.sim.handoff import RouteHandoff
 from hetnode.testnet.sim.node import SimNode
@@ -50,8 +56,8 @@ class Decision(Protocol):
 
 
 class Scheduler(Protocol):
-    """What the simulator needs of `hetnode.coordinator.scheduler`'s schedulers (their `prefilled(id, now)` is
-    called too where a scheduler has it, as every runtime scheduler does)."""
+    """What the simulator needs of `hetnode.coordinator.scheduler`'s schedulers (their `prefilled(id, now)` and
+    `partial_done(id, now)` are called too where a scheduler has them, as every runtime scheduler does)."""
 
     def submit(self, request_id: str, input_len: int, now: float) -> Any: ...
 
@@ -65,10 +71,10 @@ class SimRequest:
     prefill_end). A piece split off a prompt chunk by a node's policy is a clone whose `origin` is the request."""
 
     __slots__ = ("admitted", "arrival", "decode_at", "depth", "done", "entry", "first", "first_token", "gen",
-                 "handoff", "hops", "idx", "input_len", "kind", "kv_out", "kv_since", "kv_wait", "last_token",
-                 "max_tbt", "num_tokens", "nxt", "origin", "output_len", "path", "pf", "prefill_end",
-                 "prefilled_at", "ready", "received", "rejected", "restarts", "rid", "seg", "session", "start",
-                 "told")
+                 "handed", "handoff", "handoff_end", "hops", "idx", "input_len", "kind", "kv_out", "kv_since",
+                 "kv_wait", "last_token", "max_tbt", "num_tokens", "nxt", "origin", "output_len", "path", "pf",
+                 "prefill_end", "prefilled_at", "ready", "received", "rejected", "restarts", "rid", "seg", "session",
+                 "start", "told")
 
     def __init__(self, idx: int, arrival: float, input_len: int, output_len: int) -> None:
         self.idx = idx
@@ -110,6 +116,10 @@ class SimRequest:
         self.handoff: RouteHandoff | None = None
         self.kv_out: dict[int, Any] | None = None
         self.ready = 0
+        # Tokens whose KV the first phase hands on (the whole context after a whole prefill; k after Cronus's
+        # partial one), and the first phase's hops that have handed theirs on so far (HandedOver).
+        self.handoff_end = input_len
+        self.handed = 0
         self.prefilled_at = -1.0
         self.decode_at = -1.0
 
@@ -182,6 +192,7 @@ class SimCoordinator:
             raise ValueError(f"the coordinator's times must be >= 0, not {request_s} and {token_s}")
         self.scheduler = scheduler
         self.prefilled: Callable[[str, float], Sequence[Any]] | None = getattr(scheduler, "prefilled", None)
+        self.partial_done: Callable[[str, float], Sequence[Any]] | None = getattr(scheduler, "partial_done", None)
         self.handoff = handoff
         self.nodes = nodes
         self.by_name = {n.name: n for n in nodes}
@@ -243,9 +254,9 @@ class SimCoordinator:
         phases = decided.phases
         if len(phases) == 1:
             key: tuple[Any, ...] = tuple((h.peer, h.first_layer, h.last_layer) for h in phases[0].hops)
-        else:
-            key = tuple((p.kind, p.first_token, p.last_token, tuple((h.peer, h.first_layer, h.last_layer)
-                                                                    for h in p.hops)) for p in phases)
+        else:  # the route's shape: a partial prefill's k is the request's, not the route's
+            key = tuple((p.kind, p.first_token is None, p.last_token is None,
+                         tuple((h.peer, h.first_layer, h.last_layer) for h in p.hops)) for p in phases)
         route = self.routes.get(key)
         if route is None:
             route = self.routes[key] = self._route(decided)
@@ -260,6 +271,7 @@ class SimCoordinator:
         r.hops = route.hops
         r.kind = route.kind
         r.handoff = route.handoff
+        r.handed = 0
         # A fresh session: after a move the new pipeline prefills the prompt and every token generated so far
         # (as SessionCursor.restart), then samples the next token.
         r.session = self.sessions
@@ -268,6 +280,9 @@ class SimCoordinator:
         r.start = 0
         r.prefill_end = self.lifecycle.restart(r.input_len, r.gen, r.output_len).prefill_end
         r.num_tokens = r.prefill_end  # the whole context: the first hop's policy chunks it
+        # Where the first phase ends, as the runtime's coordinator splits the context (`phase_span`).
+        end = phase_span(decided, 0, r.prefill_end)[1] if len(phases) > 1 else None
+        r.handoff_end = r.prefill_end if end is None else end
         self.inflight += 1
         if self.request_s:
             now = self.free = max(self.free, now) + self.request_s
@@ -286,7 +301,27 @@ class SimCoordinator:
             return
         r.ready -= 1
         if not r.ready:
-            self.send(self.index, r.entry, [r], now)
+            self._send_context(r, now)
+
+    def _send_context(self, r: SimRequest, now: float) -> None:
+        """Each phase's first hop gets its part of the context (the runtime's `phase_span`): after a partial
+        prefill's Ready, [0, k) to the first phase and [k, n) to the next, at once; else all of it to the first."""
+        k = r.handoff_end
+        if 0 < k < r.prefill_end:
+            piece = r.piece(k)  # [0, k); the request itself keeps [k, n) and goes on to decode
+            self.send(self.index, r.entry, [piece], now)
+            self.send(self.index, r.first, [r], now)
+            return
+        self.send(self.index, r.entry, [r], now)
+
+    def on_handed(self, r: SimRequest, session: int, now: float) -> None:
+        """A first-phase hop's HandedOver: every hop of it is done with the session once the last one says so,
+        and the scheduler hears it (`partial_done`), as the runtime's coordinator tells it."""
+        if r.session != session or r.done >= 0 or r.rejected or r.handoff is None:
+            return
+        r.handed += 1
+        if r.handed == len(r.handoff.sources) and self.partial_done is not None:
+            self._admit_queued(self.partial_done(r.rid, now), now)
 
     def on_full(self, r: SimRequest, session: int, reason: str, now: float) -> None:
         """A decode hop had no KV memory free for the session (Failed, cause "full"): the lifecycle decides."""
@@ -295,17 +330,20 @@ class SimCoordinator:
 
     def _route(self, route: Route) -> SimRoute:
         """The scheduler's route, checked by the rules every hop checks an Install against, as the simulator runs
-        it: one mixed phase, or a prefill phase then a decode phase on other nodes."""
+        it: one mixed phase, or a prefill phase then a decode phase on other nodes, or a partial prefill [0, k)
+        then a mixed phase from k on other nodes (Cronus)."""
         what = describe(route)
         problem = route_problem(route, self.num_layers)
         if problem:
             raise SimulationError(f"the scheduler's route {what} is not one the hops accept (every layer once, in "
                                   f"order, per phase): {problem}")
         phases = route.phases
-        split = len(phases) == 2 and phases[0].kind == PREFILL and phases[1].kind == "decode"
+        two = len(phases) == 2 and phases[0].kind == PREFILL
+        partial = two and phases[0].last_token is not None and phases[1].kind == PHASE_KIND
+        split = two and (phases[1].kind == "decode" or partial)
         if len(phases) > 1 and not split:
-            raise SimulationError(f"the scheduler's route {what}: the simulator runs one mixed phase, or a prefill "
-                                  f"phase then a decode phase")
+            raise SimulationError(f"the scheduler's route {what}: the simulator runs one mixed phase, a prefill "
+                                  f"phase then a decode phase, or a partial prefill then a mixed phase")
         nxt: dict[int, int] = {}
         seg: dict[int, int] = {}
         hops: list[tuple[SimNode, int]] = []

@@ -1,12 +1,15 @@
 """KV hand-offs between a route's phases: the decode side's reservation, the codec per link, the transfers.
 
-A phase-split route (Splitwise, ThunderServe: a prefill phase, then a decode phase on other nodes) runs here as
-`hetnode.node.hops` runs it, with the runtime's own decisions:
+A phase-split route (Splitwise, ThunderServe: a prefill phase, then a decode phase on other nodes; Cronus: a
+partial prefill of [0, k), then a mixed phase from k) runs here as `hetnode.node.hops` runs it, with the
+runtime's own decisions:
 
-- Install. Before the context goes out, every hop of the decode phase reserves KV for the whole context in its
-  ledger (`KVLedger.reserve`, as `BatchLoop.reserve` does) when the coordinator's Install reaches it (one link
-  latency), and answers Ready (one more); the coordinator sends the context when every hop is ready. A hop
-  without room answers Failed with cause "full", and `Lifecycle` decides what follows, as for any failure.
+- Install. Before the context goes out, every hop of the next phase reserves KV for the tokens handed to it (the
+  whole context, or Cronus's k: its phase's start, `phase_span`) in its ledger (`KVLedger.reserve`, as
+  `BatchLoop.reserve` does) when the coordinator's Install reaches it (one link latency), and answers Ready (one
+  more); the coordinator sends the context when every hop is ready. A hop without room answers Failed with cause
+  "full", and `Lifecycle` decides what follows, as for any failure. (Cronus's [k, n) then grows the reservation
+  chunk by chunk under the hop's batch policy, as any prompt does.)
 - Codec. Each link of the hand-off (a prefill hop to a decode hop that holds some of its layers: the runtime's
   `kv_targets`) gets the codec that `KVCodecPolicy` picks from the link's bandwidth and latency, the KV's exact
   packed size (`packed_size`) for the layers it carries and the whole context's tokens, and the codecs' pack
@@ -30,8 +33,10 @@ A phase-split route (Splitwise, ThunderServe: a prefill phase, then a decode pha
   per session and link); the default sends every link layer by layer.
 - Arrival. The receiving hop unpacks each message in arrival order (an unpacker beside its compute: on the
   testnet the unpacking runs while the hop's emulated step sleeps; on a GPU it is a small kernel) and holds the
-  session's items until every layer it holds has the whole context. Its first decode step then runs on the
-  decode pipeline; the prefill hop frees the session's KV once the last of it has left.
+  session's items until every layer it holds has the KV handed to it. Its first decode step (Cronus: its first
+  chunk of [k, n)) then runs on the next phase's pipeline; the prefill hop frees the session's KV once the last
+  of it has left, and tells the coordinator (HandedOver, one link latency), which tells the scheduler
+  (`partial_done`) once every hop of the prefill phase has.
 
 What the model leaves out: a layer-wise message that left before the end of its step is put on its link when the
 step ends, so it queues behind messages sent on that link during the step; the unpacker takes messages in the
@@ -146,7 +151,7 @@ class StepKV:
     """What one prefill step hands over, between `step_done` and `send`: layer-wise messages that leave after
     the step's end ((departure, target, bytes, sessions, unpack seconds) each), the arrivals and sessions per
     target so far, the whole transfers ((session, target, layers, tokens, codec, fp16 bytes) each), and the
-    sessions whose last KV at the hop this step computed."""
+    sessions whose last KV at the hop this step computed (with their requests)."""
 
     __slots__ = ("chunks", "entries", "finals", "late", "whole")
 
@@ -155,7 +160,7 @@ class StepKV:
         self.chunks: dict[int, list[tuple[float, float]]] = {}
         self.entries: dict[int, list[tuple[int, int]]] = {}
         self.whole: list[tuple[int, int, int, int, str, int]] = []
-        self.finals: list[int] = []
+        self.finals: list[tuple[int, Any]] = []
 
 
 class SimHandoff:
@@ -186,6 +191,7 @@ class SimHandoff:
         self.KV_IN = sim.register(self._kv_in)
         self.KV_DONE = sim.register(self._kv_done)
         self.UNBLOCK = sim.register(self._unblock)
+        self.HANDED = sim.register(self._handed)
 
     # -- what the runtime's coordinator decides when a session starts -------------------------------------------
 
@@ -276,13 +282,14 @@ class SimHandoff:
         back = now + self.sim.delay(index, self.sim.network.coordinator)
         heap, seq = self.sim.events.heap, self.sim.events.seq
         self.installs += 1
-        if not node.ledger.reserve(session, r.prefill_end):
+        tokens = r.handoff_end  # the next phase's start: what the hop reserves before the prefill starts
+        if not node.ledger.reserve(session, tokens):
             self.full += 1
-            why = f"no KV memory free on {node.name} for the {r.prefill_end} tokens handed over"
+            why = f"no KV memory free on {node.name} for the {tokens} tokens handed over"
             heapq.heappush(heap, (back, next(seq), self.FULL, None, (r, session, why)))
             return
         node.kv_note(now)
-        node.kv_coming[session] = r.handoff.receivers[index] * r.prefill_end  # layer-tokens still to come
+        node.kv_coming[session] = r.handoff.receivers[index] * tokens  # layer-tokens still to come
         if index == r.first:
             node.kv_first.add(session)
         heapq.heappush(heap, (back, next(seq), self.READY, None, (r, session)))
@@ -315,12 +322,13 @@ class SimHandoff:
             if mine is None:
                 continue
             end = it.start + it.num_tokens
-            count = (end if end < it.prefill_end else it.prefill_end) - it.start
+            stop = r.handoff_end  # the phase's end: the context's, or Cronus's k
+            count = (end if end < stop else stop) - it.start
             if count <= 0:
                 continue
             layers, targets = mine
-            if end >= it.prefill_end:
-                kv.finals.append(it.session)  # its last KV here: freed once it has left
+            if end >= stop:
+                kv.finals.append((it.session, r))  # its last KV here: freed once it has left
             fp16 = self.size("fp16", 1, count)
             for dst, lo, hi, codec, mode in targets:
                 pack, unpack = rates.get(codec, (math.inf, math.inf))
@@ -391,8 +399,13 @@ class SimHandoff:
             self._count(codec, wire, fp16)
             self._arrive(dst, [(session, layers * count)], [(arrival, fp16 / rates.get(codec, (0, math.inf))[1])], now)
         if kv.finals:
-            # Everything this hop computed for these sessions has left: their KV is not needed here.
-            self._release_at(node, kv.finals, max(depart, node.pack_free))
+            # Everything this hop computed for these sessions has left: their KV is not needed here, and the hop
+            # tells the coordinator (HandedOver).
+            at = max(depart, node.pack_free)
+            self._release_at(node, [session for session, _ in kv.finals], at)
+            back = at + self.sim.delay(node.index, self.sim.network.coordinator)
+            for final in kv.finals:
+                heapq.heappush(self.sim.events.heap, (back, next(self.sim.events.seq), self.HANDED, node.index, final))
         if hold <= 0:
             return False
         node.occupy(now, hold)
@@ -405,6 +418,11 @@ class SimHandoff:
         node.batch = None
         if node.queue:
             self.sim._step(node, now)
+
+    def _handed(self, now: float, _: int, payload: tuple[int, Any]) -> None:
+        assert self.sim.coordinator is not None
+        session, r = payload
+        self.sim.coordinator.on_handed(r, session, now)
 
     def _count(self, codec: str, wire: float, fp16: float) -> None:
         self.wire_bytes[codec] = self.wire_bytes.get(codec, 0.0) + wire

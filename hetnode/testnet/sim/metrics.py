@@ -59,6 +59,9 @@ class RequestRecord:
     # Phase-split routes: from the prefill phase's first token (sampled) to the decode phase's first step, the KV
     # hand-off's cost on the critical path (NaN on a one-phase route).
     handoff: float = math.nan
+    # Tokens whose KV its first phase handed on: the whole context after a whole prefill, Cronus's k after a
+    # partial one (the PPI's [0, k)); 0 on a one-phase route.
+    kv_handed: int = 0
 
     @property
     def finished(self) -> bool:

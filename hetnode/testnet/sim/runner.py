@@ -9,7 +9,9 @@ The scheduler is the runtime's own object (`hetnode.coordinator.routing.make_sch
 coordinator daemon runs), driven by the simulated clock; a scheduler object may be passed instead of a name.
 The plan comes from the runtime's planner unchanged; a phase-split plan (`split_placement`: prefill and decode
 replicas) is routed by "cls", whatever the name, as the coordinator routes it, and its KV hand-offs run as
-`handoff.py` describes. Nothing here reads the wall clock except to report how long the run took.
+`handoff.py` describes; a Cronus plan (`cronus_placement`'s pairs) is routed by the coordinator's
+`CronusScheduler`, its partial prefills handed over the same way. Nothing here reads the wall clock except to
+report how long the run took.
 """
 
 from __future__ import annotations
@@ -17,17 +19,20 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from hetnode.errors import ConfigError
 from hetnode.planner.cluster import ClusterSpec
 from hetnode.planner.costmodel import MEMORY_EFFICIENCY
+from hetnode.planner.cronus_plan import device_splitters
+from hetnode.planner.devices import DeviceSpec
 from hetnode.planner.model import ModelSpec
 from hetnode.planner.node_limits import limits_for
 from hetnode.planner.plan import PlacementPlan
 from hetnode.planner.profile import ProfileTable, node_kv_tokens
 from hetnode.policy import MIN_CHUNK
+from hetnode.policy.cronus_refit import REFIT_WINDOW
 from hetnode.policy.kv_codec import AUTO, OPERATOR_CHOICES
 from hetnode.policy.machine_batching import BATCHINGS, PROMPT_TOKENS, batch_policy_for
 from hetnode.testnet.sim.coordinator import Scheduler, SimCoordinator, SimRequest
@@ -49,7 +54,7 @@ from hetnode.testnet.sim.offline_loop import OfflineLoop
 from hetnode.testnet.sim.tp_stages import merge_tensor_parallel
 from hetnode.testnet.sim.workload import Trace, Workload, offline
 
-SCHEDULERS = ("iwrr", "random", "shortest-queue", "swarm", "cls", "splitwise", "tstp", "random-pairs")
+SCHEDULERS = ("iwrr", "random", "shortest-queue", "swarm", "cls", "splitwise", "tstp", "random-pairs", "cronus")
 KV_POOLS = ("estimate", "measured")  # a node's KV: memory minus weights, or the profile's measured pool
 LINK_MESSAGES = ("step", "item")  # one message per step and next hop, or one per item
 NAN = math.nan
@@ -155,10 +160,12 @@ def _nice_bin(span: float) -> float:
 
 def make_runtime_scheduler(name: str, plan: PlacementPlan, nodes: Mapping[str, SimNode], *, seed: int,
                            avg_output_len: float, kv_capacity: Mapping[str, int], options: SimOptions,
-                           regions: Mapping[str, str] | None = None) -> Scheduler:
+                           regions: Mapping[str, str] | None = None, model: ModelSpec | None = None,
+                           devices: Mapping[str, DeviceSpec] | None = None) -> Scheduler:
     """The runtime's scheduler by name, with the simulated nodes' queues and throughput where it asks; a
-    phase-split plan gets CLS (or Splitwise's pools) with the nodes' regions, as the coordinator's deployment
-    routes it."""
+    phase-split plan gets CLS (or Splitwise's pools) with the nodes' regions, and a Cronus plan its pairs'
+    balancers fitted on the nodes' devices and refitted as they serve, as the coordinator's deployment builds
+    them (`cronus_splitters` of what the nodes report: here their GPU tables, `devices`)."""
     from hetnode.coordinator.routing import make_scheduler, scheduler_for
 
     name = scheduler_for(plan, name)
@@ -183,6 +190,11 @@ def make_runtime_scheduler(name: str, plan: PlacementPlan, nodes: Mapping[str, S
         kwargs["regions"] = dict(regions or {})
     if name == "splitwise" and options.decode_batch is not None:
         kwargs["decode_batch"] = options.decode_batch
+    if name == "cronus":
+        if model is None or devices is None:
+            raise ConfigError("a Cronus plan's scheduler needs the model and the nodes' devices to fit its balancers")
+        kwargs["splitters"] = device_splitters(plan, model, devices)
+        kwargs["refit_window"] = REFIT_WINDOW
     scheduler: Scheduler = make_scheduler(name, plan, **kwargs)
     return scheduler
 
@@ -239,7 +251,9 @@ def simulate(cluster: ClusterSpec, model: ModelSpec, profiles: ProfileTable, pla
         expected = workload.mean_output if opts.output_len is None else opts.output_len
         sched = make_runtime_scheduler(scheduler, plan, by_name, seed=seed, avg_output_len=expected,
                                        kv_capacity=kv_capacity, options=opts,
-                                       regions={s.name: s.region for s in cluster.nodes})
+                                       regions={s.name: s.region for s in cluster.nodes}, model=model,
+                                       devices={s.name: replace(s.device_spec, memory_gb=s.memory_gb)
+                                                for s in cluster.nodes})
         scheduler_name = str(getattr(sched, "name", scheduler))
     else:
         sched, scheduler_name = scheduler, type(scheduler).__name__
@@ -430,7 +444,8 @@ def _record(r: SimRequest, window: tuple[float, float]) -> RequestRecord:
         admitted=admitted, first_token=first, finish=done, ttft=first - r.arrival, tpot=tpot, e2e=done - r.arrival,
         queue=admitted - r.arrival, kv_wait=r.kv_wait, max_tbt=r.max_tbt if r.gen > 1 else NAN, depth=r.depth,
         path=r.path, measured=window[0] <= r.arrival < window[1], rejected=r.rejected,
-        handoff=r.decode_at - r.prefilled_at if r.decode_at >= 0 and r.prefilled_at >= 0 else NAN)
+        handoff=r.decode_at - r.prefilled_at if r.decode_at >= 0 and r.prefilled_at >= 0 else NAN,
+        kv_handed=r.handoff_end if r.handoff is not None else 0)
 
 
 def _node_stats(n: SimNode, end: float, window: tuple[float, float]) -> NodeStats:
