@@ -407,10 +407,8 @@ class Deployment:
         self.history.append({"version": plan.version, "reason": reason, "at": plan.created_at,
                              "method": placement.method, "max_flow": placement.max_flow, "shards": described})
         del self.history[:-100]
-        # A plan of replicas (phase-split, Cronus, EcoServe) has no max flow: it says what its replicas are.
-        size = (f"{placement.max_flow:.1f} tokens/s" if not placement.replicas else
-                ", ".join(f"{n} {role}" for role, n in Counter(r.role for r in placement.replicas).items()))
-        log.info("plan %d (%s; %s, %s): %s", plan.version, reason, placement.method, size, ", ".join(described))
+        log.info("plan %d (%s; %s, %s): %s", plan.version, reason, placement.method, placement.size,
+                 ", ".join(described))
         await self._assign(plan, members)
         if self.serving is not None and self.serving is not plan:
             # Nodes the new plan leaves idle drop their shard at once: the serving plan can no longer use them.

@@ -78,6 +78,17 @@ class PlacementPlan:
             return math.inf if self.max_flow <= 0 else 0.0
         return max(0.0, (self.upper_bound - self.max_flow) / self.upper_bound)
 
+    @property
+    def size(self) -> str:
+        """What the plan offers, in words: its max flow, or for a plan of replicas (phase-split, Cronus, EcoServe),
+        which have no max flow, how many replicas of each role."""
+        if not self.replicas:
+            return f"max flow {self.max_flow:.1f} tokens/s"
+        roles: dict[str, int] = {}
+        for r in self.replicas:
+            roles[r.role] = roles.get(r.role, 0) + 1
+        return ", ".join(f"{n} {role}" for role, n in roles.items())
+
     def ranges(self) -> dict[str, tuple[int, int]]:
         return {p.node: (p.first_layer, p.last_layer) for p in self.placements}
 

@@ -85,6 +85,14 @@ def test_the_plan_round_trips_through_json_and_plan_placement_makes_it() -> None
     assert plan_placement(c, SMOL, profiles, method="split").replicas == plan.replicas
 
 
+def test_a_plan_of_replicas_says_its_roles_where_a_helix_plan_says_its_max_flow() -> None:
+    c = cluster(("a", "l4", "us", None), ("b", "t4", "eu", None), ("c", "t4", "eu", None))
+    assert split(c).size == "1 prefill, 2 decode"
+    profiles = profile_table_for(c, SMOL, "auto", kv_share=0.5)
+    helix = plan_placement(c, SMOL, profiles, method="petals")
+    assert helix.size == f"max flow {helix.max_flow:.1f} tokens/s"
+
+
 def test_clusters_that_cannot_be_split_get_a_clear_error() -> None:
     with pytest.raises(ConfigError, match="at least two nodes"):
         split(cluster(("a", "l4", "us", None)))

@@ -192,7 +192,7 @@ def run(args: argparse.Namespace, *, clusters_dir: Path) -> int:
                                   **({"time_limit_s": args.time_limit} if args.time_limit else {}))
         _say(args, f"planning {model.name} on {cluster.name} ({args.method}) ...")
         plan = plan_placement(cluster, model, profiles, method=args.method, options=planning)
-    _say(args, f"plan: {plan.method}, {len(plan.placements)} nodes, max flow {plan.max_flow:.1f} tokens/s")
+    _say(args, f"plan: {plan.method}, {len(plan.placements)} nodes, {plan.size}")
 
     _say(args, f"trace: {len(trace)} requests from {trace.source}")
     duration = args.duration or (600.0 if args.offline else 1800.0)
@@ -258,7 +258,7 @@ def _say(args: argparse.Namespace, text: str) -> None:
 def format_summary(result: Any) -> str:
     s, c = result.summary, result.config
     lines = [
-        f"cluster      {c['cluster']} ({c['method']} placement, plan max flow {c['plan_max_flow']:.1f} tokens/s)",
+        f"cluster      {c['cluster']} ({c['method']} placement, plan {c['plan_size']})",
         f"model        {c['model']}; profiles {c['profiles']}",
         f"scheduler    {c['scheduler']}",
         f"workload     {c['workload_description']}",

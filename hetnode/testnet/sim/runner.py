@@ -307,6 +307,7 @@ def simulate(cluster: ClusterSpec, model: ModelSpec, profiles: ProfileTable, pla
                        f"estimated KV use ({loop.measure}) <= {loop.kv_use:g}; lengths from {workload.name}")
     config = {
         "cluster": cluster.name, "model": model.name, "method": plan.method, "plan_max_flow": plan.max_flow,
+        "plan_size": plan.size,
         "scheduler": scheduler_name, "profiles": profiles.source, "workload": workload.name,
         "workload_description": description, "offline": workload.offline,
         "rate": None if workload.offline else workload.rate, "duration_s": duration_s, "warmup_s": warmup_s,
