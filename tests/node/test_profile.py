@@ -1,7 +1,5 @@
 from __future__ import annotations
 
-import time
-
 import msgspec
 import pytest
 import torch
@@ -12,10 +10,8 @@ from hetnode.planner.devices import DEVICES
 from hetnode.protocol.messages import HardwareProfile
 
 
-def test_measure_cpu_profile_is_positive_cheap_and_valid_on_the_wire() -> None:
-    t0 = time.perf_counter()
+def test_measure_cpu_profile_is_positive_and_valid_on_the_wire() -> None:
     profile = measure_profile("cpu", "float32")
-    elapsed = time.perf_counter() - t0
     assert profile.device.startswith("cpu:")
     assert profile.device_type == "cpu"
     assert profile.num_devices == 1
@@ -25,7 +21,6 @@ def test_measure_cpu_profile_is_positive_cheap_and_valid_on_the_wire() -> None:
     # Sanity bounds: any CPU beats 1 GFLOP/s and 0.5 GB/s, and none reaches 100 TFLOP/s or 10 TB/s.
     assert 1e-3 < profile.matmul_tflops < 100
     assert 0.5 < profile.mem_bandwidth_gbps < 10_000
-    assert elapsed < 3  # a node measures at every start; the target is well under a second
     wire = msgspec.msgpack.encode(profile)
     assert msgspec.msgpack.decode(wire, type=HardwareProfile) == profile
 

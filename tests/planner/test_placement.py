@@ -141,10 +141,11 @@ def test_the_time_limit_is_honoured() -> None:
     began = time.perf_counter()
     plan = plan_placement(cluster, model, table, options=PlannerOptions(time_limit_s=1.5, mip_gap=0.0))
     wall = time.perf_counter() - began
-    # Loose on purpose: the bound catches a limit that is ignored (with a zero gap on 42 nodes the search would
-    # run for minutes), not the precision of one, which a loaded 2-core CI machine cannot promise (2.35 s once).
-    assert plan.solve_time_s <= 1.5 + 4.5
-    assert wall <= 1.5 + 6.5
+    # A guard against a limit that is ignored (with a zero gap on 42 nodes the search runs for many minutes and
+    # ends "optimal" or "within_gap"; stopped, it says so or that no heuristic was beaten), not a measurement of
+    # how precisely it is kept, which a loaded 2-core CI machine cannot promise (2.35 s once).
+    assert plan.status in ("time_limit", "heuristic"), plan.status
+    assert wall < 60
 
 
 def test_the_same_seed_gives_the_same_plan() -> None:

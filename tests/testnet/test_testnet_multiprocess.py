@@ -11,7 +11,6 @@ import signal
 import statistics
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -80,12 +79,12 @@ def test_testnet_membership_links_liveness_admission_and_auth(testnet: dict[str,
     status = run("testnet", "status", "--state-dir", str(testnet["dir"]))
     assert status.returncode == 0 and "3 nodes up" in status.stdout, status.stdout + status.stderr
 
-    # SIGKILL one node: marked down within the heartbeat deadline (3 s), here as soon as its connection drops.
+    # SIGKILL one node: marked down as soon as its connection drops (the heartbeat deadline's timing is
+    # tests/coordinator/test_membership.py's, on trio's clock; wall time on a loaded CI machine proves nothing).
     victim = next(p for p in testnet["procs"] if p["name"] == "node-1")  # type: ignore[attr-defined]
-    t0 = time.monotonic()
     os.kill(victim["pid"], signal.SIGKILL)
     view = cluster(testnet, max_up=2, timeout=10)
-    assert view["satisfied"] and time.monotonic() - t0 < 3 + 1
+    assert view["satisfied"], view
     down = {n["name"]: n for n in view["nodes"]}["node-1"]  # type: ignore[attr-defined]
     assert down["state"] == "down" and down["state_reason"]
 
