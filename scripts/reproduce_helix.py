@@ -18,8 +18,9 @@ baselines), the runtime's schedulers (iwrr, swarm, random, shortest-queue) and t
   loop, its KV marks and output ratios, one link message per item), because every figure the paper states
   came from Helix's setup: vLLM engines under Helix's scheduler on the real clusters, and Helix's simulator for
   the others. `--like hetnode` runs the simulator's own defaults (what predicts hetnode's testnet).
-- Offline (§6.2): Helix's loop under --like helix (20 requests, then one per generated token while the
-  estimated KV use is <= 0.8), else a saturating closed loop; 1 minute of warm-up, 10 minutes measured.
+- Offline (§6.2): Helix's loop under --like helix (20 requests, then one at each prompt's end and each
+  request's end while the estimated KV use of the fullest layer is <= 0.8), else a saturating closed loop;
+  1 minute of warm-up, 10 minutes measured.
 - Online (§6.2): the trace's own arrivals scaled to 75% of the configuration's peak, 30 s of warm-up, 30
   minutes measured. "Peak" (--peak) is by default MEASURED: the token throughput (prompt + generated tokens/s)
   of the offline run of the same placement and scheduler (what `hetnode.testnet.sim.runner.measured_peak`

@@ -3,7 +3,8 @@
 
 Runs Helix's placement for its single cluster (`helix_single_70b_ilp_plan.json`: 4 A100, 8 L4, 12 T4; LLaMA-2
 70B) on the Azure conversation trace with the "helix" settings (hetnode/testnet/sim/settings.py), offline (60 s
-warm-up, 600 s measured) and online (about 0.72 requests/s for 1,800 s, the trace's own arrival pattern), and
+warm-up, 600 s measured) and online (about 0.72 requests/s for 1,800 s from Helix's own generator,
+`workload.sampled`: 3 s bins of the trace's rate and its requests' lengths drawn at random), and
 prints each figure beside the one Helix's simulator reports for the same setup (the data folder's README), with
 their ratio and whether it is within the tolerance (5%). `--like hetnode` runs the simulator's own defaults
 instead, for comparison.
@@ -24,7 +25,7 @@ from hetnode.planner.cluster import load_cluster
 from hetnode.planner.model import model_spec
 from hetnode.planner.plan import PlacementPlan
 from hetnode.planner.profile_sources import profile_table_for
-from hetnode.testnet.sim import load_trace, offline, replay, simulate
+from hetnode.testnet.sim import load_trace, offline, sampled, simulate
 from hetnode.testnet.sim.settings import LIKES, options_like
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -74,7 +75,9 @@ def run(data: Path, like: str, seed: int) -> dict[str, dict[str, float]]:
         if is_offline:
             workload, duration, warmup = offline(trace), 660.0, 60.0
         else:
-            workload, duration, warmup = replay(trace, rate=ONLINE_RATE, duration_s=1800.0), 1800.0, 30.0
+            # Helix's own generator (whatever the settings: it is the experiment's input, not the simulator's)
+            workload = sampled(trace, rate=ONLINE_RATE, duration_s=1800.0, seed=seed)
+            duration, warmup = 1800.0, 30.0
         result = simulate(cluster, model, profiles, plan, workload=workload, duration_s=duration, warmup_s=warmup,
                           seed=seed, options=options)
         out[mode] = figures(result.summary)

@@ -15,7 +15,7 @@ from hetnode.planner.cluster import load_cluster
 from hetnode.planner.model import model_spec
 from hetnode.planner.plan import PlacementPlan
 from hetnode.planner.profile_sources import profile_table_for
-from hetnode.testnet.sim import SimOptions, load_trace, offline, simulate
+from hetnode.testnet.sim import SimOptions, Trace, load_trace, offline, sampled, simulate
 from hetnode.testnet.sim.offline_loop import OfflineLoop
 from hetnode.testnet.sim.settings import like, options_like
 
@@ -49,7 +49,8 @@ def _run(options: SimOptions) -> dict[str, object]:
 def test_like_helix_is_exactly_its_named_settings() -> None:
     explicit = SimOptions(kv_pool="measured", step_caps=True, max_batch_tokens=1 << 30, link_messages="item",
                           solo_decode_factor=2.0, first_layer_copy_s=7.4e-6, output_len=240.0, learn_output=False,
-                          high_water=0.85, output_ratio=1.0, offline_loop=OfflineLoop(start=20, kv_use=0.8))
+                          high_water=0.85, output_ratio=1.0,
+                          offline_loop=OfflineLoop(start=20, kv_use=0.8, every="prompt_or_end", measure="layer"))
     assert options_like("helix", offline=True) == explicit
     # The same run either way, and not the default's.
     assert _run(options_like("helix", offline=True)) == _run(explicit)
@@ -72,7 +73,7 @@ def test_an_unknown_setting_is_a_config_error_naming_it() -> None:
 
 
 def test_offline_loop_admission_by_token_adds_one_per_completion() -> None:
-    loop = OfflineLoop(start=20, kv_use=0.8)
+    loop = OfflineLoop(start=20, kv_use=0.8, every="token")
     assert loop.admits(0.5, 0) and not loop.admits(0.5, 1)  # one per token
     assert loop.admits(0.8, 0) and not loop.admits(0.81, 0)  # "at or under 0.8"
     by_finish = OfflineLoop(every="finish")
@@ -81,9 +82,33 @@ def test_offline_loop_admission_by_token_adds_one_per_completion() -> None:
 
 def test_offline_loop_measures_the_fullest_node_or_the_total() -> None:
     nodes = [(80.0, 100), (10.0, 100), (5.0, None)]  # an unlimited node does not count
-    assert OfflineLoop().use(nodes) == pytest.approx(0.8)
+    assert OfflineLoop(measure="max").use(nodes) == pytest.approx(0.8)
     assert OfflineLoop(measure="total").use(nodes) == pytest.approx(0.45)
-    assert OfflineLoop().use([]) == 0.0
+    assert OfflineLoop(measure="max").use([]) == 0.0
+
+
+def test_offline_loop_measures_the_fullest_layer_over_the_nodes_holding_it() -> None:
+    # Helix's bottleneck_usage: layer 0 is held by two nodes (80 + 10 of 200), layers 1-2 by one (30 of 50).
+    nodes = [(80.0, 100), (10.0, 100), (30.0, 50), (5.0, None)]
+    layers = [(0, 1), (0, 1), (1, 3), (1, 3)]
+    assert OfflineLoop(measure="layer").use(nodes, layers) == pytest.approx(0.6)
+    with pytest.raises(ValueError, match="layer range"):
+        OfflineLoop(measure="layer").use(nodes)
+
+
+def test_offline_loop_prompt_or_end_adds_one_at_a_prompt_end_or_a_request_end() -> None:
+    loop = OfflineLoop(every="prompt_or_end")
+    assert loop.on_prompt and not OfflineLoop(every="token").on_prompt and not OfflineLoop(every="finish").on_prompt
+    assert loop.admits(0.5, 0) and not loop.admits(0.5, 1) and not loop.admits(0.9, 0)
+
+
+def test_prompt_or_end_adds_fewer_requests_than_every_token() -> None:
+    # The same run: every token a chance to add one request, or only each prompt's end and each request's end.
+    by_token = _run(options_like("helix", offline=True, offline_loop=OfflineLoop(every="token")))
+    by_prompt = _run(options_like("helix", offline=True))  # Helix's: prompt_or_end
+    arrived = [r["requests"]["arrived"] for r in (by_token, by_prompt)]  # type: ignore[index]
+    assert 20 < arrived[1] < arrived[0]
+    assert by_prompt["requests"]["still_queued"] == 0  # type: ignore[index]
 
 
 @pytest.mark.parametrize("bad", [{"start": 0}, {"kv_use": 0.0}, {"kv_use": 1.5}, {"every": "step"},
@@ -98,6 +123,25 @@ def test_helix_offline_loop_keeps_the_estimate_under_its_bound_and_queues_nothin
     requests = summary["requests"]
     assert isinstance(requests, dict)
     assert requests["still_queued"] == 0 and requests["arrived"] > 20
+
+
+# -- Helix's online generator ----------------------------------------------------------------------------------
+
+
+def test_sampled_draws_interval_rates_and_lengths_from_the_trace() -> None:
+    # Two 3 s bins: one request, then three; scaled to 1 req/s each interval carries 1.5 x its bin's count.
+    trace = Trace("t", timestamps=(0.0, 3.5, 4.0, 5.0), inputs=(10, 20, 30, 40), outputs=(1, 2, 3, 4))
+    w = sampled(trace, rate=1.0, duration_s=300.0, seed=1)
+    assert w == sampled(trace, rate=1.0, duration_s=300.0, seed=1)  # seeded
+    assert w != sampled(trace, rate=1.0, duration_s=300.0, seed=2)
+    assert len(w) == pytest.approx(300, rel=0.15)  # the rate on average (a random mix of 1.5 and 4.5 per 3 s)
+    assert all(0 <= a < 300 for a in w.arrivals) and list(w.arrivals) == sorted(w.arrivals)
+    pairs = set(zip(w.inputs, w.outputs, strict=True))
+    assert pairs == {(10, 1), (20, 2), (30, 3), (40, 4)}  # every pair of the trace, drawn at random
+    counts = [sum(1 for a in w.arrivals if 3 * k <= a < 3 * k + 3) for k in range(100)]
+    assert set(counts) <= {1, 2, 4, 5}  # 1.5 or 4.5 rounded, the rest carried to the next interval
+    with pytest.raises(ConfigError):
+        sampled(trace, rate=0.0, duration_s=10.0)
 
 
 # -- the scheduler's output estimate ---------------------------------------------------------------------------

@@ -26,13 +26,14 @@ if TYPE_CHECKING:
         offline,
         poisson,
         replay,
+        sampled,
     )
 
 _WHERE = {
     **dict.fromkeys(("LinkStats", "NodeStats", "RequestRecord", "SimResult", "TimeSeries"), "metrics"),
     **dict.fromkeys(("SCHEDULERS", "SimOptions", "simulate"), "runner"),
     **dict.fromkeys(("Trace", "Workload", "helix_online_rate", "load_azure_trace", "load_trace", "offline",
-                     "poisson", "replay"), "workload"),
+                     "poisson", "replay", "sampled"), "workload"),
 }
 
 __all__ = [
@@ -51,6 +52,7 @@ __all__ = [
     "offline",
     "poisson",
     "replay",
+    "sampled",
     "simulate",
 ]
 

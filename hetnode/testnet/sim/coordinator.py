@@ -218,6 +218,7 @@ class SimCoordinator:
         self.finished = 0
         self.on_finish: Callable[[float], None] | None = None  # the offline workload's closed loop
         self.on_token: Callable[[float], None] | None = None  # Helix's offline loop: called per token counted
+        self.on_first: Callable[[float], None] | None = None  # ... or at a request's first token (prompt done)
         # Tokens over time and inside the measured window.
         self.decode_bins: list[float] = []  # tokens generated per bin
         self.prompt_bins: list[float] = []  # prompt tokens whose prefill completed per bin
@@ -455,10 +456,13 @@ class SimCoordinator:
                 r.last_token = now
                 if self.window[0] <= now < self.window[1]:
                     self.decode_gaps.append(gap)
-            if self.lifecycle.ends(r.received, r.output_len, False):
+            ended = self.lifecycle.ends(r.received, r.output_len, False)
+            if ended:
                 self._finish(r, now)
             if self.on_token is not None:
                 self.on_token(now)
+            if self.on_first is not None and r.received == 1 and not ended:
+                self.on_first(now)
         if produced:
             self._count(now, produced, prompt_done)
 

@@ -1,37 +1,46 @@
 """Helix's offline load: a fixed number of requests to start, then more as requests finish, under a KV bound.
 
 Helix's simulator runs its offline experiments this way: it starts `start` (20) requests, and each time a query
-completes it adds one new request while the scheduler's estimated KV use stays at or under `kv_use` (0.8). Its
-queries are iterations (a prompt, or one decode step of one request), so `every="token"` gives each generated
-token the chance to add one request; `every="finish"` reads "completion" as a request's end and then adds as many
-as the bound allows. Measured on Helix's single cluster with its other settings, "finish" added requests in
-bursts that queued their prompts at the first node (mean prompt latency 14.8 s against Helix's 2.96 s), "token"
-less so (8.2 s; docs/simulator.md has the current figures). hetnode's own offline loop (`workload.offline`)
-instead keeps a backlog queued at the scheduler, so a request's TTFT there includes queueing that Helix's never
-has.
+completes it adds one new request while the scheduler's estimated KV use stays at or under `kv_use` (0.8). What
+"completes" means is in its artifact (`simulator/trace_generator/simulator_query_feeder.py`,
+`OfflineRequestFeeder.check_launch_new_query`, which the cluster simulator calls when a request's prompt phase
+ends and when its last decode ends): `every="prompt_or_end"` gives a request's first token and its last one
+each the chance to add one request. The other triggers are the readings tried before the artifact was read:
+`every="token"` gives each generated token that chance, `every="finish"` adds as many as the bound allows at
+each end. Measured on Helix's single cluster with its other settings (docs/simulator.md has the figures),
+"finish" added requests in bursts that queued their prompts at the first node, "token" filled the pools in
+the first 30 s and queued the prompts there through the first measured minute. hetnode's own offline loop
+(`workload.offline`) instead keeps a backlog queued at the scheduler, so a request's TTFT there includes
+queueing that Helix's never has.
 
 "Estimated KV use" is the scheduler's own estimate (prompt + expected output per running request, on every node
-of its pipeline; `PipelineScheduler.kv_estimate`), as a share of each node's capacity; the loop looks at the
-fullest node (`measure="max"`) or at all nodes' tokens together (`measure="total"`).
+of its pipeline; `PipelineScheduler.kv_estimate`), as a share of capacity: of the fullest node
+(`measure="max"`), of all nodes' tokens together (`measure="total"`), or Helix's `bottleneck_usage`
+(`measure="layer"`, in the artifact's `kv_expectation.py`): for each layer, the tokens charged on the nodes
+holding it over their capacity together, and the fullest layer.
 
-Pure: `to_add` decides from numbers; the runner asks it and starts the requests.
+Pure: `admits` decides from numbers; the runner asks it and starts the requests.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-MEASURES = ("max", "total")
-TRIGGERS = ("token", "finish")
+MEASURES = ("max", "total", "layer")
+TRIGGERS = ("token", "finish", "prompt_or_end")
 
 
 @dataclass(frozen=True, slots=True)
 class OfflineLoop:
     start: int = 20  # requests started at time 0
     kv_use: float = 0.8  # add requests while the estimated KV use is at or under this share
-    every: str = "token"  # "token": each generated token may add one request; "finish": each end adds many
-    measure: str = "max"  # "max": the fullest node's share; "total": all nodes' tokens over all capacity
+    # "token": each generated token may add one request; "finish": each end adds many; "prompt_or_end": a
+    # request's first token (its prompt done) and its last may each add one (Helix's)
+    every: str = "prompt_or_end"
+    # "max": the fullest node's share; "total": all nodes' tokens over all capacity; "layer": per layer over
+    # the nodes holding it, the fullest layer (Helix's)
+    measure: str = "layer"
 
     def __post_init__(self) -> None:
         if self.start < 1:
@@ -43,15 +52,35 @@ class OfflineLoop:
         if self.measure not in MEASURES:
             raise ValueError(f"measure must be one of {', '.join(MEASURES)}, not {self.measure!r}")
 
-    def use(self, nodes: Iterable[tuple[float, int | None]]) -> float:
-        """Estimated KV use from (estimated tokens, capacity or None: unlimited) per node."""
-        known = [(t, c) for t, c in nodes if c]
+    def use(self, nodes: Iterable[tuple[float, int | None]],
+            layers: Sequence[tuple[int, int]] | None = None) -> float:
+        """Estimated KV use from (estimated tokens, capacity or None: unlimited) per node; "layer" also needs
+        each node's layers [first, last), in the same order."""
+        estimate = list(nodes)
+        known = [(t, c) for t, c in estimate if c]
         if not known:
             return 0.0
         if self.measure == "max":
             return max(t / c for t, c in known)
-        return sum(t for t, _ in known) / sum(c for _, c in known)
+        if self.measure == "total":
+            return sum(t for t, _ in known) / sum(c for _, c in known)
+        if layers is None or len(layers) != len(estimate):
+            raise ValueError("the per-layer KV use needs each node's layer range")
+        used: dict[int, float] = {}
+        held: dict[int, float] = {}
+        for (t, c), (first, last) in zip(estimate, layers, strict=True):
+            if not c:
+                continue
+            for layer in range(first, last):
+                used[layer] = used.get(layer, 0.0) + t
+                held[layer] = held.get(layer, 0.0) + c
+        return max(used[layer] / held[layer] for layer in held)
 
     def admits(self, use: float, added: int) -> bool:
         """Whether one completion, having added `added` requests already, adds another at estimated use `use`."""
         return use <= self.kv_use and (self.every == "finish" or added < 1)
+
+    @property
+    def on_prompt(self) -> bool:
+        """Whether a request's first token (its prompt done) is a chance to add one."""
+        return self.every == "prompt_or_end"

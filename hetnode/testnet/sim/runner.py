@@ -270,7 +270,7 @@ def simulate(cluster: ClusterSpec, model: ModelSpec, profiles: ProfileTable, pla
 
     inputs, outputs = workload.inputs, workload.outputs
     if workload.offline and opts.offline_loop is not None:
-        _kv_bound_loop(coord, sched, workload, duration_s, opts.offline_loop)
+        _kv_bound_loop(coord, sched, workload, duration_s, opts.offline_loop, ranges)
     elif workload.offline:
         _closed_loop(coord, workload, duration_s, _auto_inflight(workload, kv_capacity))
     else:
@@ -303,7 +303,8 @@ def simulate(cluster: ClusterSpec, model: ModelSpec, profiles: ProfileTable, pla
     description = workload.description
     if workload.offline and opts.offline_loop is not None:
         loop = opts.offline_loop
-        description = (f"offline, Helix's loop: {loop.start} requests, then one per {loop.every} while the "
+        when = {"token": "token", "finish": "finish", "prompt_or_end": "prompt's end and request's end"}[loop.every]
+        description = (f"offline, Helix's loop: {loop.start} requests, then one per {when} while the "
                        f"estimated KV use ({loop.measure}) <= {loop.kv_use:g}; lengths from {workload.name}")
     config = {
         "cluster": cluster.name, "model": model.name, "method": plan.method, "plan_max_flow": plan.max_flow,
@@ -379,14 +380,17 @@ def _closed_loop(coord: SimCoordinator, workload: Workload, duration_s: float, m
 
 
 def _kv_bound_loop(coord: SimCoordinator, sched: Scheduler, workload: Workload, duration_s: float,
-                   loop: OfflineLoop) -> None:
-    """Helix's offline loop (offline_loop.py): `loop.start` requests at 0, then at each token (or finish) new
-    ones while the scheduler's KV estimate allows; it stops at one the scheduler had to queue."""
+                   loop: OfflineLoop, ranges: Mapping[str, tuple[int, int]]) -> None:
+    """Helix's offline loop (offline_loop.py): `loop.start` requests at 0, then at each token (or finish, or
+    a prompt's end and a request's) new ones while the scheduler's KV estimate allows; it stops at one the
+    scheduler had to queue."""
     estimate = getattr(sched, "kv_estimate", None)
     if estimate is None:
         raise ConfigError(f"Helix's offline loop reads the scheduler's KV estimate; {type(sched).__name__} has none")
     n = len(workload)
     counter = [0]
+    names = list(estimate())
+    layers = [ranges[name] for name in names] if loop.measure == "layer" else None
 
     def start(now: float) -> bool:
         i = counter[0]
@@ -395,10 +399,13 @@ def _kv_bound_loop(coord: SimCoordinator, sched: Scheduler, workload: Workload, 
         coord.arrive(r, now)
         return not coord.waiting and not r.rejected
 
+    def use() -> float:
+        kv = estimate()
+        return loop.use(((kv[name].tokens, kv[name].capacity) for name in names), layers)
+
     def top_up(now: float) -> None:
         added = 0
-        while now < duration_s and not coord.waiting and loop.admits(
-                loop.use((k.tokens, k.capacity) for k in estimate().values()), added):
+        while now < duration_s and not coord.waiting and loop.admits(use(), added):
             added += 1
             if not start(now):
                 return
@@ -407,6 +414,8 @@ def _kv_bound_loop(coord: SimCoordinator, sched: Scheduler, workload: Workload, 
         coord.on_token = top_up
     else:
         coord.on_finish = top_up
+    if loop.on_prompt:
+        coord.on_first = top_up
     for _ in range(loop.start):
         start(0.0)
 

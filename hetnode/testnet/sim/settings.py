@@ -6,11 +6,11 @@
 - "helix": what Helix's public simulator does (its artifact, read side by side; issue 13), for reproducing
   figures that came from it: each node's KV pool as vLLM allocated it and its per-step caps
   (`vllm_capacity.csv`, `step_caps`), whole prompts (no token budget to chunk them: the caps bound a step),
-  its offline loop (20 requests, then one per generated token while the estimated KV use is <= 0.8), its KV
-  high-water marks and output-length ratios (0.85 and 1.0 offline, 0.9 and 0.6 online) on a fixed expected
-  output of 240 tokens (it does not learn from the outputs that end), one message per item
-  on a link, and its costs outside the layer tables (a one-item decode step twice the table's, 7.4 us per token
-  to copy a step's input in at layer 0).
+  its offline loop (20 requests, then one at each prompt's end and each request's end while the estimated KV
+  use of the fullest layer is <= 0.8), its KV high-water marks and output-length ratios (0.85 and 1.0
+  offline, 0.9 and 0.6 online) on a fixed expected output of 240 tokens (it does not learn from the outputs
+  that end), one message per item on a link, and its costs outside the layer tables (a one-item decode step
+  twice the table's, 7.4 us per token to copy a step's input in at layer 0).
 
 Every field is a plain `SimOptions` field that can also be set alone; `options_like(name, offline, **more)`
 builds the options, later keywords winning. The batch caps and marks are the runtime's own policy settings
@@ -39,7 +39,8 @@ _HELIX: dict[str, Any] = {
     "output_len": 240.0,
     "learn_output": False,
 }
-_HELIX_OFFLINE: dict[str, Any] = {"high_water": 0.85, "output_ratio": 1.0, "offline_loop": OfflineLoop()}
+_HELIX_OFFLINE: dict[str, Any] = {"high_water": 0.85, "output_ratio": 1.0,
+                                  "offline_loop": OfflineLoop(every="prompt_or_end", measure="layer")}
 _HELIX_ONLINE: dict[str, Any] = {"high_water": 0.9, "output_ratio": 0.6}
 
 

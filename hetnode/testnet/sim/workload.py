@@ -13,6 +13,8 @@ which in `Trace.source`.
   cluster's peak (`helix_online_rate`).
 - `poisson(rate, lengths=trace, duration_s=D, seed=S)`: exponential gaps, with (input, output) pairs drawn
   from the trace.
+- `sampled(trace, rate=R, duration_s=D, seed=S)`: Helix's own online generator: per 3 s interval a rate
+  drawn at random from the trace's 3 s bins (scaled to R), arrivals uniform inside it, lengths drawn at random.
 - `offline(trace)`: Helix's offline setting, "requests arrive at the rate needed to fully utilize the
   cluster". We run it as a closed loop that keeps `backlog` requests waiting in the scheduler's queue (and at
   most `max_inflight` unfinished), taking the trace's requests in order and cycling: the scheduler always has
@@ -263,6 +265,50 @@ def poisson(rate: float, *, lengths: Trace, duration_s: float, seed: int = 0) ->
                     arrivals=tuple(arrivals),
                     description=f"Poisson arrivals at {rate:.3g} req/s for {duration_s:g} s, lengths from "
                                 f"{lengths.name} ({lengths.source}), seed {seed}")
+
+
+def sampled(trace: Trace, *, rate: float, duration_s: float, seed: int = 0, interval_s: float = 3.0) -> Workload:
+    """Helix's online load generator (its artifact's `trace_generator.py`): the trace's arrival rate in
+    `interval_s` (3 s) bins, rescaled so that its mean is `rate`; for each interval of [0, duration_s) one bin's
+    rate drawn at random, rounded to a count (the rounding error carried to the next interval), that many
+    arrivals uniform in the interval; each request's (input, output) pair drawn at random from the whole trace.
+
+    Unlike `replay`, whose requests are the trace's first ones in order (for the conversation trace at 0.72
+    req/s over 1,800 s, a mean output of 273 tokens against the trace's 232), the lengths here follow the
+    whole trace, as Helix's generator draws them."""
+    if not rate > 0 or not duration_s > 0 or not interval_s > 0:
+        raise ConfigError(f"the rate ({rate}), duration ({duration_s}) and interval ({interval_s}) must be > 0",
+                          key="--rate")
+    bins = [0] * max(1, math.ceil(trace.span_s / interval_s) if trace.span_s > 0 else 1)
+    for t in trace.timestamps:
+        bins[min(len(bins) - 1, int(t / interval_s))] += 1
+    scale = rate * interval_s / (sum(bins) / len(bins))  # requests per interval at `rate`, per unit of a bin
+    rng = random.Random(seed)
+    n = len(trace)
+    arrivals: list[float] = []
+    inputs: list[int] = []
+    outputs: list[int] = []
+    carry = 0.0
+    intervals = math.ceil(duration_s / interval_s)
+    for k in range(intervals):
+        want = scale * bins[rng.randrange(len(bins))] + carry
+        count = round(want)
+        carry = want - count
+        start = k * interval_s
+        for t in sorted(start + interval_s * rng.random() for _ in range(count)):
+            if t >= duration_s:
+                continue
+            j = rng.randrange(n)
+            arrivals.append(t)
+            inputs.append(trace.inputs[j])
+            outputs.append(trace.outputs[j])
+    if not arrivals:
+        raise ConfigError(f"no request arrives within {duration_s} s at {rate} req/s")
+    return Workload(name=f"{trace.name}-sampled", inputs=tuple(inputs), outputs=tuple(outputs),
+                    arrivals=tuple(arrivals),
+                    description=f"Helix's generator over {trace.name} ({trace.source}): {interval_s:g} s bins of its "
+                                f"rate drawn at random, scaled to {rate:.3g} req/s for {duration_s:g} s "
+                                f"({len(arrivals)} requests), lengths drawn at random, seed {seed}")
 
 
 def offline(trace: Trace, *, backlog: int = 32, max_inflight: int = 100_000) -> Workload:
