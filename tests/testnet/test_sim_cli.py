@@ -80,6 +80,21 @@ def test_sim_configuration_mistakes_exit_2(setup: tuple[Path, Path], capsys: pyt
                  "--plan", str(plan), "--duration", "10", "--warmup", "20"]) == 2
 
 
+def test_sim_arrivals_from_helix_generator(setup: tuple[Path, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    cluster, plan = setup
+    args = ["sim", "--cluster", str(cluster), "--model", "llama3-8b", "--profile", "roofline", "--plan", str(plan),
+            "--trace", "conv", "--rate", "0.5", "--duration", "120", "--warmup", "5", "--json", "--progress", "off"]
+    assert main([*args, "--sampled", "--seed", "3"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    config = out["config"]
+    assert config["workload"].endswith("-sampled") and "Helix's generator" in config["workload_description"]
+    assert config["rate"] == pytest.approx(0.5, rel=0.25)  # 3 s bins of the trace's rate, drawn at random
+    with pytest.raises(SystemExit) as exit_:  # one way of drawing arrivals: a usage error
+        main([*args, "--sampled", "--poisson"])
+    assert exit_.value.code == 2
+    assert "not allowed with" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("peak", ["measured", "maxflow"])
 def test_sim_online_rate_from_the_peak(setup: tuple[Path, Path], peak: str, capsys: pytest.CaptureFixture[str]) -> None:
     cluster, plan = setup

@@ -78,8 +78,14 @@ def add_arguments(p: argparse.ArgumentParser, *, clusters: Sequence[str] = ()) -
                         "found, else the shipped sample) or a CSV file (default: conv)")
     p.add_argument("--no-length-filter", action="store_true",
                    help="keep requests longer than Helix's filter (input <= 2048, output <= 1024)")
-    p.add_argument("--poisson", action="store_true",
-                   help="Poisson arrivals with lengths drawn from the trace, instead of the trace's own arrivals")
+    arrivals = p.add_mutually_exclusive_group()
+    arrivals.add_argument("--poisson", action="store_true",
+                          help="Poisson arrivals with lengths drawn from the trace, instead of the trace's own "
+                               "arrivals")
+    arrivals.add_argument("--sampled", action="store_true",
+                          help="Helix's online generator instead of the trace's own arrivals: 3 s bins of the "
+                               "trace's rate drawn at random, scaled to the rate, lengths drawn from the whole "
+                               "trace (workload.sampled; what scripts/validate_sim_helix.py runs)")
     load = p.add_mutually_exclusive_group()
     load.add_argument("--rate", type=_positive, default=None, metavar="R", help="mean arrival rate, requests/s")
     load.add_argument("--offline", action="store_true",
@@ -226,6 +232,8 @@ def run(args: argparse.Namespace, *, clusters_dir: Path) -> int:
             rate = wl.helix_online_rate(peak, trace.mean_input, trace.mean_output, args.load)
         if args.poisson:
             workload = wl.poisson(rate, lengths=trace, duration_s=duration, seed=args.seed)
+        elif args.sampled:
+            workload = wl.sampled(trace, rate=rate, duration_s=duration, seed=args.seed)
         else:
             workload = wl.replay(trace, rate=rate, duration_s=duration)
     _say(args, f"workload: {workload.description}")
