@@ -21,13 +21,14 @@ baselines), the runtime's schedulers (iwrr, swarm, random, shortest-queue) and t
 - Offline (§6.2): Helix's loop under --like helix (20 requests, then one at each prompt's end and each
   request's end while the estimated KV use of the fullest layer is <= 0.8), else a saturating closed loop;
   1 minute of warm-up, 10 minutes measured.
-- Online (§6.2): the trace's own arrivals scaled to 75% of the configuration's peak, 30 s of warm-up, 30
-  minutes measured. "Peak" (--peak) is by default MEASURED: the token throughput (prompt + generated tokens/s)
-  of the offline run of the same placement and scheduler (what `hetnode.testnet.sim.runner.measured_peak`
-  computes; the offline run above is reused), so each system is loaded to 75% of its own peak. `--peak
-  maxflow` takes the plan's max flow instead, which on these clusters is 3-10x what any configuration
-  sustains (T_j assume full decode batches at every node; docs/simulator.md), so online runs at "75%" of it
-  are overloaded and measure queues, not serving.
+- Online (§6.2): at 75% of the configuration's peak, 30 s of warm-up, 30 minutes measured; the arrivals are
+  Helix's own generator under --like helix (`sampled`: 3 s bins of the trace's rate drawn at random, lengths drawn
+  from the whole trace), else the trace's own arrivals scaled to the rate. "Peak" (--peak) is by default MEASURED:
+  the token throughput (prompt + generated tokens/s) of the offline run of the same placement and scheduler (what
+  `hetnode.testnet.sim.runner.measured_peak` computes; the offline run above is reused), so each system is loaded
+  to 75% of its own peak. `--peak maxflow` takes the plan's max flow instead, which on these clusters is 3-10x
+  what any configuration sustains (T_j assume full decode batches at every node; docs/simulator.md), so online
+  runs at "75%" of it are overloaded and measure queues, not serving.
 - Metrics (§6.2): decode throughput = generated tokens per second in the measured window; average prompt
   latency = mean TTFT (arrival to first token); average decode latency = mean time between a request's
   tokens (TPOT). Online they cover the requests that arrived in the window (the run drains them); offline,
@@ -71,7 +72,17 @@ from hetnode.planner.plan import PlacementPlan
 from hetnode.planner.profile import ProfileTable, Workload
 from hetnode.planner.profile_sources import profile_table_for
 from hetnode.planner.validate import validate_plan
-from hetnode.testnet.sim import SimOptions, SimResult, Trace, helix_online_rate, load_trace, offline, replay, simulate
+from hetnode.testnet.sim import (
+    SimOptions,
+    SimResult,
+    Trace,
+    helix_online_rate,
+    load_trace,
+    offline,
+    replay,
+    sampled,
+    simulate,
+)
 from hetnode.testnet.sim.settings import LIKES, options_like
 
 CLUSTERS_DIR = Path(__file__).resolve().parents[1] / "hetnode" / "testnet" / "clusters"
@@ -394,7 +405,10 @@ class Reproduction:
                 twin = self.run(setup.offline_twin())
                 peak = twin.decode_throughput + twin.prompt_throughput
             rate = helix_online_rate(peak, self.trace.mean_input, self.trace.mean_output, ONLINE_LOAD)
-            workload = replay(self.trace, rate=rate, duration_s=warmup + measured)
+            # Helix's own generator where its setup made the figures (validate_sim_helix.py: the trace's first
+            # requests in order carry longer outputs than the trace); the trace replayed otherwise.
+            workload = (sampled(self.trace, rate=rate, duration_s=warmup + measured, seed=self.seed)
+                        if self.like == "helix" else replay(self.trace, rate=rate, duration_s=warmup + measured))
         result = simulate(cl, mo, profiles, plan, workload=workload, scheduler=setup.scheduler,
                           duration_s=warmup + measured, warmup_s=warmup, seed=self.seed,
                           options=options_like(self.like, offline=setup.mode == "offline",
