@@ -24,6 +24,7 @@ Pure: `admits` decides from numbers; the runner asks it and starts the requests.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -66,15 +67,12 @@ class OfflineLoop:
             return sum(t for t, _ in known) / sum(c for _, c in known)
         if layers is None or len(layers) != len(estimate):
             raise ValueError("the per-layer KV use needs each node's layer range")
-        used: dict[int, float] = {}
-        held: dict[int, float] = {}
-        for (t, c), (first, last) in zip(estimate, layers, strict=True):
-            if not c:
-                continue
-            for layer in range(first, last):
-                used[layer] = used.get(layer, 0.0) + t
-                held[layer] = held.get(layer, 0.0) + c
-        return max(used[layer] / held[layer] for layer in held)
+        shares = []
+        for holders in layer_holders(tuple(layers)):
+            tokens = [estimate[i][0] for i in holders if estimate[i][1]]
+            if tokens:
+                shares.append(sum(tokens) / sum(estimate[i][1] or 0 for i in holders))
+        return max(shares)
 
     def admits(self, use: float, added: int) -> bool:
         """Whether one completion, having added `added` requests already, adds another at estimated use `use`."""
@@ -84,3 +82,15 @@ class OfflineLoop:
     def on_prompt(self) -> bool:
         """Whether a request's first token (its prompt done) is a chance to add one."""
         return self.every == "prompt_or_end"
+
+
+@functools.lru_cache(maxsize=16)
+def layer_holders(layers: tuple[tuple[int, int], ...]) -> tuple[tuple[int, ...], ...]:
+    """Each distinct set of nodes (indices into `layers`) that holds some layer: the loop asks for the per-layer
+    use at every prompt's end and request's end, over a layout that does not change during a run."""
+    held: dict[int, list[int]] = {}
+    for i, (first, last) in enumerate(layers):
+        for layer in range(first, last):
+            held.setdefault(layer, []).append(i)
+    return tuple(dict.fromkeys(tuple(v) for v in held.values()))
+
