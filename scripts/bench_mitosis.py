@@ -56,11 +56,10 @@ def stream(api: str, max_tokens: int) -> tuple[str, list[float]]:
 
 def wait_ready(api: str, timeout_s: float = 600) -> dict[str, Any]:
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        plan = httpx.get(f"{api}/v1/plan", timeout=10).json()
-        if (plan.get("plan") or {}).get("ready"):
+    while time.monotonic() < deadline:  # GET /v1/plan's long-poll: one request per minute at most
+        plan = httpx.get(f"{api}/v1/plan", params={"ready": "true", "timeout": 60}, timeout=90).json()
+        if plan["satisfied"]:
             return dict(plan)
-        time.sleep(0.5)
     raise RuntimeError(f"no ready plan in {timeout_s:g} s")
 
 

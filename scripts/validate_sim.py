@@ -598,14 +598,13 @@ async def experiment(args: argparse.Namespace, work_dir: Path) -> dict[str, Any]
         async with httpx.AsyncClient(base_url=running.state.api, timeout=httpx.Timeout(900.0), limits=limits) as c:
             n = len(emulated.nodes)
             view = (await c.get("/v1/cluster", params={"min_up": n, "min_links": n * (n + 1), "timeout": 60})).json()
-            plan: dict[str, Any] | None = None
-            for _ in range(240):
-                plan = (await c.get("/v1/plan")).json().get("plan")
-                if plan and plan["ready"]:
+            for _ in range(2):  # GET /v1/plan's long-poll waits a minute at most
+                answer = (await c.get("/v1/plan", params={"ready": "true", "min_nodes": n, "timeout": 60})).json()
+                if answer["satisfied"]:
                     break
-                await trio.sleep(0.5)
-            if not plan or not plan["ready"]:
-                raise RuntimeError(f"the plan did not become ready: {plan}")
+            plan: dict[str, Any] | None = answer.get("plan")
+            if not answer["satisfied"] or not plan:
+                raise RuntimeError(f"no ready plan of all {n} nodes within 120 s: {plan}")
             stages = [f"{s['name']}[{s['first_layer']},{s['last_layer']})" for s in plan["shards"]]
             log(f"plan {plan['version']} ({plan['method']}, max flow {plan['max_flow']:.0f} tokens/s): "
                 + ", ".join(stages) + "; flows " + ", ".join(f"{f['from']}->{f['to']} {f['flow']:.0f}"

@@ -45,11 +45,23 @@ _PLAN: Schema = {"type": "object", "required": ["model", "num_layers", "plan", "
     "model": {"type": "string"}, "num_layers": {"type": "integer"}, "plan": {"type": ["object", "null"]},
     "problem": {"type": ["string", "null"]}, "history": {"type": "array"}}}
 
-PLAN = Operation(
-    summary="the current placement plan, its history and the latest KV hand-offs",
-    ok={"application/json": _PLAN},
-    statuses={404: "this coordinator serves no model"},
-)
+def plan(max_wait_s: float) -> Operation:
+    count: Schema = {"type": "integer"}
+    return Operation(
+        summary="the current placement plan, its history and the latest KV hand-offs; optionally waits until the "
+                "newest plan matches",
+        ok={"application/json": {**_PLAN, "required": [*_PLAN["required"], "satisfied"], "properties": {
+            **_PLAN["properties"], "satisfied": {"type": "boolean"}}}},
+        query=[
+            QueryParam("ready", {"type": "boolean"}, "wait until the newest plan is (true) or is not (false) ready"),
+            QueryParam("min_nodes", count, "wait until the newest plan places at least this many nodes"),
+            QueryParam("min_version", count, "wait until the newest plan's version is at least this"),
+            QueryParam("timeout", {"type": "number", "minimum": 0, "maximum": max_wait_s},
+                       "seconds to wait at most (default 10, or the maximum where lower)"),
+        ],
+        statuses={400: "a query parameter is malformed or unknown, or the timeout is out of range",
+                  404: "this coordinator serves no model"},
+    )
 
 REPLAN = Operation(
     summary="re-plan now, optionally with another placement method",

@@ -145,9 +145,39 @@ def build_app(coordinator: Coordinator, *, api_key: str | None = None,
         return error_response(500, f"internal error: {type(exc).__name__}", type_="server_error")
 
     async def plan(request: Request) -> Response:
-        if coordinator.deployment is None:
+        """With ready / min_nodes / min_version and timeout (seconds, at most 60), wait until the newest plan
+        matches: a client waiting for a ready plan (or for a re-plan) needs no polling loop."""
+        deployment = coordinator.deployment
+        if deployment is None:
             return error_response(404, "this coordinator serves no model", type_="not_found_error")
-        view = coordinator.deployment.to_json()
+        q = request.query_params
+        unknown = set(q) - {"ready", "min_nodes", "min_version", "timeout"}
+        if unknown:  # a misspelt condition would otherwise answer at once as if it held
+            return error_response(400, f"unknown query parameter(s): {', '.join(sorted(unknown))}; known: "
+                                       "ready, min_nodes, min_version, timeout")
+        try:
+            ready = _flag(q["ready"], "ready") if "ready" in q else None
+            min_nodes = int(q["min_nodes"]) if "min_nodes" in q else None
+            min_version = int(q["min_version"]) if "min_version" in q else None
+            timeout = float(q["timeout"]) if "timeout" in q else min(10.0, max_wait_s)
+        except ValueError as exc:
+            return error_response(400, f"bad query parameter: {exc}")
+        if not 0 <= timeout <= max_wait_s:
+            return error_response(400, f"timeout must be between 0 and {max_wait_s:g} seconds")
+
+        def matches() -> bool:
+            newest = deployment.plan
+            if newest is None:
+                return ready is False and min_nodes is None and min_version is None
+            return ((ready is None or newest.is_ready == ready)
+                    and (min_nodes is None or len(newest.peers()) >= min_nodes)
+                    and (min_version is None or newest.version >= min_version))
+
+        satisfied = True
+        if ready is not None or min_nodes is not None or min_version is not None:
+            satisfied = await deployment.wait_until(matches, timeout)
+        view = deployment.to_json()
+        view["satisfied"] = satisfied
         if coordinator.generator is not None:
             view["handoffs"] = list(coordinator.generator.handoffs)  # the latest KV hand-offs, oldest first
         return JSONResponse(view)
@@ -180,7 +210,7 @@ def build_app(coordinator: Coordinator, *, api_key: str | None = None,
         DocumentedRoute("/healthz", healthz, method="GET", operation=admin_spec.HEALTHZ),
         DocumentedRoute("/openapi.json", openapi, method="GET", operation=admin_spec.OPENAPI),
         DocumentedRoute("/v1/cluster", cluster, method="GET", operation=admin_spec.cluster(max_wait_s)),
-        DocumentedRoute("/v1/plan", plan, method="GET", operation=admin_spec.PLAN),
+        DocumentedRoute("/v1/plan", plan, method="GET", operation=admin_spec.plan(max_wait_s)),
         DocumentedRoute("/v1/plan", replan, method="POST", operation=admin_spec.REPLAN),
         *(extra_routes or []),
     ]
@@ -194,6 +224,14 @@ def build_app(coordinator: Coordinator, *, api_key: str | None = None,
                         r.path for r in routes if isinstance(r, DocumentedRoute) and r.operation.open))],
         exception_handlers={HTTPException: http_error, Exception: server_error},
     )
+
+
+def _flag(value: str, name: str) -> bool:
+    if value.lower() in ("true", "1"):
+        return True
+    if value.lower() in ("false", "0"):
+        return False
+    raise ValueError(f"{name} must be true or false, not {value!r}")
 
 
 async def serve_api(app: Starlette, host: str, port: int, *,

@@ -695,6 +695,13 @@ class Deployment:
                 await self._changed.wait()
         return self._usable(avoid)
 
+    async def wait_until(self, predicate: Callable[[], bool], timeout_s: float) -> bool:
+        """Wait (bounded) until predicate() holds, re-checking on every change of the plans; its final value."""
+        with trio.move_on_after(timeout_s):
+            while not predicate():
+                await self._changed.wait()
+        return predicate()
+
     async def wait_serving(self, plan: Plan, timeout_s: float) -> bool:
         """Until `plan` is the one that serves (all its shards ready); False if it is not by the timeout."""
         with trio.move_on_after(timeout_s):

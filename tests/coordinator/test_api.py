@@ -1,4 +1,4 @@
-"""The REST API in process: API key, error shape, body limits, the cluster view and its long-poll."""
+"""The REST API in process: API key, error shape, body limits, the cluster view and the plan, and their long-polls."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ from hetnode.models.resolve import load_config
 from hetnode.models.tiny import write_tiny_model
 from hetnode.models.tokenizer import load_tokenizer
 from hetnode.node.daemon import NodeConfig, NodeDaemon
+from hetnode.node.engine import EngineConfig
+from hetnode.node.hops import HopServer
 from hetnode.protocol.memory import MemoryNetwork
 from hetnode.protocol.messages import HardwareProfile
 from hetnode.protocol.probe import ProbeSettings
@@ -93,4 +95,46 @@ async def test_replan_endpoint_is_admin_and_checks_its_body(tiny_model: Path) ->
             assert r.status_code == 409 and "no nodes are up" in r.json()["error"]["message"]
             r = await client.get("/v1/plan", headers=auth)
             assert r.status_code == 200 and r.json()["plan"] is None and "no nodes" in r.json()["problem"]
+        nursery.cancel_scope.cancel()
+
+
+async def test_plan_long_poll_waits_for_a_ready_plan_and_checks_its_query(tiny_model: Path) -> None:
+    net = MemoryNetwork()
+    cpu = HardwareProfile(device="cpu", device_type="cpu", memory_bytes=8 << 30, matmul_tflops=0.1,
+                          mem_bandwidth_gbps=30.0, dtype="float32")
+    probe = ProbeSettings(first_bytes=1024, max_bytes=1024)
+    async with trio.open_nursery() as nursery, net.transport("coord") as ct, net.transport("n1") as nt:
+        coord = Coordinator(CoordinatorConfig(token="t", probe=probe), ct)
+        coord.enable_serving(model=str(tiny_model), model_config=load_config(tiny_model),
+                             tokenizer=load_tokenizer(tiny_model))
+        await nursery.start(coord.run)
+        app = build_app(coord, api_key="k3y")
+        auth = {"Authorization": "Bearer k3y"}
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://api") as client:
+            for query, why in (("ready=maybe", "ready must be true or false"), ("min_nodes=x", "bad query parameter"),
+                               ("timeout=61", "timeout must be between 0 and 60"),
+                               ("min_node=1", "unknown query parameter(s): min_node")):
+                r = await client.get(f"/v1/plan?{query}", headers=auth)
+                assert r.status_code == 400 and why in r.json()["error"]["message"], (query, r.text)
+            r = await client.get("/v1/plan?ready=true&timeout=0.2", headers=auth)  # no node: no plan by then
+            assert r.status_code == 200 and r.json()["satisfied"] is False and r.json()["plan"] is None
+            assert (await client.get("/v1/plan", headers=auth)).json()["satisfied"] is True  # nothing asked
+
+            hops = HopServer(nt, lambda peer: node.is_member(peer),
+                             engine_config=EngineConfig(num_kv_blocks=64, block_size=4))
+            node = NodeDaemon(NodeConfig(bootstrap=("/memory/coord/p2p/coord",), token="t", name="n1",
+                                         profile=cpu, probe=probe), nt, hops)
+            await nursery.start(hops.run)
+            await nursery.start(node.run)
+            # One request, no polling: it returns when the node has loaded its shard.
+            r = await client.get("/v1/plan?ready=true&min_nodes=1&min_version=1&timeout=30", headers=auth)
+            view = r.json()
+            assert r.status_code == 200 and view["satisfied"] is True, view
+            assert view["plan"]["ready"] is True and view["plan"]["version"] >= 1
+            assert {s["name"] for s in view["plan"]["shards"]} == {"n1"}
+            version = view["plan"]["version"]
+            r = await client.get(f"/v1/plan?min_version={version + 1}&timeout=0.2", headers=auth)
+            assert r.json()["satisfied"] is False and r.json()["plan"]["version"] == version
+            r = await client.get("/v1/plan?min_nodes=2&timeout=0.2", headers=auth)
+            assert r.json()["satisfied"] is False
         nursery.cancel_scope.cancel()

@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -18,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 from test_split_failover_multiprocess import completion, pid_of, wait_for_line
-from testnet_helpers import check_against_transformers, start_testnet, stop_testnet
+from testnet_helpers import check_against_transformers, start_testnet, stop_testnet, wait_for_ready_plan
 
 pytestmark = pytest.mark.slow
 
@@ -47,13 +46,7 @@ def cronus(tmp_path: Path) -> Any:
 
 def pairs(api: str, timeout_s: float = 300) -> list[tuple[str, str]]:
     """The ready plan's replicas (role, node), once both nodes have joined and loaded the model."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        plan = httpx.get(f"{api}/v1/plan", timeout=10).json().get("plan") or {}
-        if plan.get("ready") and len(plan.get("replicas", ())) == 2:
-            break
-        assert time.monotonic() < deadline, f"no ready Cronus plan: {plan}"
-        time.sleep(0.2)
+    plan = wait_for_ready_plan(api, timeout_s, nodes=2, accept=lambda p: len(p.get("replicas", ())) == 2)
     assert plan["method"] == "cronus", plan
     return [(r["role"], r["nodes"][0]) for r in plan["replicas"]]
 

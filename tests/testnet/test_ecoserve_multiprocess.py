@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 import pytest
 from test_split_failover_multiprocess import completion, pid_of
-from testnet_helpers import check_against_transformers, start_testnet, stop_testnet
+from testnet_helpers import check_against_transformers, start_testnet, stop_testnet, wait_for_ready_plan
 
 pytestmark = pytest.mark.slow
 MODEL = "smollm2-135m"
@@ -39,13 +39,7 @@ def ecoserve(tmp_path: Path) -> Any:
 
 def instances(api: str, count: int, timeout_s: float = 120) -> list[tuple[str, str]]:
     """The ready plan's replicas (role, node) once it has `count` instances."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        plan = httpx.get(f"{api}/v1/plan", timeout=10).json().get("plan") or {}
-        if plan.get("ready") and len(plan.get("replicas", ())) == count:
-            break
-        assert time.monotonic() < deadline, f"no ready EcoServe plan of {count} instances: {plan}"
-        time.sleep(0.2)
+    plan = wait_for_ready_plan(api, timeout_s, accept=lambda p: len(p.get("replicas", ())) == count)
     assert plan["method"] == "ecoserve", plan
     return sorted((r["role"], r["nodes"][0]) for r in plan["replicas"])
 

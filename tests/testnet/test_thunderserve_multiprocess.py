@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 from test_split_failover_multiprocess import completion, pid_of
-from testnet_helpers import check_against_transformers, start_testnet, stop_testnet
+from testnet_helpers import check_against_transformers, start_testnet, stop_testnet, wait_for_ready_plan
 
 pytestmark = pytest.mark.slow
 
@@ -34,13 +33,7 @@ def cluster_file(path: Path) -> Path:
 
 def ready_plan(api: str, after_version: int = 0, timeout_s: float = 300) -> dict[str, Any]:
     """The first ready phase-split plan newer than `after_version`."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        plan = httpx.get(f"{api}/v1/plan", timeout=10).json().get("plan") or {}
-        if plan.get("ready") and plan["version"] > after_version and plan.get("replicas"):
-            return plan
-        assert time.monotonic() < deadline, f"no ready ThunderServe plan after version {after_version}: {plan}"
-        time.sleep(0.2)
+    return wait_for_ready_plan(api, timeout_s, after_version=after_version, accept=lambda p: bool(p.get("replicas")))
 
 
 def test_thunderserve_serves_greedy_and_reschedules_lightly_when_a_decode_node_dies(

@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -36,22 +37,31 @@ def start_testnet(state_dir: Path, model: str, nodes: int = 3, *, cluster: Path 
     return state
 
 
-def wait_for_ready_plan(api: str, timeout_s: float = 300, *, nodes: int | None = None,
-                        key: str | None = None) -> dict[str, Any]:
-    """The first plan that is ready (its nodes have loaded their shards), and that places `nodes` nodes if given:
-    a request sent before then waits only --route-wait and gets a 503 if loading takes longer, as it does when
-    another testnet shares the cores, and a node that joined after the first plan's debounce is not in it yet."""
+def wait_for_ready_plan(api: str, timeout_s: float = 300, *, nodes: int | None = None, key: str | None = None,
+                        after_version: int = 0, accept: Callable[[dict[str, Any]], bool] | None = None,
+                        ) -> dict[str, Any]:
+    """The first plan newer than `after_version` that is ready (its nodes have loaded their shards), places
+    `nodes` nodes if given and passes `accept`: a request sent before then waits only --route-wait and gets a 503
+    if loading takes longer, as it does when another testnet shares the cores, and a node that joined after the
+    first plan's debounce is not in it yet. GET /v1/plan's long-poll answers when the plan changes, so this sends
+    a request per plan, not one every fraction of a second."""
     deadline = time.monotonic() + timeout_s
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    min_version = after_version + 1
     while True:
-        headers = {"Authorization": f"Bearer {key}"} if key else {}
-        r = httpx.get(f"{api}/v1/plan", timeout=10, headers=headers)
+        left = deadline - time.monotonic()
+        params: dict[str, Any] = {"ready": "true", "min_version": min_version, "timeout": min(30.0, max(left, 0))}
+        if nodes is not None:
+            params["min_nodes"] = nodes
+        r = httpx.get(f"{api}/v1/plan", params=params, timeout=60, headers=headers)
         assert r.status_code == 200, r.text
         plan = r.json().get("plan") or {}
-        placed = {s["peer_id"] for s in plan.get("shards", [])}
-        if plan.get("ready") and (nodes is None or len(placed) == nodes):
-            return dict(plan)
+        if r.json()["satisfied"]:
+            placed = {s["peer_id"] for s in plan.get("shards", [])}
+            if (nodes is None or len(placed) == nodes) and (accept is None or accept(plan)):
+                return dict(plan)
+            min_version = plan["version"] + 1  # this plan will not do: wait for the next one
         assert time.monotonic() < deadline, f"no ready plan within {timeout_s:g} s: {plan}"
-        time.sleep(0.2)
 
 
 def stop_testnet(state_dir: Path) -> None:
