@@ -9,6 +9,7 @@ from __future__ import annotations
 import hmac
 import json
 import logging
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import trio
@@ -107,20 +108,11 @@ def build_app(coordinator: Coordinator, *, api_key: str | None = None,
 
     async def cluster(request: Request) -> Response:
         """With min_up / max_up / min_links and timeout (seconds, at most 60), wait until the view matches."""
-        q = request.query_params
-        unknown = set(q) - {"min_up", "max_up", "min_links", "timeout"}
-        if unknown:  # a misspelt condition would otherwise answer at once as if it held
-            return error_response(400, f"unknown query parameter(s): {', '.join(sorted(unknown))}; known: "
-                                       "min_up, max_up, min_links, timeout")
-        try:
-            min_up = int(q["min_up"]) if "min_up" in q else None
-            max_up = int(q["max_up"]) if "max_up" in q else None
-            min_links = int(q["min_links"]) if "min_links" in q else None
-            timeout = float(q["timeout"]) if "timeout" in q else min(10.0, max_wait_s)
-        except ValueError as exc:
-            return error_response(400, f"bad query parameter: {exc}")
-        if not 0 <= timeout <= max_wait_s:
-            return error_response(400, f"timeout must be between 0 and {max_wait_s:g} seconds")
+        asked = _long_poll(request, {"min_up": int, "max_up": int, "min_links": int}, max_wait_s)
+        if isinstance(asked, Response):
+            return asked
+        conditions, timeout = asked
+        min_up, max_up, min_links = (conditions.get(k) for k in ("min_up", "max_up", "min_links"))
         reg = coordinator.registry
 
         def matches() -> bool:
@@ -128,9 +120,7 @@ def build_app(coordinator: Coordinator, *, api_key: str | None = None,
             return ((min_up is None or up >= min_up) and (max_up is None or up <= max_up)
                     and (min_links is None or len(reg.links) >= min_links))
 
-        satisfied = True
-        if min_up is not None or max_up is not None or min_links is not None:
-            satisfied = await coordinator.wait_until(matches, timeout)
+        satisfied = await coordinator.wait_until(matches, timeout) if conditions else True
         view = coordinator.cluster_view()
         view["satisfied"] = satisfied
         return JSONResponse(view)
@@ -150,20 +140,11 @@ def build_app(coordinator: Coordinator, *, api_key: str | None = None,
         deployment = coordinator.deployment
         if deployment is None:
             return error_response(404, "this coordinator serves no model", type_="not_found_error")
-        q = request.query_params
-        unknown = set(q) - {"ready", "min_nodes", "min_version", "timeout"}
-        if unknown:  # a misspelt condition would otherwise answer at once as if it held
-            return error_response(400, f"unknown query parameter(s): {', '.join(sorted(unknown))}; known: "
-                                       "ready, min_nodes, min_version, timeout")
-        try:
-            ready = _flag(q["ready"], "ready") if "ready" in q else None
-            min_nodes = int(q["min_nodes"]) if "min_nodes" in q else None
-            min_version = int(q["min_version"]) if "min_version" in q else None
-            timeout = float(q["timeout"]) if "timeout" in q else min(10.0, max_wait_s)
-        except ValueError as exc:
-            return error_response(400, f"bad query parameter: {exc}")
-        if not 0 <= timeout <= max_wait_s:
-            return error_response(400, f"timeout must be between 0 and {max_wait_s:g} seconds")
+        asked = _long_poll(request, {"ready": _flag, "min_nodes": int, "min_version": int}, max_wait_s)
+        if isinstance(asked, Response):
+            return asked
+        conditions, timeout = asked
+        ready, min_nodes, min_version = (conditions.get(k) for k in ("ready", "min_nodes", "min_version"))
 
         def matches() -> bool:
             newest = deployment.plan
@@ -173,9 +154,7 @@ def build_app(coordinator: Coordinator, *, api_key: str | None = None,
                     and (min_nodes is None or len(newest.peers()) >= min_nodes)
                     and (min_version is None or newest.version >= min_version))
 
-        satisfied = True
-        if ready is not None or min_nodes is not None or min_version is not None:
-            satisfied = await deployment.wait_until(matches, timeout)
+        satisfied = await deployment.wait_until(matches, timeout) if conditions else True
         view = deployment.to_json()
         view["satisfied"] = satisfied
         if coordinator.generator is not None:
@@ -226,12 +205,32 @@ def build_app(coordinator: Coordinator, *, api_key: str | None = None,
     )
 
 
-def _flag(value: str, name: str) -> bool:
+def _long_poll(request: Request, parsers: Mapping[str, Callable[[str], Any]], max_wait_s: float,
+               ) -> tuple[dict[str, Any], float] | Response:
+    """The conditions a long-polling GET asks for (parsed, by name) and its timeout, or a 400 that says what is
+    wrong: a misspelt condition would otherwise answer at once as if it held."""
+    q = request.query_params
+    known = [*parsers, "timeout"]
+    unknown = set(q) - set(known)
+    if unknown:
+        return error_response(400, f"unknown query parameter(s): {', '.join(sorted(unknown))}; known: "
+                                   f"{', '.join(known)}")
+    try:
+        conditions = {name: parse(q[name]) for name, parse in parsers.items() if name in q}
+        timeout = float(q["timeout"]) if "timeout" in q else min(10.0, max_wait_s)
+    except ValueError as exc:
+        return error_response(400, f"bad query parameter: {exc}")
+    if not 0 <= timeout <= max_wait_s:
+        return error_response(400, f"timeout must be between 0 and {max_wait_s:g} seconds")
+    return conditions, timeout
+
+
+def _flag(value: str) -> bool:
     if value.lower() in ("true", "1"):
         return True
     if value.lower() in ("false", "0"):
         return False
-    raise ValueError(f"{name} must be true or false, not {value!r}")
+    raise ValueError(f"ready must be true or false, not {value!r}")
 
 
 async def serve_api(app: Starlette, host: str, port: int, *,
