@@ -146,6 +146,11 @@ def test_several_pairs_split_each_prompt_and_hand_its_kv_over() -> None:
     # refits each pair's Eq. 2 on the partial prefills' times.
     assert sorted(told.partial) == sorted(r.id for r in result.requests)
     assert all(p["refitted_on"]["partial"] > 0 for p in told.scheduler.predictors())  # type: ignore[index]
+    # From the first phase's end (the PPI's last hand-over, or its first token after a whole prefill) to the
+    # CPI's first decode step: the rest of the prompt lies between, so it is never empty and never negative.
+    gaps = [r.handoff for r in result.requests if r.output_len > 1]
+    assert gaps and all(g >= 0 for g in gaps), gaps
+    assert result.summary["kv_handoff"]["prefill_end_to_decode_s"]["count"] == len(gaps)
 
 
 def test_a_pair_whose_ppi_is_down_serves_whole_prompts_on_its_cpi() -> None:

@@ -321,7 +321,11 @@ class SimCoordinator:
         if r.session != session or r.done >= 0 or r.rejected or r.handoff is None:
             return
         r.handed += 1
-        if r.handed == len(r.handoff.sources) and self.partial_done is not None:
+        if r.handed < len(r.handoff.sources):
+            return
+        if r.handoff_end < r.prefill_end:
+            r.prefilled_at = now  # a partial prefill samples nothing: its phase ends with the last hand-over
+        if self.partial_done is not None:
             self._admit_queued(self.partial_done(r.rid, now), now)
 
     def on_full(self, r: SimRequest, session: int, reason: str, now: float) -> None:
