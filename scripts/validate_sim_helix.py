@@ -7,9 +7,14 @@ warm-up, 600 s measured) and online (about 0.72 requests/s for 1,800 s from Heli
 `workload.sampled`: 3 s bins of the trace's rate and its requests' lengths drawn at random), and
 prints each figure beside the one Helix's simulator reports for the same setup (the data folder's README), with
 their ratio and whether it is within the tolerance (5%). `--like hetnode` runs the simulator's own defaults
-instead, for comparison.
+instead, for comparison. `--offline-lengths drawn` has the offline loop draw each request's lengths at random from
+the trace, as Helix's feeder does, instead of taking the trace's requests in order (docs/simulator.md measures
+both). `--offline-option FIELD=JSON` sets one more `SimOptions` field for the offline run (e.g. `queue_limit=0`:
+the scheduler refuses what it cannot place now, as Helix's offline scheduler drops it), for measuring one
+difference at a time.
 
     .venv/bin/python scripts/validate_sim_helix.py [--data ../shared/data/helix-profiles] [--json OUT]
+        [--offline-lengths order|drawn] [--offline-option FIELD=JSON ...]
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +32,7 @@ from hetnode.planner.model import model_spec
 from hetnode.planner.plan import PlacementPlan
 from hetnode.planner.profile_sources import profile_table_for
 from hetnode.testnet.sim import load_trace, offline, sampled, simulate
+from hetnode.testnet.sim.offline_loop import LENGTHS, OfflineLoop
 from hetnode.testnet.sim.settings import LIKES, options_like
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,7 +65,8 @@ def figures(summary: dict[str, Any]) -> dict[str, float]:
     }
 
 
-def run(data: Path, like: str, seed: int) -> dict[str, dict[str, float]]:
+def run(data: Path, like: str, seed: int, lengths: str | None = None,
+        offline_more: dict[str, Any] | None = None) -> dict[str, dict[str, float]]:
     plan_path = data / PLAN_FILE
     try:
         plan = PlacementPlan.from_json(json.loads(plan_path.read_text()))
@@ -71,7 +79,9 @@ def run(data: Path, like: str, seed: int) -> dict[str, dict[str, float]]:
     out: dict[str, dict[str, float]] = {}
     for mode in ("offline", "online"):
         is_offline = mode == "offline"
-        options = options_like(like, offline=is_offline)
+        options = options_like(like, offline=is_offline, **((offline_more or {}) if is_offline else {}))
+        if is_offline and lengths is not None:
+            options = replace(options, offline_loop=replace(options.offline_loop or OfflineLoop(), lengths=lengths))
         if is_offline:
             workload, duration, warmup = offline(trace), 660.0, 60.0
         else:
@@ -91,10 +101,21 @@ def main() -> int:
                    help="the folder holding helix_single_70b_ilp_plan.json (default: ../shared/data/helix-profiles)")
     p.add_argument("--like", default="helix", choices=LIKES, help="the simulator's settings (default: helix)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--offline-lengths", choices=LENGTHS, default=None,
+                   help="offline: the trace's requests in order, or drawn at random (default: the settings')")
+    p.add_argument("--offline-option", action="append", default=[], metavar="FIELD=JSON",
+                   help="offline: also set this SimOptions field (a JSON value), e.g. queue_limit=0")
     p.add_argument("--json", type=Path, default=None, help="also write the figures here")
     args = p.parse_args()
     try:
-        ours = run(args.data, args.like, args.seed)
+        more = {}
+        for item in args.offline_option:
+            name, _, value = item.partition("=")
+            more[name] = json.loads(value)
+    except ValueError as exc:
+        p.error(f"--offline-option takes FIELD=JSON: {exc}")
+    try:
+        ours = run(args.data, args.like, args.seed, args.offline_lengths, more)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -108,7 +129,9 @@ def main() -> int:
         misses += not ok
         rows.append({"mode": mode, "figure": name, "helix": ref, "ours": value, "ratio": ratio, "within": ok})
         print(f"{mode:<8} {name:<30} {ref:>8.2f} {value:>8.2f} {ratio:>7.2f} {'' if ok else '  outside 5%'}")
-    print(f"{len(REFERENCE) - misses} of {len(REFERENCE)} within {TOLERANCE:.0%} (settings: {args.like})")
+    print(f"{len(REFERENCE) - misses} of {len(REFERENCE)} within {TOLERANCE:.0%} (settings: {args.like}"
+          f"{'' if args.offline_lengths is None else ', offline lengths ' + args.offline_lengths}"
+          f"{''.join(', offline ' + o for o in args.offline_option)})")
     if args.json:
         args.json.write_text(json.dumps({"like": args.like, "rows": rows}, indent=2) + "\n")
     return 0

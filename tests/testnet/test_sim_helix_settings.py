@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 from itertools import pairwise
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from hetnode.planner.cluster import load_cluster
 from hetnode.planner.model import model_spec
 from hetnode.planner.plan import PlacementPlan
 from hetnode.planner.profile_sources import profile_table_for
-from hetnode.testnet.sim import SimOptions, Trace, load_trace, offline, sampled, simulate
+from hetnode.testnet.sim import SimOptions, Trace, Workload, load_trace, offline, sampled, simulate
 from hetnode.testnet.sim.offline_loop import OfflineLoop
 from hetnode.testnet.sim.settings import like, options_like
 
@@ -112,10 +113,38 @@ def test_prompt_or_end_adds_fewer_requests_than_every_token() -> None:
 
 
 @pytest.mark.parametrize("bad", [{"start": 0}, {"kv_use": 0.0}, {"kv_use": 1.5}, {"every": "step"},
-                                 {"measure": "mean"}])
+                                 {"measure": "mean"}, {"lengths": "shuffled"}])
 def test_offline_loop_refuses_bad_settings(bad: dict[str, object]) -> None:
     with pytest.raises(ValueError):
         OfflineLoop(**bad)  # type: ignore[arg-type]
+
+
+def test_offline_loop_takes_requests_in_order_or_draws_them_as_helixs_sampler() -> None:
+    rng = random.Random(5)
+    assert [OfflineLoop().index(i, 3, rng) for i in range(7)] == [0, 1, 2, 0, 1, 2, 0]
+    drawn, rng = OfflineLoop(lengths="drawn"), random.Random(5)
+    helix = random.Random(5)  # Helix's LengthSampler: random.seed(seed), then randint(0, n - 1) per request
+    assert [drawn.index(i, 1000, rng) for i in range(50)] == [helix.randint(0, 999) for _ in range(50)]
+
+
+def _started_inputs(lengths: str, seed: int) -> list[int]:
+    # Distinct input lengths, so each started request names the workload entry it took.
+    wl = Workload(name="distinct", inputs=tuple(range(100, 140)), outputs=(6,) * 40, offline=True)
+    cluster = load_cluster(CLUSTER)
+    model = model_spec("llama-70b")
+    options = options_like("helix", offline=True, offline_loop=OfflineLoop(lengths=lengths))
+    result = simulate(cluster, model, profile_table_for(cluster, model, "helix"), _plan(), workload=wl,
+                      duration_s=20.0, warmup_s=1.0, seed=seed, options=options)
+    return [r.input_len for r in sorted(result.requests, key=lambda r: int(r.id[1:]))]
+
+
+def test_the_helix_loop_runs_the_workload_in_order_or_drawn_with_the_runs_seed() -> None:
+    in_order = _started_inputs("order", seed=3)
+    assert len(in_order) > 40 and in_order == [100 + i % 40 for i in range(len(in_order))]
+    drawn = _started_inputs("drawn", seed=3)
+    rng = random.Random(3)
+    assert len(drawn) > 20 and drawn == [100 + rng.randrange(40) for _ in drawn]
+    assert drawn != in_order[:len(drawn)]
 
 
 def test_helix_offline_loop_keeps_the_estimate_under_its_bound_and_queues_nothing() -> None:

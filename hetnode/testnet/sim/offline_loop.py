@@ -19,17 +19,27 @@ of its pipeline; `PipelineScheduler.kv_estimate`), as a share of capacity: of th
 (`measure="layer"`, in the artifact's `kv_expectation.py`): for each layer, the tokens charged on the nodes
 holding it over their capacity together, and the fullest layer.
 
-Pure: `admits` decides from numbers; the runner asks it and starts the requests.
+Which request comes next: `lengths="order"` takes the workload's requests in order (cycling), as hetnode's own
+loop does; `lengths="drawn"` draws each one's (input, output) pair at random from the whole workload, as Helix's
+feeder does (`OfflineRequestFeeder` asks its `LengthSampler`, `length_sampler.py`: `random.randint` over the
+trace's pairs, seeded with the run's seed). The two differ where the trace's first requests are not like the
+whole: the conversation trace's first 800 have a mean output of 272 tokens, the whole trace 232
+(docs/simulator.md measures what that moves).
+
+Pure: `admits` decides from numbers, `index` picks the next request; the runner asks them and starts the
+requests.
 """
 
 from __future__ import annotations
 
 import functools
+import random
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 MEASURES = ("max", "total", "layer")
 TRIGGERS = ("token", "finish", "prompt_or_end")
+LENGTHS = ("order", "drawn")
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +52,8 @@ class OfflineLoop:
     # "max": the fullest node's share; "total": all nodes' tokens over all capacity; "layer": per layer over
     # the nodes holding it, the fullest layer (Helix's)
     measure: str = "layer"
+    # "order": the workload's requests in order, cycling; "drawn": each one drawn at random (Helix's sampler)
+    lengths: str = "order"
 
     def __post_init__(self) -> None:
         if self.start < 1:
@@ -52,6 +64,8 @@ class OfflineLoop:
             raise ValueError(f"every must be one of {', '.join(TRIGGERS)}, not {self.every!r}")
         if self.measure not in MEASURES:
             raise ValueError(f"measure must be one of {', '.join(MEASURES)}, not {self.measure!r}")
+        if self.lengths not in LENGTHS:
+            raise ValueError(f"lengths must be one of {', '.join(LENGTHS)}, not {self.lengths!r}")
 
     def use(self, nodes: Iterable[tuple[float, int | None]],
             layers: Sequence[tuple[int, int]] | None = None) -> float:
@@ -77,6 +91,10 @@ class OfflineLoop:
     def admits(self, use: float, added: int) -> bool:
         """Whether one completion, having added `added` requests already, adds another at estimated use `use`."""
         return use <= self.kv_use and (self.every == "finish" or added < 1)
+
+    def index(self, started: int, n: int, rng: random.Random) -> int:
+        """Which of the workload's `n` requests the loop's `started`-th request takes."""
+        return rng.randrange(n) if self.lengths == "drawn" else started % n
 
     @property
     def on_prompt(self) -> bool:

@@ -17,6 +17,7 @@ report how long the run took.
 from __future__ import annotations
 
 import math
+import random
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, replace
@@ -270,7 +271,7 @@ def simulate(cluster: ClusterSpec, model: ModelSpec, profiles: ProfileTable, pla
 
     inputs, outputs = workload.inputs, workload.outputs
     if workload.offline and opts.offline_loop is not None:
-        _kv_bound_loop(coord, sched, workload, duration_s, opts.offline_loop, ranges)
+        _kv_bound_loop(coord, sched, workload, duration_s, opts.offline_loop, ranges, seed)
     elif workload.offline:
         _closed_loop(coord, workload, duration_s, _auto_inflight(workload, kv_capacity))
     else:
@@ -305,7 +306,8 @@ def simulate(cluster: ClusterSpec, model: ModelSpec, profiles: ProfileTable, pla
         loop = opts.offline_loop
         when = {"token": "token", "finish": "finish", "prompt_or_end": "prompt's end and request's end"}[loop.every]
         description = (f"offline, Helix's loop: {loop.start} requests, then one per {when} while the "
-                       f"estimated KV use ({loop.measure}) <= {loop.kv_use:g}; lengths from {workload.name}")
+                       f"estimated KV use ({loop.measure}) <= {loop.kv_use:g}; lengths from {workload.name}"
+                       f"{', drawn at random' if loop.lengths == 'drawn' else ', in order'}")
     config = {
         "cluster": cluster.name, "model": model.name, "method": plan.method, "plan_max_flow": plan.max_flow,
         "plan_size": plan.size,
@@ -380,22 +382,24 @@ def _closed_loop(coord: SimCoordinator, workload: Workload, duration_s: float, m
 
 
 def _kv_bound_loop(coord: SimCoordinator, sched: Scheduler, workload: Workload, duration_s: float,
-                   loop: OfflineLoop, ranges: Mapping[str, tuple[int, int]]) -> None:
+                   loop: OfflineLoop, ranges: Mapping[str, tuple[int, int]], seed: int) -> None:
     """Helix's offline loop (offline_loop.py): `loop.start` requests at 0, then at each token (or finish, or
     a prompt's end and a request's) new ones while the scheduler's KV estimate allows; it stops at one the
-    scheduler had to queue."""
+    scheduler had to queue. Its requests are the workload's in order, or drawn at random (`loop.lengths`)."""
     estimate = getattr(sched, "kv_estimate", None)
     if estimate is None:
         raise ConfigError(f"Helix's offline loop reads the scheduler's KV estimate; {type(sched).__name__} has none")
     n = len(workload)
     counter = [0]
+    rng = random.Random(seed)
     names = list(estimate())
     layers = [ranges[name] for name in names] if loop.measure == "layer" else None
 
     def start(now: float) -> bool:
         i = counter[0]
         counter[0] += 1
-        r = SimRequest(i, now, workload.inputs[i % n], workload.outputs[i % n])
+        j = loop.index(i, n, rng)
+        r = SimRequest(i, now, workload.inputs[j], workload.outputs[j])
         coord.arrive(r, now)
         return not coord.waiting and not r.rejected
 

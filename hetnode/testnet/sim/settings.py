@@ -11,6 +11,11 @@
   offline, 0.9 and 0.6 online) on a fixed expected output of 240 tokens (it does not learn from the outputs
   that end), one message per item on a link, and its costs outside the layer tables (a one-item decode step
   twice the table's, 7.4 us per token to copy a step's input in at layer 0).
+  Its offline loop takes the trace's requests in order (`OfflineLoop.lengths="order"`), where Helix's feeder
+  draws each one's lengths at random from the whole trace (`lengths="drawn"`): drawn, the offline decode
+  latency's p95 agrees (0.99-1.03x Helix's, where in order it is 0.90x) but throughput falls to 0.91-0.95x and
+  the p50 rises to 1.13-1.16x (scripts/validate_sim_helix.py --offline-lengths drawn, seeds 0-2;
+  docs/simulator.md), so "helix" keeps the order until what else differs is found.
 
 Every field is a plain `SimOptions` field that can also be set alone; `options_like(name, offline, **more)`
 builds the options, later keywords winning. The batch caps and marks are the runtime's own policy settings
