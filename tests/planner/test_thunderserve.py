@@ -19,8 +19,8 @@ from hetnode.planner.plan import PlacementPlan
 from hetnode.planner.profile_sources import profile_table_for
 from hetnode.planner.thunderserve.deployment import Deployment, Group, holds_model, initial
 from hetnode.planner.thunderserve.gpus import gpu_pool
-from hetnode.planner.thunderserve.neighbours import MOVES, neighbour
 from hetnode.planner.thunderserve.lower import LowerLevel, link_loads
+from hetnode.planner.thunderserve.neighbours import MOVES, neighbour
 from hetnode.planner.thunderserve.orchestration import LinkLoad, Routing, orchestrate
 from hetnode.planner.thunderserve.parallel import DECODE, PREFILL, configure, partition, tp_degrees
 from hetnode.planner.thunderserve.settings import ThunderServeOptions

@@ -15,13 +15,16 @@ b_ijl is the bytes one request's KV puts on link l when it goes from prefill rep
 the codec that link uses) and B_l the link's bandwidth (bytes/s). Without these rows each pair's transfer is
 priced alone, in D_ij, as if its links were its own: at fp16 on 5 Gb/s links the LP then sent most requests
 through the few pairs whose single transfer looked cheapest, and those links queued for tens of seconds
-(docs/reproducing-thunderserve.md). u (`utilization`, below 1) keeps every queue stable, links' included. A share the replicas cannot take is left unrouted and
-counts as missing its SLO, so the LP is always feasible and sum_ij D_ij Z_ij is the expected attainment of
-all requests. eps (far below any D) makes the LP route what it can even where no pair attains anything, so
-that X and Y are defined. X_i = sum_j Z_ij / sum Z and Y_ij = Z_ij / sum_j Z_ij; a prefill replica the LP
-leaves idle sends to its best pair. D is estimated once, at loads proportional to capacity (in all the rate, or
-u x capacity where that is less: what the LP can route; slo.py), which is what keeps this a linear program;
-Z is bilinear in X and Y, and any Z gives back X and Y, so the LP over Z is the TSTP with capacities added.
+(docs/reproducing-thunderserve.md). A link is a directed GPU pair as the cluster file states it (`lower.link_loads`);
+a host's NIC shared by several GPU pairs is not a row, as the simulator queues each GPU pair apart.
+
+u (`utilization`, below 1) keeps every queue stable, links' included. A share the replicas and links cannot take is
+left unrouted and counts as missing its SLO, so the LP is always feasible and sum_ij D_ij Z_ij is the expected
+attainment of all requests. eps (far below any D) makes the LP route what it can even where no pair attains
+anything, so that X and Y are defined. X_i = sum_j Z_ij / sum Z and Y_ij = Z_ij / sum_j Z_ij; a prefill replica the
+LP leaves idle sends to its best pair. D is estimated once, at loads proportional to capacity (in all the rate, or u
+x capacity where that is less: what the LP can route; slo.py), which is what keeps this a linear program; Z is
+bilinear in X and Y, and any Z gives back X and Y, so the LP over Z is the TSTP with capacities added.
 Solved with HiGHS (the simplex, a few milliseconds).
 """
 
