@@ -37,7 +37,10 @@ the shares X_i Y_ij, `hetnode/coordinator/pair_schedulers.py`); Fig. 12's random
 Ratios are ThunderServe over the baseline for throughput and baseline over ThunderServe for latencies and
 deadlines ("1.8x lower" is 1.8). For each: "same winner" (both on the same side of 1) and "within 25%".
 
-    .venv/bin/python scripts/reproduce_thunderserve.py [--quick] [--duration S] [--json OUT]
+    .venv/bin/python scripts/reproduce_thunderserve.py [--quick] [--duration S] [--json OUT] [--busy]
+
+--busy adds, after each saturating (offline) run, the share of the measured window each node was busy, which is
+what says which phase bounds a plan's throughput in the simulator.
 """
 
 from __future__ import annotations
@@ -107,9 +110,9 @@ def vllm_server(a100: ClusterSpec) -> ClusterSpec:
 class Lab:
     """Plans, profiles and simulations, each made once."""
 
-    def __init__(self, duration_s: float, warmup_s: float, seed: int) -> None:
+    def __init__(self, duration_s: float, warmup_s: float, seed: int, busy: bool = False) -> None:
         self.model: ModelSpec = model_spec(MODEL)
-        self.duration_s, self.warmup_s, self.seed = duration_s, warmup_s, seed
+        self.duration_s, self.warmup_s, self.seed, self.busy = duration_s, warmup_s, seed, busy
         self.traces = {k: load_trace(v) for k, v in TRACES.items()}
         self.log: list[str] = []
 
@@ -141,6 +144,10 @@ class Lab:
             self.log[-1] += (f"; KV transfers by codec {kv['transfers_by_codec']}, prefill end to decode p50 "
                              f"{wait['p50'] if wait['p50'] is not None else math.nan:.3f} s")
         print(self.log[-1], file=sys.stderr, flush=True)
+        if self.busy and rate is None:
+            self.log.append("    busy: " + ", ".join(f"{n.name} [{n.first_layer},{n.last_layer}) {n.utilization:.0%}"
+                                                     for n in result.nodes))
+            print(self.log[-1], file=sys.stderr, flush=True)
         return result
 
 
@@ -307,9 +314,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration", type=float, default=600.0, help="simulated seconds per run (default 600)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, default=None, help="also write the results as JSON here")
+    parser.add_argument("--busy", action="store_true", help="print each node's busy share after each offline run")
     args = parser.parse_args(argv)
     duration = 40.0 if args.quick else args.duration
-    lab = Lab(duration, min(60.0, duration / 5), args.seed)
+    lab = Lab(duration, min(60.0, duration / 5), args.seed, args.busy)
     claims, facts = reproduce(lab)
     print(format_table(claims, facts, lab.log), end="")
     if args.json is not None:

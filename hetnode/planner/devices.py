@@ -6,8 +6,19 @@ setups; they are not always like for like, and a cost model should know where th
 - Helix, Table 3 (NVIDIA data sheets; SXM parts for H100 and A100): h100, a100 (40 GB), l4, t4.
   The H100 (1979) and L4 (242) FP16 figures are NVIDIA's "with 2:4 sparsity" numbers; the dense tensor-core
   figures are half of that (989.5 and 121). A100 (312) and T4 (65) are dense.
-- ThunderServe, Table 1: a100-80g, a6000, a5000, a40, 3090ti. The A6000 (38.7) and A5000 (27.8) figures are
-  the non-tensor FP32 peaks; A40 (149.7) is the dense FP16 tensor-core peak.
+- ThunderServe, Table 1: a100-80g, a6000, a5000, a40, 3090ti, for memory and bandwidth. Its FLOP/s column is
+  not like for like (A6000 38.7 and A5000 27.8 are FP32 non-tensor peaks, A40 149.7 the dense FP16 tensor peak,
+  3090Ti 71 the RTX 3090's dense FP16 tensor peak with FP32 accumulate), and FP16 serving runs on the tensor
+  cores, so these four take the figure a PyTorch fp16 matmul can reach: dense FP16 tensor with FP32 accumulate
+  (cuBLAS accumulates fp16 GEMMs in FP32), from NVIDIA's data sheets and the Ampere GA102 whitepaper (v2.1,
+  Table 9 / Appendix A; https://www.nvidia.com/content/PDF/nvidia-ampere-ga-102-gpu-architecture-whitepaper-v2.1.pdf).
+  Table 1's number stays in each source string. RTX A6000 154.8 (309.7 with sparsity; RTX A6000 data sheet),
+  RTX A5000 111.1 (222.2 with sparsity; RTX A5000 data sheet), A40 149.7 (299.4; A40 data sheet): the
+  professional parts run FP32 accumulate at the full tensor rate, 1,024 FLOP/clock per SM (84 SMs x 1.80 GHz,
+  64 x 1.695, 84 x 1.74). GeForce GA102 runs FP32 accumulate at half that rate (whitepaper: RTX 3090 142 TFLOP/s
+  with FP16 accumulate, 71 with FP32, 82 SMs x 1.695 GHz x 512); the RTX 3090 Ti, released after the
+  whitepaper, has 84 SMs (10,752 CUDA cores) at 1.86 GHz boost (NVIDIA's RTX 3090 Ti specifications), so
+  84 x 1.86 GHz x 512 = 80.0.
 - a10 and a30 (Cronus §5.1's low-end GPUs; Cronus prints no table) come from NVIDIA's data sheets: A10 Tensor
   Core GPU (PCIe, 24 GB GDDR6, 600 GB/s, 125 TFLOP/s dense FP16/BF16 tensor core, 250 with sparsity;
   https://www.nvidia.com/en-us/data-center/products/a10-gpu/) and A30 Tensor Core GPU (PCIe, 24 GB HBM2,
@@ -95,10 +106,14 @@ DEVICES: dict[str, DeviceSpec] = {
         _spec("l4", 242.0, 24.0, 300.0, _HELIX + "; FP16 figure is with sparsity"),
         _spec("t4", 65.0, 16.0, 300.0, _HELIX),
         _spec("a100-80g", 312.0, 80.0, 2000.0, _THUNDERSERVE + "; A100 80 GB"),
-        _spec("a6000", 38.7, 48.0, 768.0, _THUNDERSERVE + "; FP16 figure is the FP32 non-tensor peak"),
-        _spec("a5000", 27.8, 24.0, 626.8, _THUNDERSERVE + "; FP16 figure is the FP32 non-tensor peak"),
-        _spec("a40", 149.7, 48.0, 696.0, _THUNDERSERVE),
-        _spec("3090ti", 71.0, 24.0, 1008.0, _THUNDERSERVE),
+        _spec("a6000", 154.8, 48.0, 768.0, _THUNDERSERVE + " (38.7, the FP32 non-tensor peak); FP16 figure: RTX A6000 "
+              "data sheet, dense FP16 tensor with FP32 accumulate"),
+        _spec("a5000", 111.1, 24.0, 626.8, _THUNDERSERVE + " (27.8, the FP32 non-tensor peak); FP16 figure: RTX A5000 "
+              "data sheet, dense FP16 tensor with FP32 accumulate"),
+        _spec("a40", 149.7, 48.0, 696.0, _THUNDERSERVE + " (149.7); A40 data sheet, dense FP16 tensor with FP32 "
+              "accumulate"),
+        _spec("3090ti", 80.0, 24.0, 1008.0, _THUNDERSERVE + " (71, the RTX 3090's figure); FP16 figure: GA102 "
+              "whitepaper's GeForce rate (dense FP16 tensor, FP32 accumulate: 512 FLOP/clock/SM) x 84 SMs x 1.86 GHz"),
         _spec("a10", 125.0, 24.0, 600.0, "NVIDIA A10 data sheet (PCIe 24 GB); dense FP16 tensor core"),
         _spec("a30", 165.0, 24.0, 933.0, "NVIDIA A30 data sheet (PCIe 24 GB); dense FP16 tensor core"),
         _spec("v100", 125.0, 16.0, 900.0, "NVIDIA Tesla V100 data sheet (SXM2 16 GB)"),

@@ -9,12 +9,15 @@ from hetnode.planner.devices import DEVICES, MAX_COUNT, known_devices, parse_dev
 
 # (FP16 TFLOP/s, memory GB, memory bandwidth GB/s), copied from the papers' tables by hand.
 HELIX_TABLE_3 = {"h100": (1979, 80, 3350), "a100": (312, 40, 1555), "l4": (242, 24, 300), "t4": (65, 16, 300)}
+# Memory and bandwidth from ThunderServe's Table 1; FLOP/s the dense FP16 tensor peak with FP32 accumulate from
+# NVIDIA's data sheets and the GA102 whitepaper (Table 1's column mixes FP32 non-tensor and tensor peaks: A6000
+# 38.7, A5000 27.8, 3090Ti 71, the RTX 3090's).
 THUNDERSERVE_TABLE_1 = {
     "a100-80g": (312, 80, 2000),
-    "a6000": (38.7, 48, 768),
-    "a5000": (27.8, 24, 626.8),
+    "a6000": (154.8, 48, 768),
+    "a5000": (111.1, 24, 626.8),
     "a40": (149.7, 48, 696),
-    "3090ti": (71, 24, 1008),
+    "3090ti": (80.0, 24, 1008),
 }
 V100_DATA_SHEET = {"v100": (125, 16, 900)}
 # Splitwise-HHcap's token machines: an H100 at a 50% power cap, its compute 1/1.3 (Splitwise's measured model).

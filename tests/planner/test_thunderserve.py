@@ -19,8 +19,9 @@ from hetnode.planner.plan import PlacementPlan
 from hetnode.planner.profile_sources import profile_table_for
 from hetnode.planner.thunderserve.deployment import Deployment, Group, holds_model, initial
 from hetnode.planner.thunderserve.gpus import gpu_pool
+from hetnode.planner.thunderserve.lower import LowerLevel, link_loads
 from hetnode.planner.thunderserve.neighbours import MOVES, neighbour
-from hetnode.planner.thunderserve.orchestration import orchestrate
+from hetnode.planner.thunderserve.orchestration import LinkLoad, Routing, orchestrate
 from hetnode.planner.thunderserve.parallel import DECODE, PREFILL, configure, partition, tp_degrees
 from hetnode.planner.thunderserve.settings import ThunderServeOptions
 from hetnode.planner.thunderserve.stage_order import best_order, path_cost
@@ -168,6 +169,79 @@ def test_the_lp_respects_capacities_and_beats_every_single_pair() -> None:
             for j in range(n):
                 alone = min(1.0, u * mu[i] / rate, u * nu[j] / rate)
                 assert routing.attainment >= d[i][j] * alone - 1e-6
+
+
+def pair_shares(routing: Routing) -> np.ndarray:
+    """Z_ij back from X, Y and the routed share."""
+    return np.array([[routing.routed * x * y for y in row]
+                     for x, row in zip(routing.prefill_share, routing.decode_share, strict=True)])
+
+
+def test_a_full_link_moves_flow_to_the_next_best_pair() -> None:
+    # One prefill replica, two decode replicas; the better pair's KV crosses a link that carries at most
+    # u x 1e9 / 1e9 = 0.9 requests/s, a third of the 2.7 the replicas could take.
+    d, mu, nu, rate, u = [[0.9, 0.8]], [3.0], [3.0, 3.0], 3.0, 0.9
+    alone = orchestrate(d, mu, nu, rate, u)
+    assert pair_shares(alone)[0].tolist() == pytest.approx([0.9, 0.0])
+    link = LinkLoad(bytes_per_s=1e9, pairs=((0, 0, 1e9),))
+    capped = orchestrate(d, mu, nu, rate, u, links=[link])
+    z = pair_shares(capped)[0]
+    assert rate * z[0] * 1e9 <= u * 1e9 + 1e-6
+    assert z.tolist() == pytest.approx([0.3, 0.6])  # the rest of the prefill replica's 0.9 goes to pair (0, 1)
+    assert capped.attainment == pytest.approx(0.9 * 0.3 + 0.8 * 0.6)
+    # Two pairs on one link share its capacity: with both decode replicas behind it, only 0.3 is routed.
+    shared = orchestrate(d, mu, nu, rate, u, links=[LinkLoad(1e9, ((0, 0, 1e9), (0, 1, 1e9)))])
+    assert shared.routed == pytest.approx(0.3)
+    assert pair_shares(shared)[0].tolist() == pytest.approx([0.3, 0.0])
+
+
+def test_a_slack_link_changes_nothing() -> None:
+    rng = np.random.default_rng(1)
+    for _ in range(20):
+        m, n = rng.integers(1, 4, size=2)
+        d = rng.uniform(0, 1, size=(m, n)).tolist()
+        mu = rng.uniform(0.5, 4, size=m).tolist()
+        nu = rng.uniform(0.5, 4, size=n).tolist()
+        rate = float(rng.uniform(0.5, 8))
+        # Every pair on one link fast enough for all the requests at once: never binding.
+        link = LinkLoad(1e12, tuple((i, j, 1e9) for i in range(m) for j in range(n)))
+        with_link, without = orchestrate(d, mu, nu, rate, 0.9, links=[link]), orchestrate(d, mu, nu, rate, 0.9)
+        assert with_link.attainment == pytest.approx(without.attainment, abs=1e-9)
+        assert pair_shares(with_link) == pytest.approx(pair_shares(without), abs=1e-9)
+
+
+def test_the_lp_respects_link_capacities() -> None:
+    rng = np.random.default_rng(2)
+    for _ in range(30):
+        m, n = rng.integers(1, 5, size=2)
+        d = rng.uniform(0, 1, size=(m, n)).tolist()
+        mu = rng.uniform(0.5, 4, size=m).tolist()
+        nu = rng.uniform(0.5, 4, size=n).tolist()
+        rate, u = float(rng.uniform(0.5, 8)), 0.9
+        links = [LinkLoad(float(rng.uniform(1e8, 2e9)),
+                          tuple((i, j, float(rng.uniform(1e7, 1e9))) for i in range(m) for j in range(n)
+                                if rng.uniform() < 0.5))
+                 for _ in range(3)]
+        z = pair_shares(orchestrate(d, mu, nu, rate, u, links=links))
+        for link in links:
+            assert sum(rate * z[i, j] * b for i, j, b in link.pairs) <= u * link.bytes_per_s * (1 + 1e-6)
+
+
+def test_the_search_keeps_fp16_hand_offs_within_the_links() -> None:
+    # At fp16 a LLaMA-30B prompt's KV is gigabytes: the 5 Gb/s links between instances bind, and every link the
+    # routed hand-offs cross must carry them at the planned rate.
+    options = replace(QUICK, kv_codec="fp16")
+    lower = LowerLevel(POOL, MODEL, options)
+    solution = lower.solve(start(0))
+    assert solution is not None
+    links = link_loads(POOL, solution.handoffs)
+    assert any(POOL.bandwidth[a][b] < 1e9 for a, b in {(a, b) for row in solution.handoffs for h in row
+                                                         for a, b, _ in h.transfers})
+    z = pair_shares(solution.routing)
+    rate, u = options.traffic.rate, options.utilization
+    loads = [sum(rate * z[i, j] * b for i, j, b in link.pairs) / link.bytes_per_s for link in links]
+    assert max(loads) <= u * (1 + 1e-6)
+    assert max(loads) == pytest.approx(u)  # some link binds: without its row the LP would send more over it
 
 
 def test_the_plan_is_deterministic_under_a_seed_and_valid() -> None:

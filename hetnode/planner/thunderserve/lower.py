@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from hetnode.planner.model import ModelSpec
 from hetnode.planner.thunderserve.deployment import Deployment, Group
 from hetnode.planner.thunderserve.gpus import GpuPool
-from hetnode.planner.thunderserve.orchestration import Routing, Solver, orchestrate
+from hetnode.planner.thunderserve.orchestration import LinkLoad, Routing, Solver, orchestrate
 from hetnode.planner.thunderserve.parallel import DECODE, PREFILL, Configured, configure, performance
 from hetnode.planner.thunderserve.settings import ThunderServeOptions
 from hetnode.planner.thunderserve.slo import Handoff, Slo, attainment, kv_handoff, slo_for
@@ -93,7 +93,8 @@ class LowerLevel:
                                    self.slo, traffic.output_len)
                         for j, (_, q) in enumerate(decode))
                   for i, (_, p) in enumerate(prefill))
-        routing = orchestrate(d, mu, nu, traffic.rate, self.options.utilization, self._lp)
+        routing = orchestrate(d, mu, nu, traffic.rate, self.options.utilization, self._lp,
+                              link_loads(self.pool, handoffs))
         score = (round(routing.attainment, 9), headroom)
         return Solution(dep, prefill, decode, d, handoffs, routing, score)
 
@@ -102,3 +103,15 @@ class LowerLevel:
         if key not in self._handoffs:
             self._handoffs[key] = kv_handoff(self.pool, prefill.layout, decode.layout, self.model, self.options)
         return self._handoffs[key]
+
+
+def link_loads(pool: GpuPool, handoffs: tuple[tuple[Handoff, ...], ...]) -> list[LinkLoad]:
+    """The directed links the hand-offs of pairs (i, j) cross, each with what every pair puts on it, for the
+    orchestration's capacity rows. A link is a GPU pair of the pool, as the cluster file states it and as the
+    simulator queues it (one FIFO per direction)."""
+    by_link: dict[tuple[int, int], list[tuple[int, int, float]]] = {}
+    for i, row in enumerate(handoffs):
+        for j, handoff in enumerate(row):
+            for a, b, nbytes in handoff.transfers:
+                by_link.setdefault((a, b), []).append((i, j, nbytes))
+    return [LinkLoad(pool.bandwidth[a][b], tuple(pairs)) for (a, b), pairs in sorted(by_link.items())]

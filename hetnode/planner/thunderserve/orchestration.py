@@ -8,15 +8,23 @@ Z_ij = X_i Y_ij the share of all requests routed through pair (i, j) and lambda 
     subject to  sum_ij Z_ij <= 1
                 lambda sum_j Z_ij <= u mu_i       for every prefill replica i (prompts/s it sustains)
                 lambda sum_i Z_ij <= u nu_j       for every decode replica j (requests/s it sustains)
+                lambda sum_ij b_ijl Z_ij <= u B_l  for every link l that KV hand-offs cross
                 Z_ij >= 0
 
-u (`utilization`, below 1) keeps every queue stable. A share the replicas cannot take is left unrouted and
-counts as missing its SLO, so the LP is always feasible and sum_ij D_ij Z_ij is the expected attainment of
-all requests. eps (far below any D) makes the LP route what it can even where no pair attains anything, so
-that X and Y are defined. X_i = sum_j Z_ij / sum Z and Y_ij = Z_ij / sum_j Z_ij; a prefill replica the LP
-leaves idle sends to its best pair. D is estimated once, at loads proportional to capacity (in all the rate, or
-u x capacity where that is less: what the LP can route; slo.py), which is what keeps this a linear program;
-Z is bilinear in X and Y, and any Z gives back X and Y, so the LP over Z is the TSTP with capacities added.
+b_ijl is the bytes one request's KV puts on link l when it goes from prefill replica i to decode replica j (at
+the codec that link uses) and B_l the link's bandwidth (bytes/s). Without these rows each pair's transfer is
+priced alone, in D_ij, as if its links were its own: at fp16 on 5 Gb/s links the LP then sent most requests
+through the few pairs whose single transfer looked cheapest, and those links queued for tens of seconds
+(docs/reproducing-thunderserve.md). A link is a directed GPU pair as the cluster file states it (`lower.link_loads`);
+a host's NIC shared by several GPU pairs is not a row, as the simulator queues each GPU pair apart.
+
+u (`utilization`, below 1) keeps every queue stable, links' included. A share the replicas and links cannot take is
+left unrouted and counts as missing its SLO, so the LP is always feasible and sum_ij D_ij Z_ij is the expected
+attainment of all requests. eps (far below any D) makes the LP route what it can even where no pair attains
+anything, so that X and Y are defined. X_i = sum_j Z_ij / sum Z and Y_ij = Z_ij / sum_j Z_ij; a prefill replica the
+LP leaves idle sends to its best pair. D is estimated once, at loads proportional to capacity (in all the rate, or u
+x capacity where that is less: what the LP can route; slo.py), which is what keeps this a linear program; Z is
+bilinear in X and Y, and any Z gives back X and Y, so the LP over Z is the TSTP with capacities added.
 Solved with HiGHS (the simplex, a few milliseconds).
 """
 
@@ -29,6 +37,14 @@ import highspy
 import numpy as np
 
 EPS = 1e-6
+
+
+@dataclass(frozen=True)
+class LinkLoad:
+    """One directed link that KV hand-offs cross: its bandwidth, and the bytes per request of each pair using it."""
+
+    bytes_per_s: float
+    pairs: tuple[tuple[int, int, float], ...]  # (i, j, bytes one request through pair (i, j) sends over it)
 
 
 @dataclass(frozen=True)
@@ -57,7 +73,8 @@ class Solver:
 
 
 def orchestrate(d: Sequence[Sequence[float]], prefill_caps: Sequence[float], decode_caps: Sequence[float],
-                rate: float, utilization: float, solver: Solver | None = None) -> Routing:
+                rate: float, utilization: float, solver: Solver | None = None,
+                links: Sequence[LinkLoad] = ()) -> Routing:
     m, n = len(prefill_caps), len(decode_caps)
     if m == 0 or n == 0:
         # One phase has no replica: nothing is served (a deployment the search moves away from).
@@ -69,12 +86,21 @@ def orchestrate(d: Sequence[Sequence[float]], prefill_caps: Sequence[float], dec
     lp.col_cost_ = np.array([d[i][j] + EPS for i in range(m) for j in range(n)], dtype=float)
     lp.col_lower_ = np.zeros(k)
     lp.col_upper_ = np.full(k, np.inf)
-    starts, index, lower, upper = [0], [], [], []
-    rows: list[tuple[list[int], float]] = [(list(range(k)), 1.0)]
-    rows += [([i * n + j for j in range(n)], utilization * prefill_caps[i] / rate) for i in range(m)]
-    rows += [([i * n + j for i in range(m)], utilization * decode_caps[j] / rate) for j in range(n)]
-    for cols, bound in rows:
+    starts, index, values, lower, upper = [0], [], [], [], []
+    rows: list[tuple[list[int], list[float], float]] = [(list(range(k)), [1.0] * k, 1.0)]
+    rows += [([i * n + j for j in range(n)], [1.0] * n, utilization * prefill_caps[i] / rate) for i in range(m)]
+    rows += [([i * n + j for i in range(m)], [1.0] * m, utilization * decode_caps[j] / rate) for j in range(n)]
+    for link in links:
+        # Seconds of the link each routed share takes per second of arrivals: sum of those <= u.
+        per_pair: dict[int, float] = {}
+        for i, j, nbytes in link.pairs:
+            per_pair[i * n + j] = per_pair.get(i * n + j, 0.0) + rate * nbytes / link.bytes_per_s
+        cols = sorted(c for c, v in per_pair.items() if v > 0)
+        if cols:
+            rows.append((cols, [per_pair[c] for c in cols], utilization))
+    for cols, coefficients, bound in rows:
         index += cols
+        values += coefficients
         starts.append(len(index))
         lower.append(-np.inf)
         upper.append(bound)
@@ -84,7 +110,7 @@ def orchestrate(d: Sequence[Sequence[float]], prefill_caps: Sequence[float], dec
     lp.a_matrix_.format_ = highspy.MatrixFormat.kRowwise
     lp.a_matrix_.start_ = np.array(starts, dtype=np.int32)
     lp.a_matrix_.index_ = np.array(index, dtype=np.int32)
-    lp.a_matrix_.value_ = np.ones(len(index))
+    lp.a_matrix_.value_ = np.array(values, dtype=float)
     lp.a_matrix_.num_col_ = k
     lp.a_matrix_.num_row_ = len(rows)
     lp.sense_ = highspy.ObjSense.kMaximize

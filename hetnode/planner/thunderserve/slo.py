@@ -65,6 +65,9 @@ def slo_for(model: ModelSpec, options: ThunderServeOptions) -> Slo:
 class Handoff:
     seconds: float  # the slowest stage pair's transfer (inf: some pair has no link)
     codecs: tuple[str, ...]  # the codec of each stage pair that shares layers, prefill stage order
+    # (from GPU, to GPU, bytes on the wire at that link's codec) of each stage pair whose KV crosses a link: what
+    # the orchestration's link-capacity rows charge one request for
+    transfers: tuple[tuple[int, int, float], ...] = ()
 
 
 def kv_handoff(pool: GpuPool, prefill: Layout, decode: Layout, model: ModelSpec,
@@ -75,6 +78,7 @@ def kv_handoff(pool: GpuPool, prefill: Layout, decode: Layout, model: ModelSpec,
     names = sorted(set(AUTO_CODECS) | ({options.kv_codec} - {"auto"}))
     slowest = 0.0
     codecs: list[str] = []
+    transfers: list[tuple[int, int, float]] = []
     for p in prefill.stages:
         for d in decode.stages:
             shared = min(p.last_layer, d.last_layer) - max(p.first_layer, d.first_layer)
@@ -91,8 +95,9 @@ def kv_handoff(pool: GpuPool, prefill: Layout, decode: Layout, model: ModelSpec,
             options_ = [CodecOption(n, sizes[n], options.codec_rate, options.codec_rate) for n in names]
             choice = policy.choose(sizes["fp16"], options_, LinkEstimate(bw, pool.latency[a][b]))
             codecs.append(choice.codec)
+            transfers.append((a, b, float(choice.wire_bytes)))
             slowest = max(slowest, choice.seconds)
-    return Handoff(slowest, tuple(codecs))
+    return Handoff(slowest, tuple(codecs), tuple(transfers))
 
 
 def decode_tpot(perf: Performance, rate: float, output_len: float) -> float:
