@@ -66,7 +66,7 @@ def figures(summary: dict[str, Any]) -> dict[str, float]:
 
 
 def run(data: Path, like: str, seed: int, lengths: str | None = None,
-        offline_more: dict[str, Any] | None = None) -> dict[str, dict[str, float]]:
+        offline_more: dict[str, Any] | None = None, delay_s: float | None = None) -> dict[str, dict[str, float]]:
     plan_path = data / PLAN_FILE
     try:
         plan = PlacementPlan.from_json(json.loads(plan_path.read_text()))
@@ -82,6 +82,8 @@ def run(data: Path, like: str, seed: int, lengths: str | None = None,
         options = options_like(like, offline=is_offline, **((offline_more or {}) if is_offline else {}))
         if is_offline and lengths is not None:
             options = replace(options, offline_loop=replace(options.offline_loop or OfflineLoop(), lengths=lengths))
+        if is_offline and delay_s is not None:
+            options = replace(options, offline_loop=replace(options.offline_loop or OfflineLoop(), delay_s=delay_s))
         if is_offline:
             workload, duration, warmup = offline(trace), 660.0, 60.0
         else:
@@ -103,6 +105,9 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--offline-lengths", choices=LENGTHS, default=None,
                    help="offline: the trace's requests in order, or drawn at random (default: the settings')")
+    p.add_argument("--offline-delay", type=float, default=None, metavar="S",
+                   help="offline: seconds from the event that adds a request to its arrival, and between the first "
+                        "ones (Helix's feeder: 0.1; default: the settings')")
     p.add_argument("--offline-option", action="append", default=[], metavar="FIELD=JSON",
                    help="offline: also set this SimOptions field (a JSON value), e.g. queue_limit=0")
     p.add_argument("--json", type=Path, default=None, help="also write the figures here")
@@ -115,7 +120,7 @@ def main() -> int:
     except ValueError as exc:
         p.error(f"--offline-option takes FIELD=JSON: {exc}")
     try:
-        ours = run(args.data, args.like, args.seed, args.offline_lengths, more)
+        ours = run(args.data, args.like, args.seed, args.offline_lengths, more, args.offline_delay)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -131,6 +136,7 @@ def main() -> int:
         print(f"{mode:<8} {name:<30} {ref:>8.2f} {value:>8.2f} {ratio:>7.2f} {'' if ok else '  outside 5%'}")
     print(f"{len(REFERENCE) - misses} of {len(REFERENCE)} within {TOLERANCE:.0%} (settings: {args.like}"
           f"{'' if args.offline_lengths is None else ', offline lengths ' + args.offline_lengths}"
+          f"{'' if args.offline_delay is None else f', offline delay {args.offline_delay:g} s'}"
           f"{''.join(', offline ' + o for o in args.offline_option)})")
     if args.json:
         args.json.write_text(json.dumps({"like": args.like, "rows": rows}, indent=2) + "\n")

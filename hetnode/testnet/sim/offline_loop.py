@@ -54,6 +54,10 @@ class OfflineLoop:
     measure: str = "layer"
     # "order": the workload's requests in order, cycling; "drawn": each one drawn at random (Helix's sampler)
     lengths: str = "order"
+    # Seconds from the event that adds a request to its arrival, and between the first `start` requests (0:
+    # at once, all at time 0). Helix's feeder issues each new query 0.1 s after its trigger and its first ones
+    # 0.1 s apart (`OfflineRequestFeeder.auto_simulate`, `check_launch_new_query`).
+    delay_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.start < 1:
@@ -64,6 +68,8 @@ class OfflineLoop:
             raise ValueError(f"every must be one of {', '.join(TRIGGERS)}, not {self.every!r}")
         if self.measure not in MEASURES:
             raise ValueError(f"measure must be one of {', '.join(MEASURES)}, not {self.measure!r}")
+        if not 0 <= self.delay_s < 60:
+            raise ValueError(f"the offline loop's delay must be in [0, 60) s, not {self.delay_s}")
         if self.lengths not in LENGTHS:
             raise ValueError(f"lengths must be one of {', '.join(LENGTHS)}, not {self.lengths!r}")
 
