@@ -7,14 +7,15 @@ warm-up, 600 s measured) and online (about 0.72 requests/s for 1,800 s from Heli
 `workload.sampled`: 3 s bins of the trace's rate and its requests' lengths drawn at random), and
 prints each figure beside the one Helix's simulator reports for the same setup (the data folder's README), with
 their ratio and whether it is within the tolerance (5%). `--like hetnode` runs the simulator's own defaults
-instead, for comparison. `--offline-lengths drawn` has the offline loop draw each request's lengths at random from
-the trace, as Helix's feeder does, instead of taking the trace's requests in order (docs/simulator.md measures
-both). `--offline-option FIELD=JSON` sets one more `SimOptions` field for the offline run (e.g. `queue_limit=0`:
-the scheduler refuses what it cannot place now, as Helix's offline scheduler drops it), for measuring one
-difference at a time.
+instead, for comparison. `--offline-lengths order|drawn` and `--offline-delay S` override the offline loop's
+lengths (the trace's requests in order, or drawn at random as Helix's feeder draws them) and its delay (Helix's
+feeder issues each request 0.1 s after the event that adds it); "helix" has both of Helix's (docs/simulator.md
+measures each). `--offline-option FIELD=JSON` sets one more `SimOptions` field for the offline run (e.g.
+`queue_limit=0`: the scheduler refuses what it cannot place now, as Helix's offline scheduler drops it), for
+measuring one difference at a time.
 
     .venv/bin/python scripts/validate_sim_helix.py [--data ../shared/data/helix-profiles] [--json OUT]
-        [--offline-lengths order|drawn] [--offline-option FIELD=JSON ...]
+        [--seed S] [--offline-lengths order|drawn] [--offline-delay S] [--offline-option FIELD=JSON ...]
 """
 
 from __future__ import annotations

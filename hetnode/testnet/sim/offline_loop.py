@@ -26,6 +26,10 @@ trace's pairs, seeded with the run's seed). The two differ where the trace's fir
 whole: the conversation trace's first 800 have a mean output of 272 tokens, the whole trace 232
 (docs/simulator.md measures what that moves).
 
+When: `delay_s` is how long after the event that adds it a request arrives, and the spacing of the first `start`
+ones; Helix's feeder issues each query 0.1 s after its trigger and its first ones 0.1 s apart (0: at once). With
+drawn lengths it is what brings the offline figures to Helix's (docs/simulator.md).
+
 Pure: `admits` decides from numbers, `index` picks the next request; the runner asks them and starts the
 requests.
 """
