@@ -171,6 +171,12 @@ def test_the_helix_loop_starts_its_requests_a_delay_after_what_adds_them() -> No
         assert min(abs(r.arrival - 0.1 - t) for t in events) < 1e-9
 
 
+def test_a_delayed_loop_adds_one_request_per_event_even_when_every_finish_may_add_many() -> None:
+    options = options_like("helix", offline=True, offline_loop=OfflineLoop(every="finish", delay_s=0.1))
+    requests = _run(options)["requests"]
+    assert isinstance(requests, dict) and requests["arrived"] > 20
+
+
 def test_helix_offline_loop_keeps_the_estimate_under_its_bound_and_queues_nothing() -> None:
     summary = _run(options_like("helix", offline=True))
     requests = summary["requests"]

@@ -414,9 +414,11 @@ def _kv_bound_loop(sim: Simulation, coord: SimCoordinator, sched: Scheduler, wor
         counter[0] += 1
         j = loop.index(i, n, rng)
         r = SimRequest(i, now, workload.inputs[j], workload.outputs[j])
-        if later >= 0:  # it reaches the scheduler later: whether that one queues is not known yet
+        if later >= 0:
+            # It reaches the scheduler later, so the estimate cannot tell yet whether another fits: one per
+            # event (Helix's feeder adds one per event too; "finish" would otherwise add without end).
             sim.events.push(now + loop.delay_s, later, r)
-            return True
+            return False
         coord.arrive(r, now)
         return not coord.waiting and not r.rejected
 
