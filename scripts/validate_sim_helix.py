@@ -7,14 +7,15 @@ warm-up, 600 s measured) and online (about 0.72 requests/s for 1,800 s from Heli
 `workload.sampled`: 3 s bins of the trace's rate and its requests' lengths drawn at random), and
 prints each figure beside the one Helix's simulator reports for the same setup (the data folder's README), with
 their ratio and whether it is within the tolerance (5%). `--like hetnode` runs the simulator's own defaults
-instead, for comparison. `--offline-lengths drawn` has the offline loop draw each request's lengths at random from
-the trace, as Helix's feeder does, instead of taking the trace's requests in order (docs/simulator.md measures
-both). `--offline-option FIELD=JSON` sets one more `SimOptions` field for the offline run (e.g. `queue_limit=0`:
-the scheduler refuses what it cannot place now, as Helix's offline scheduler drops it), for measuring one
-difference at a time.
+instead, for comparison. `--offline-lengths order|drawn` and `--offline-delay S` override the offline loop's
+lengths (the trace's requests in order, or drawn at random as Helix's feeder draws them) and its delay (Helix's
+feeder issues each request 0.1 s after the event that adds it); "helix" has both of Helix's (docs/simulator.md
+measures each). `--offline-option FIELD=JSON` sets one more `SimOptions` field for the offline run (e.g.
+`queue_limit=0`: the scheduler refuses what it cannot place now, as Helix's offline scheduler drops it), for
+measuring one difference at a time.
 
     .venv/bin/python scripts/validate_sim_helix.py [--data ../shared/data/helix-profiles] [--json OUT]
-        [--offline-lengths order|drawn] [--offline-option FIELD=JSON ...]
+        [--seed S] [--offline-lengths order|drawn] [--offline-delay S] [--offline-option FIELD=JSON ...]
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ def figures(summary: dict[str, Any]) -> dict[str, float]:
 
 
 def run(data: Path, like: str, seed: int, lengths: str | None = None,
-        offline_more: dict[str, Any] | None = None) -> dict[str, dict[str, float]]:
+        offline_more: dict[str, Any] | None = None, delay_s: float | None = None) -> dict[str, dict[str, float]]:
     plan_path = data / PLAN_FILE
     try:
         plan = PlacementPlan.from_json(json.loads(plan_path.read_text()))
@@ -82,6 +83,8 @@ def run(data: Path, like: str, seed: int, lengths: str | None = None,
         options = options_like(like, offline=is_offline, **((offline_more or {}) if is_offline else {}))
         if is_offline and lengths is not None:
             options = replace(options, offline_loop=replace(options.offline_loop or OfflineLoop(), lengths=lengths))
+        if is_offline and delay_s is not None:
+            options = replace(options, offline_loop=replace(options.offline_loop or OfflineLoop(), delay_s=delay_s))
         if is_offline:
             workload, duration, warmup = offline(trace), 660.0, 60.0
         else:
@@ -103,6 +106,9 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--offline-lengths", choices=LENGTHS, default=None,
                    help="offline: the trace's requests in order, or drawn at random (default: the settings')")
+    p.add_argument("--offline-delay", type=float, default=None, metavar="S",
+                   help="offline: seconds from the event that adds a request to its arrival, and between the first "
+                        "ones (Helix's feeder: 0.1; default: the settings')")
     p.add_argument("--offline-option", action="append", default=[], metavar="FIELD=JSON",
                    help="offline: also set this SimOptions field (a JSON value), e.g. queue_limit=0")
     p.add_argument("--json", type=Path, default=None, help="also write the figures here")
@@ -115,7 +121,7 @@ def main() -> int:
     except ValueError as exc:
         p.error(f"--offline-option takes FIELD=JSON: {exc}")
     try:
-        ours = run(args.data, args.like, args.seed, args.offline_lengths, more)
+        ours = run(args.data, args.like, args.seed, args.offline_lengths, more, args.offline_delay)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -131,6 +137,7 @@ def main() -> int:
         print(f"{mode:<8} {name:<30} {ref:>8.2f} {value:>8.2f} {ratio:>7.2f} {'' if ok else '  outside 5%'}")
     print(f"{len(REFERENCE) - misses} of {len(REFERENCE)} within {TOLERANCE:.0%} (settings: {args.like}"
           f"{'' if args.offline_lengths is None else ', offline lengths ' + args.offline_lengths}"
+          f"{'' if args.offline_delay is None else f', offline delay {args.offline_delay:g} s'}"
           f"{''.join(', offline ' + o for o in args.offline_option)})")
     if args.json:
         args.json.write_text(json.dumps({"like": args.like, "rows": rows}, indent=2) + "\n")

@@ -6,6 +6,7 @@ import json
 import random
 from itertools import pairwise
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -51,7 +52,8 @@ def test_like_helix_is_exactly_its_named_settings() -> None:
     explicit = SimOptions(kv_pool="measured", step_caps=True, max_batch_tokens=1 << 30, link_messages="item",
                           solo_decode_factor=2.0, first_layer_copy_s=7.4e-6, output_len=240.0, learn_output=False,
                           high_water=0.85, output_ratio=1.0,
-                          offline_loop=OfflineLoop(start=20, kv_use=0.8, every="prompt_or_end", measure="layer"))
+                          offline_loop=OfflineLoop(start=20, kv_use=0.8, every="prompt_or_end", measure="layer",
+                                                   lengths="drawn", delay_s=0.1))
     assert options_like("helix", offline=True) == explicit
     # The same run either way, and not the default's.
     assert _run(options_like("helix", offline=True)) == _run(explicit)
@@ -113,7 +115,7 @@ def test_prompt_or_end_adds_fewer_requests_than_every_token() -> None:
 
 
 @pytest.mark.parametrize("bad", [{"start": 0}, {"kv_use": 0.0}, {"kv_use": 1.5}, {"every": "step"},
-                                 {"measure": "mean"}, {"lengths": "shuffled"}])
+                                 {"measure": "mean"}, {"lengths": "shuffled"}, {"delay_s": -0.1}])
 def test_offline_loop_refuses_bad_settings(bad: dict[str, object]) -> None:
     with pytest.raises(ValueError):
         OfflineLoop(**bad)  # type: ignore[arg-type]
@@ -145,6 +147,34 @@ def test_the_helix_loop_runs_the_workload_in_order_or_drawn_with_the_runs_seed()
     rng = random.Random(3)
     assert len(drawn) > 20 and drawn == [100 + rng.randrange(40) for _ in drawn]
     assert drawn != in_order[:len(drawn)]
+
+
+def _arrivals(delay_s: float) -> list[Any]:
+    wl = Workload(name="short", inputs=tuple(range(100, 140)), outputs=(6,) * 40, offline=True)
+    cluster = load_cluster(CLUSTER)
+    model = model_spec("llama-70b")
+    options = options_like("helix", offline=True, offline_loop=OfflineLoop(delay_s=delay_s))
+    result = simulate(cluster, model, profile_table_for(cluster, model, "helix"), _plan(), workload=wl,
+                      duration_s=20.0, warmup_s=1.0, options=options)
+    return sorted(result.requests, key=lambda r: int(r.id[1:]))
+
+
+def test_the_helix_loop_starts_its_requests_a_delay_after_what_adds_them() -> None:
+    at_once = _arrivals(0.0)
+    assert [r.arrival for r in at_once[:20]] == [0.0] * 20
+    later = _arrivals(0.1)
+    assert len(later) > 30
+    # Helix's feeder: the first ones 0.1 s apart, each later one 0.1 s after a prompt's end or a request's end.
+    assert [r.arrival for r in later[:20]] == pytest.approx([0.1 * k for k in range(20)])
+    events = [t for r in later for t in (r.first_token, r.finish) if t == t]  # NaN: not reached
+    for r in later[20:]:
+        assert min(abs(r.arrival - 0.1 - t) for t in events) < 1e-9
+
+
+def test_a_delayed_loop_adds_one_request_per_event_even_when_every_finish_may_add_many() -> None:
+    options = options_like("helix", offline=True, offline_loop=OfflineLoop(every="finish", delay_s=0.1))
+    requests = _run(options)["requests"]
+    assert isinstance(requests, dict) and requests["arrived"] > 20
 
 
 def test_helix_offline_loop_keeps_the_estimate_under_its_bound_and_queues_nothing() -> None:

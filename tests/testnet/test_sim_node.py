@@ -45,6 +45,44 @@ def test_mixed_step_is_prefill_plus_decode() -> None:
     assert n.prompt_tokens == 100 and n.tokens == 101 and n.steps == 1
 
 
+def test_helixs_solo_decode_factor_also_prices_one_decode_beside_a_prompt() -> None:
+    def mixed(beside: bool) -> float:
+        n = SimNode(0, "n", "a100", PROFILE, 0, 2, kv_capacity_tokens=1 << 20, block_size=16, max_batch_tokens=8192,
+                    window=WINDOW, bin_s=10.0, solo_decode_factor=2.0, solo_beside_prompts=beside)
+        n.slot(0, 2)
+        n.queue = [Item("p", 100, pf=True), Item("d", 1, pf=False, start=50)]
+        return n.form_batch(0.0)
+
+    plain = PROFILE.prefill_time(100, 2) + PROFILE.decode_time(1, 2, 51)
+    assert mixed(False) == plain  # the factor only prices a decode item alone
+    # Helix's ModelLayer doubles the decode part of every layer whose batch has exactly one decode item.
+    assert mixed(True) == pytest.approx(plain + 2 * interpolate(PROFILE.decode_curve, 1), rel=1e-12)
+
+
+@pytest.mark.parametrize("beside", [False, True])
+def test_one_decode_alone_costs_the_solo_factor_once_either_way(beside: bool) -> None:
+    n = SimNode(0, "n", "a100", PROFILE, 0, 2, kv_capacity_tokens=1 << 20, block_size=16, max_batch_tokens=8192,
+                window=WINDOW, bin_s=10.0, solo_decode_factor=2.0, solo_beside_prompts=beside)
+    n.slot(0, 2)
+    n.queue = [Item("d", 1, pf=False, start=50)]
+    assert n.form_batch(0.0) == pytest.approx(2.0 * PROFILE.decode_time(1, 2, 51), rel=1e-12)
+
+
+def test_the_input_copy_is_charged_on_layer_0_or_at_every_nodes_first_layer() -> None:
+    def step(first: int, every: bool) -> float:
+        n = SimNode(0, "n", "a100", PROFILE, first, first + 2, kv_capacity_tokens=1 << 20, block_size=16,
+                    max_batch_tokens=8192, window=WINDOW, bin_s=10.0, first_layer_copy_s=1e-3, copy_every_node=every)
+        n.slot(first, first + 2)
+        n.queue = [Item("p", 100, pf=True), Item("d", 1, pf=False, start=50)]
+        return n.form_batch(0.0)
+
+    compute = PROFILE.prefill_time(100, 2) + PROFILE.decode_time(1, 2, 51)
+    assert step(0, False) == pytest.approx(compute + 101e-3, rel=1e-12)
+    assert step(10, False) == compute  # a later stage copies nothing unless every node does
+    # Helix's ComputeNode adds the copy of what it received at its own first layer, on every node.
+    assert step(10, True) == pytest.approx(compute + 101e-3, rel=1e-12)
+
+
 def _batched(prompt: int, decodes: int, context: int) -> float:
     """One layer of a mixed step run as one pass (mixed_steps="batched")."""
     return (max(interpolate(PROFILE.prompt_curve, prompt + decodes), interpolate(PROFILE.decode_curve, decodes))

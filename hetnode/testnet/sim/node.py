@@ -114,6 +114,7 @@ class SimNode:
         "segments",
         "single",
         "single_len",
+        "solo_beside",
         "solo_factor",
         "steps",
         "tokens",
@@ -128,6 +129,7 @@ class SimNode:
                  window: tuple[float, float], bin_s: float, mixed_steps: str = "sum",
                  min_chunk: int = MIN_CHUNK, admit_oversized: bool = False, max_prompts: int | None = None,
                  max_decodes: int | None = None, solo_decode_factor: float = 1.0, first_layer_copy_s: float = 0.0,
+                 solo_beside_prompts: bool = False, copy_every_node: bool = False,
                  policy: Callable[[KVLedger, BatchConfig], BatchPolicy] = BatchPolicy) -> None:
         if not 0 <= first_layer <= last_layer:
             raise ValueError(f"node {name}: bad layer range [{first_layer}, {last_layer})")
@@ -154,11 +156,16 @@ class SimNode:
                                                       max_decodes=max_decodes))
         # Costs outside the per-layer tables that Helix's simulator charges (1.0 and 0.0 charge nothing): a decode
         # step of one item costs `solo_factor` times the table's, and the node holding layer 0 copies each token
-        # of a step in for `copy_s` seconds (its host-to-device input).
+        # of a step in for `copy_s` seconds (its host-to-device input). Helix's artifact charges both more widely
+        # than that reading: `ModelLayer.get_inference_statistics` doubles the decode part of any layer's batch
+        # with exactly one decode item, a prompt beside it or not (`solo_beside_prompts`), and
+        # `ComputeNode.get_inference_statistics` adds the copy at each node's own first layer, every node
+        # copying the input it received (`copy_every_node`).
         if not solo_decode_factor > 0 or not first_layer_copy_s >= 0:
             raise ValueError(f"node {name}: solo_decode_factor must be > 0 and first_layer_copy_s >= 0")
         self.solo_factor = solo_decode_factor
-        self.copy_s = first_layer_copy_s if first_layer == 0 else 0.0
+        self.solo_beside = solo_beside_prompts
+        self.copy_s = first_layer_copy_s if first_layer == 0 or copy_every_node else 0.0
         # (request, reason, cause) refused or preempted, for the coordinator's lifecycle policy
         self.failed: list[tuple[Any, str, Cause]] = []
         self.kv_pending = 0  # queued items waiting for KV (their kv_since is set)
@@ -291,7 +298,7 @@ class SimNode:
                 dur = self._cost(b - a, ptok, n - len(prompts), batch, prompts)
             else:
                 dur = self._segmented(batch, slots)
-        if n == 1 and not ptok:
+        if n == 1 and not ptok and not self.solo_beside:  # solo_beside: _cost priced the one decode already
             dur *= self.solo_factor
         dur += self.copy_s * step.tokens
         self._account(now, dur, n, step.tokens, ptok)
@@ -324,7 +331,10 @@ class SimNode:
         dur = layers * self.prefill_per_layer(ptok) if ptok else 0.0
         if decodes:
             context = sum(map(_POS, batch)) - sum(map(_POS, prompts)) + decodes
-            dur += layers * (self.decode_per_layer(decodes) + self.context_s * context)
+            d = self.decode_per_layer(decodes)
+            if decodes == 1 and self.solo_beside:
+                d *= self.solo_factor
+            dur += layers * (d + self.context_s * context)
         return dur
 
     def _batched(self, ptok: int, decodes: int, context: int) -> float:
@@ -364,7 +374,10 @@ class SimNode:
             if p:
                 dur += length * self.prefill_per_layer(p)
             if d:
-                dur += length * (self.decode_per_layer(d) + ctx_s * c)
+                t = self.decode_per_layer(d)
+                if d == 1 and self.solo_beside:
+                    t *= self.solo_factor
+                dur += length * (t + ctx_s * c)
         return dur
 
     def _account(self, now: float, dur: float, items: int, tokens: int, prompt_tokens: int) -> None:

@@ -26,6 +26,10 @@ trace's pairs, seeded with the run's seed). The two differ where the trace's fir
 whole: the conversation trace's first 800 have a mean output of 272 tokens, the whole trace 232
 (docs/simulator.md measures what that moves).
 
+When: `delay_s` is how long after the event that adds it a request arrives, and the spacing of the first `start`
+ones; Helix's feeder issues each query 0.1 s after its trigger and its first ones 0.1 s apart (0: at once). With
+drawn lengths it is what brings the offline figures to Helix's (docs/simulator.md).
+
 Pure: `admits` decides from numbers, `index` picks the next request; the runner asks them and starts the
 requests.
 """
@@ -54,6 +58,10 @@ class OfflineLoop:
     measure: str = "layer"
     # "order": the workload's requests in order, cycling; "drawn": each one drawn at random (Helix's sampler)
     lengths: str = "order"
+    # Seconds from the event that adds a request to its arrival, and between the first `start` requests (0:
+    # at once, all at time 0). Helix's feeder issues each new query 0.1 s after its trigger and its first ones
+    # 0.1 s apart (`OfflineRequestFeeder.auto_simulate`, `check_launch_new_query`).
+    delay_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.start < 1:
@@ -64,6 +72,8 @@ class OfflineLoop:
             raise ValueError(f"every must be one of {', '.join(TRIGGERS)}, not {self.every!r}")
         if self.measure not in MEASURES:
             raise ValueError(f"measure must be one of {', '.join(MEASURES)}, not {self.measure!r}")
+        if not 0 <= self.delay_s < 60:
+            raise ValueError(f"the offline loop's delay must be in [0, 60) s, not {self.delay_s}")
         if self.lengths not in LENGTHS:
             raise ValueError(f"lengths must be one of {', '.join(LENGTHS)}, not {self.lengths!r}")
 

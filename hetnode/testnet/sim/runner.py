@@ -122,6 +122,11 @@ class SimOptions:
     # times the table's, and the node holding layer 0 spends this long per token copying its input in.
     solo_decode_factor: float = 1.0
     first_layer_copy_s: float = 0.0
+    # Where Helix's artifact charges them (node.py): the factor on the decode part of any step with exactly one
+    # decode item, prompts beside it or not (off: only a step of one decode item alone), and the copy on every
+    # node's first layer for the input it received (off: only the node holding the model's layer 0).
+    solo_beside_prompts: bool = False
+    copy_every_node: bool = False
 
     def __post_init__(self) -> None:
         if (self.max_batch_tokens < 1 or self.block_size < 1 or self.drain_s < 0
@@ -240,6 +245,7 @@ def simulate(cluster: ClusterSpec, model: ModelSpec, profiles: ProfileTable, pla
                              max_prompts=caps.max_prompts if caps else None,
                              max_decodes=caps.max_decodes if caps else None,
                              solo_decode_factor=opts.solo_decode_factor, first_layer_copy_s=opts.first_layer_copy_s,
+                             solo_beside_prompts=opts.solo_beside_prompts, copy_every_node=opts.copy_every_node,
                              policy=batch_policy_for(opts.batching, opts.prompt_tokens)))
     unknown = set(ranges) - {n.name for n in nodes}
     if unknown:
@@ -271,7 +277,7 @@ def simulate(cluster: ClusterSpec, model: ModelSpec, profiles: ProfileTable, pla
 
     inputs, outputs = workload.inputs, workload.outputs
     if workload.offline and opts.offline_loop is not None:
-        _kv_bound_loop(coord, sched, workload, duration_s, opts.offline_loop, ranges, seed)
+        _kv_bound_loop(sim, coord, sched, workload, duration_s, opts.offline_loop, ranges, seed)
     elif workload.offline:
         _closed_loop(coord, workload, duration_s, _auto_inflight(workload, kv_capacity))
     else:
@@ -307,7 +313,8 @@ def simulate(cluster: ClusterSpec, model: ModelSpec, profiles: ProfileTable, pla
         when = {"token": "token", "finish": "finish", "prompt_or_end": "prompt's end and request's end"}[loop.every]
         description = (f"offline, Helix's loop: {loop.start} requests, then one per {when} while the "
                        f"estimated KV use ({loop.measure}) <= {loop.kv_use:g}; lengths from {workload.name}"
-                       f"{', drawn at random' if loop.lengths == 'drawn' else ', in order'}")
+                       f"{', drawn at random' if loop.lengths == 'drawn' else ', in order'}"
+                       f"{f', each {loop.delay_s:g} s after what adds it' if loop.delay_s else ''}")
     config = {
         "cluster": cluster.name, "model": model.name, "method": plan.method, "plan_max_flow": plan.max_flow,
         "plan_size": plan.size,
@@ -381,11 +388,12 @@ def _closed_loop(coord: SimCoordinator, workload: Workload, duration_s: float, m
     top_up(0.0)
 
 
-def _kv_bound_loop(coord: SimCoordinator, sched: Scheduler, workload: Workload, duration_s: float,
-                   loop: OfflineLoop, ranges: Mapping[str, tuple[int, int]], seed: int) -> None:
-    """Helix's offline loop (offline_loop.py): `loop.start` requests at 0, then at each token (or finish, or
-    a prompt's end and a request's) new ones while the scheduler's KV estimate allows; it stops at one the
-    scheduler had to queue. Its requests are the workload's in order, or drawn at random (`loop.lengths`)."""
+def _kv_bound_loop(sim: Simulation, coord: SimCoordinator, sched: Scheduler, workload: Workload,
+                   duration_s: float, loop: OfflineLoop, ranges: Mapping[str, tuple[int, int]], seed: int) -> None:
+    """Helix's offline loop (offline_loop.py): `loop.start` requests at 0 (or `loop.delay_s` apart), then at
+    each token (or finish, or a prompt's end and a request's) new ones while the scheduler's KV estimate allows,
+    each arriving `loop.delay_s` after the event that adds it; it stops at one the scheduler had to queue. Its
+    requests are the workload's in order, or drawn at random (`loop.lengths`)."""
     estimate = getattr(sched, "kv_estimate", None)
     if estimate is None:
         raise ConfigError(f"Helix's offline loop reads the scheduler's KV estimate; {type(sched).__name__} has none")
@@ -395,11 +403,22 @@ def _kv_bound_loop(coord: SimCoordinator, sched: Scheduler, workload: Workload, 
     names = list(estimate())
     layers = [ranges[name] for name in names] if loop.measure == "layer" else None
 
+    def arrive(now: float, r: SimRequest, _: Any) -> None:
+        r.arrival = now
+        coord.arrive(r, now)
+
+    later = sim.register(arrive) if loop.delay_s > 0 else -1
+
     def start(now: float) -> bool:
         i = counter[0]
         counter[0] += 1
         j = loop.index(i, n, rng)
         r = SimRequest(i, now, workload.inputs[j], workload.outputs[j])
+        if later >= 0:
+            # It reaches the scheduler later, so the estimate cannot tell yet whether another fits: one per
+            # event (Helix's feeder adds one per event too; "finish" would otherwise add without end).
+            sim.events.push(now + loop.delay_s, later, r)
+            return False
         coord.arrive(r, now)
         return not coord.waiting and not r.rejected
 
@@ -420,8 +439,12 @@ def _kv_bound_loop(coord: SimCoordinator, sched: Scheduler, workload: Workload, 
         coord.on_finish = top_up
     if loop.on_prompt:
         coord.on_first = top_up
-    for _ in range(loop.start):
-        start(0.0)
+    for k in range(loop.start):
+        if later >= 0:
+            # Helix issues its first requests `delay_s` apart from the start, not `delay_s` after it
+            start(k * loop.delay_s - loop.delay_s)
+        else:
+            start(0.0)
 
 
 # -- results ----------------------------------------------------------------------------------------------
