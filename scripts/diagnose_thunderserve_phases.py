@@ -7,7 +7,9 @@ LP; decode: requests/s at its batch, nu_j; and the decode batch it assumes) besi
 for it in a saturating (offline) run: the requests the replica served per second (the run's throughput in
 the orchestration's shares) divided by the busy share of
 its busiest stage (a replica whose busiest stage is busy b of the time while serving r requests/s sustains
-r / b), and the decode stages' mean and largest batch.
+r / b), the decode stages' mean and largest batch, and how long a decode replica's KV holds a request (the
+planner: output_len x TPOT; the simulator: admission to last token, as the scheduler books it), each node's
+busy share and KV use, and the busiest links.
 
     .venv/bin/python scripts/diagnose_thunderserve_phases.py [--duration 120] [--traffic code conv]
 """
@@ -15,6 +17,8 @@ r / b), and the decode stages' mean and largest batch.
 from __future__ import annotations
 
 import argparse
+import math
+import statistics
 import sys
 from collections import Counter
 from pathlib import Path
@@ -54,8 +58,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n{traffic}: planned for {opts.traffic}")
         print(f"{traffic}: {result.summary['request_throughput']:.2f} requests/s offline "
               f"({args.duration:.0f} s, warm-up {lab.warmup_s:.0f} s)")
+        done = [q for q in result.requests if q.measured and q.finished and math.isfinite(q.admitted)]
+        # A decode replica's KV holds a request from its admission (the scheduler books both replicas then) to
+        # its last token; the planner's nu_j counts only the decode (output_len x TPOT at its batch).
+        held = statistics.fmean(q.finish - q.admitted for q in done) if done else math.nan
         print(f"{'replica':10} {'stages':>6} {'planner /s':>10} {'batch':>6}   {'sim served /s':>13} "
-              f"{'busiest':>8} {'sim sustains /s':>15} {'sim/planner':>11} {'sim batch mean/max':>18}")
+              f"{'busiest':>8} {'sim sustains /s':>15} {'sim/planner':>11} {'sim batch mean/max':>18} "
+              f"{'KV held s planner/sim':>22}")
         counts = Counter[str]()
         for r in plan.replicas:
             k = counts[r.role]
@@ -74,9 +83,10 @@ def main(argv: list[str] | None = None) -> int:
             sustains = rate / busiest if busiest > 0 else float("nan")
             batch = (f"{max(stats[n].mean_batch for n in leads):.1f}/{max(stats[n].max_batch for n in leads)}"
                      if r.role == "decode" else "")
+            kv_held = (f"{perf.tpot[-1][1] * opts.traffic.output_len:.1f}/{held:.1f}" if r.role == "decode" else "")
             print(f"{r.role[0]}{k:<9} {len(cells):>6} {est:>10.2f} "
                   f"{perf.max_batch if r.role == 'decode' else '':>6}   {rate:>13.2f} {busiest:>8.0%} "
-                  f"{sustains:>15.2f} {sustains / est if est else float('nan'):>11.2f} {batch:>18}")
+                  f"{sustains:>15.2f} {sustains / est if est else float('nan'):>11.2f} {batch:>18} {kv_held:>22}")
         print("busy: " + ", ".join(f"{n.name} [{n.first_layer},{n.last_layer}) {n.utilization:.0%} "
                                    f"batch {n.mean_batch:.1f}, KV mean {n.kv_mean:.0%} peak {n.kv_peak:.0%}"
                                    for n in result.nodes))
