@@ -2,12 +2,15 @@
 """ThunderServe (MLSys'25) §5.2-§5.4 in simulation: the ratios the paper states, ours beside them.
 
 What runs: LLaMA-30B, the roofline profiles of the papers' GPU tables (`profile_table_for(..., "roofline")`; no
-measured profile covers the A6000, A5000 or 3090Ti), the Azure code and conversation traces (lengths drawn from
-them, Poisson arrivals, `hetnode.testnet.sim.poisson`), the runtime's planners and the simulator
-(`hetnode.testnet.sim.simulate`; a tensor-parallel stage runs as one node of its GPUs, `sim/tp_stages.py`).
+measured profile covers the A6000, A5000 or 3090Ti), the whole Azure code and conversation traces (lengths drawn
+from them, Poisson arrivals, `hetnode.testnet.sim.poisson`; no Helix length filter: ThunderServe's means are the
+whole traces', 2048 and 1155 prompt tokens), the runtime's planners and the simulator
+(`hetnode.testnet.sim.simulate`; a tensor-parallel stage runs as one node of its GPUs with its all-reduces
+charged as the planner prices them, `sim/tp_stages.py`).
 
 - ThunderServe: `plan_placement(method="thunderserve")` on thunderserve-cloud-gpus (32 GPUs, §5.1), planned for
-  the traffic's mean lengths at PLAN_RATE requests/s, routed by its orchestration (see "Routing" below).
+  the mean lengths of the trace it is simulated on at PLAN_RATE requests/s (`trace_traffic`), routed by its
+  orchestration (see "Routing" below).
 - HexGen-like baseline (no phase split): the `sp` planner on thunderserve-cloud (the same 32 GPUs, one node per
   instance, so tensor parallel inside an instance): independent heterogeneous pipelines, each serving prefill
   and decode, with layers split by speed, requests spread in proportion to capacity (IWRR). That is HexGen's
