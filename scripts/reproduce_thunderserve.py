@@ -2,12 +2,15 @@
 """ThunderServe (MLSys'25) §5.2-§5.4 in simulation: the ratios the paper states, ours beside them.
 
 What runs: LLaMA-30B, the roofline profiles of the papers' GPU tables (`profile_table_for(..., "roofline")`; no
-measured profile covers the A6000, A5000 or 3090Ti), the Azure code and conversation traces (lengths drawn from
-them, Poisson arrivals, `hetnode.testnet.sim.poisson`), the runtime's planners and the simulator
-(`hetnode.testnet.sim.simulate`; a tensor-parallel stage runs as one node of its GPUs, `sim/tp_stages.py`).
+measured profile covers the A6000, A5000 or 3090Ti), the whole Azure code and conversation traces (lengths drawn
+from them, Poisson arrivals, `hetnode.testnet.sim.poisson`; no Helix length filter: ThunderServe's means are the
+whole traces', 2048 and 1155 prompt tokens), the runtime's planners and the simulator
+(`hetnode.testnet.sim.simulate`; a tensor-parallel stage runs as one node of its GPUs with its all-reduces
+charged as the planner prices them, `sim/tp_stages.py`).
 
 - ThunderServe: `plan_placement(method="thunderserve")` on thunderserve-cloud-gpus (32 GPUs, §5.1), planned for
-  the traffic's mean lengths at PLAN_RATE requests/s, routed by its orchestration (see "Routing" below).
+  the mean lengths of the trace it is simulated on at PLAN_RATE requests/s (`trace_traffic`), routed by its
+  orchestration (see "Routing" below).
 - HexGen-like baseline (no phase split): the `sp` planner on thunderserve-cloud (the same 32 GPUs, one node per
   instance, so tensor parallel inside an instance): independent heterogeneous pipelines, each serving prefill
   and decode, with layers split by speed, requests spread in proportion to capacity (IWRR). That is HexGen's
@@ -48,6 +51,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import sys
 import time
 from dataclasses import dataclass, replace
@@ -64,10 +68,11 @@ from hetnode.planner.plan import PlacementPlan
 from hetnode.planner.profile import ProfileTable
 from hetnode.planner.profile_sources import profile_table_for
 from hetnode.planner.thunderserve.reschedule import reschedule
-from hetnode.planner.thunderserve.settings import TRAFFIC_PRESETS, ThunderServeOptions
+from hetnode.planner.thunderserve.settings import ThunderServeOptions, Traffic
 from hetnode.planner.thunderserve.slo import slo_for
 from hetnode.testnet.sim import SimOptions, SimResult, load_trace, offline, poisson, simulate
 from hetnode.testnet.sim.tp_stages import merge_tensor_parallel
+from hetnode.testnet.sim.workload import Trace
 
 CLUSTERS_DIR = Path(__file__).resolve().parents[1] / "hetnode" / "testnet" / "clusters"
 MODEL = "llama-30b"
@@ -107,17 +112,26 @@ def vllm_server(a100: ClusterSpec) -> ClusterSpec:
     return replace(a100, name="thunderserve-a100-tp2", nodes=nodes, pair_links={}, directed_links={})
 
 
+def trace_traffic(trace: Trace, rate: float) -> Traffic:
+    """The traffic a planner plans for: the trace's mean lengths at `rate` requests/s."""
+    return Traffic(input_len=statistics.fmean(trace.inputs), output_len=statistics.fmean(trace.outputs), rate=rate)
+
+
 class Lab:
     """Plans, profiles and simulations, each made once."""
 
     def __init__(self, duration_s: float, warmup_s: float, seed: int, busy: bool = False) -> None:
         self.model: ModelSpec = model_spec(MODEL)
         self.duration_s, self.warmup_s, self.seed, self.busy = duration_s, warmup_s, seed, busy
-        self.traces = {k: load_trace(v) for k, v in TRACES.items()}
+        # The whole traces, as ThunderServe serves them: Helix's length filter (input <= 2048) would leave the
+        # coding trace's prompts at a mean of 844 tokens where the paper's is 2048 (issue 14).
+        self.traces = {k: load_trace(v, length_filter=False) for k, v in TRACES.items()}
         self.log: list[str] = []
 
     def ts_options(self, traffic: str) -> ThunderServeOptions:
-        return ThunderServeOptions(traffic=replace(TRAFFIC_PRESETS[traffic], rate=PLAN_RATE), seed=self.seed)
+        """ThunderServe planned for the mean lengths of the trace the simulator draws from (issue 14: planned for
+        other lengths, the planner and the simulator disagree on which phase bounds a plan)."""
+        return ThunderServeOptions(traffic=trace_traffic(self.traces[traffic], PLAN_RATE), seed=self.seed)
 
     def profiles(self, c: ClusterSpec, plan: PlacementPlan, kv_share: float) -> ProfileTable:
         merged = merge_tensor_parallel(plan, c)[1]

@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from hetnode.planner.all_reduce import ring_all_reduce_s
 from hetnode.planner.cluster import PCIE_LINK
 from hetnode.planner.costmodel import MEMORY_EFFICIENCY, step_time
 from hetnode.planner.devices import DeviceSpec
@@ -69,10 +70,8 @@ class InstanceCost:
 
     def all_reduce_s(self, tokens: int) -> float:
         """A ring all-reduce of `tokens` activations among the tp GPUs: 2(tp-1) steps of 1/tp of the bytes."""
-        if self.tp == 1 or tokens <= 0:
-            return 0.0
-        nbytes = tokens * self.model.activation_bytes / self.tp
-        return 2 * (self.tp - 1) * (self.link_latency_s + nbytes / (self.link_gbps * 1e9))
+        return ring_all_reduce_s(self.tp, tokens * self.model.activation_bytes, self.link_gbps * 1e9,
+                                 self.link_latency_s)
 
     def step_s(self, chunks: Sequence[Chunk] = (), decode_contexts: Sequence[int] = ()) -> float:
         """Seconds for one step: prompt `chunks` and decode items whose contexts (tokens attended) are given."""

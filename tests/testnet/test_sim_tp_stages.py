@@ -9,14 +9,17 @@ from importlib.resources import files
 import pytest
 
 from hetnode.errors import ConfigError
+from hetnode.planner.all_reduce import ring_all_reduce_s
 from hetnode.planner.cluster import load_cluster
 from hetnode.planner.model import model_spec
 from hetnode.planner.plan import NodePlacement, PlacementPlan, Replica
 from hetnode.planner.profile_sources import profile_table_for
 from hetnode.planner.thunderserve.deploy import thunderserve_placement
-from hetnode.planner.thunderserve.settings import CODING, ThunderServeOptions
+from hetnode.planner.thunderserve.gpus import gpu_pool
+from hetnode.planner.thunderserve.parallel import Layout, Stage, performance
+from hetnode.planner.thunderserve.settings import CODING, ThunderServeOptions, Traffic
 from hetnode.testnet.sim import load_trace, poisson, simulate
-from hetnode.testnet.sim.tp_stages import merge_tensor_parallel
+from hetnode.testnet.sim.tp_stages import merge_tensor_parallel, with_all_reduces
 
 CLOUD = load_cluster(str(files("hetnode.testnet") / "clusters" / "thunderserve-cloud-gpus.toml"))
 MODEL = model_spec("llama-30b")
@@ -78,3 +81,29 @@ def test_the_simulator_serves_a_thunderserve_plan_with_tensor_parallel_stages() 
     stages = {n for r in merge_tensor_parallel(plan, CLOUD)[0].replicas for n in r.nodes}
     assert {n.name for n in result.nodes if n.busy_s > 0} <= stages
     assert result.summary["kv_handoff"]["installs"] >= len(done)  # every request moved its KV between phases
+
+
+def test_a_tp_stage_pays_the_all_reduces_the_planner_charges() -> None:
+    """Issue 14: the simulator's TP stage took the aggregate device's roofline alone, so it prefilled faster
+    than ThunderServe's planner expected; now a prompt on a stage costs what the planner prices it at."""
+    plan = two_replicas()
+    table = profile_table_for(merge_tensor_parallel(plan, CLOUD)[1], MODEL, "roofline")
+    charged = with_all_reduces(plan, CLOUD, table, MODEL)
+    options = ThunderServeOptions(traffic=Traffic(input_len=2048.0, output_len=28.0))
+    pool = gpu_pool(CLOUD)
+    index = {g.name: i for i, g in enumerate(pool.gpus)}
+    stage = Stage((index["4xa6000-0-gpu0"], index["4xa6000-0-gpu1"]), 0, 40)
+    planner = performance(pool, Layout(tp=2, stages=(stage,)), MODEL, options).prefill_s
+    node = charged.for_node("4xa6000-0-gpu0", "2xa6000")
+    assert 40 * dict(node.prompt_curve)[2048.0] == pytest.approx(planner, rel=1e-9)
+    bare = table.for_node("4xa6000-0-gpu0", "2xa6000")
+    assert 40 * dict(bare.prompt_curve)[2048.0] < 0.95 * planner  # what the simulator charged before
+    # Decode steps pay them too, per item; the TP-4 stage over its own host's link.
+    link = CLOUD.link("4xa5000-0-gpu0", "4xa5000-0-gpu1")
+    d4, bare4 = charged.for_node("4xa5000-0-gpu0", "4xa5000"), table.for_node("4xa5000-0-gpu0", "4xa5000")
+    for (b, t), (_, t0) in zip(d4.decode_curve, bare4.decode_curve, strict=True):
+        assert t - t0 == pytest.approx(2 * ring_all_reduce_s(4, b * MODEL.activation_bytes,
+                                                             link.bandwidth_mbps * 1e6 / 8, link.latency_ms / 1e3))
+    # Nodes outside every TP stage keep their device's profile.
+    assert with_all_reduces(replace(plan, replicas=tuple(replace(r, tp=1) for r in plan.replicas)), CLOUD, table,
+                            MODEL) is table

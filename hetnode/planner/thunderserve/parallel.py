@@ -15,7 +15,8 @@ For a group of GPUs and its phase:
    their KV holds).
 
 Costs come from the roofline model (costmodel.step_time) of a stage's d GPUs as one device, plus tensor
-parallelism's two ring all-reduces per layer over the host's link and pipeline hops at alpha-beta over the
+parallelism's two ring all-reduces per layer over the host's link (`all_reduce`, which the simulator's TP
+stages charge too) and pipeline hops at alpha-beta over the
 links between stages. `Performance` prices a layout in both phases, so lightweight rescheduling can flip a
 group's phase without re-deriving its layout (§3.4).
 """
@@ -27,6 +28,7 @@ import itertools
 import math
 from dataclasses import dataclass
 
+from hetnode.planner.all_reduce import tp_layer_s
 from hetnode.planner.costmodel import step_time
 from hetnode.planner.devices import DeviceSpec
 from hetnode.planner.model import ModelSpec
@@ -191,7 +193,7 @@ def performance(pool: GpuPool, layout: Layout, model: ModelSpec, options: Thunde
         device = devices[stage]
         compute = step_time(device, shape, stage.layers, max(1, round(tokens)), round(ctx),
                             attended_pairs=round(pairs), bytes_per_elem=bpe)
-        return compute + _all_reduce_s(pool, stage, tokens * model.activation_bytes) * 2 * stage.layers
+        return compute + _all_reduce_layer_s(pool, stage, tokens, model.activation_bytes) * stage.layers
 
     def hop_s(a: Stage, b: Stage, tokens: float) -> float:
         return pool.hop_seconds(a.gpus[0], b.gpus[0], tokens * model.activation_bytes)
@@ -236,10 +238,9 @@ def _device(pool: GpuPool, gpu: int, count: int = 1) -> DeviceSpec:
     return device if count == 1 else device.per_device().times(count * device.count)
 
 
-def _all_reduce_s(pool: GpuPool, stage: Stage, nbytes: float) -> float:
-    """A ring all-reduce of `nbytes` among a stage's GPUs: 2(d-1) steps of nbytes/d over the host's link."""
-    d = len(stage.gpus)
-    if d == 1:
+def _all_reduce_layer_s(pool: GpuPool, stage: Stage, tokens: float, activation_bytes: float) -> float:
+    """A layer's all-reduces among a stage's GPUs over the host's link (`all_reduce.tp_layer_s`)."""
+    if len(stage.gpus) == 1:
         return 0.0
     a, b = stage.gpus[0], stage.gpus[1]
-    return 2 * (d - 1) * pool.hop_seconds(a, b, nbytes / d)
+    return tp_layer_s(len(stage.gpus), tokens, activation_bytes, pool.bandwidth[a][b], pool.latency[a][b])

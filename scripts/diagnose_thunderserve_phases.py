@@ -1,0 +1,101 @@
+#!/usr/bin/env python
+"""Where ThunderServe's planner and the simulator disagree, per replica and phase (issue 14).
+
+For the plan `reproduce_thunderserve.py` makes of each traffic (thunderserve-cloud-gpus, LLaMA-30B, planned at
+4 requests/s), prints each replica's capacity as the planner has it (prefill: prompts/s, the mu_i of the TSTP
+LP; decode: requests/s at its batch, nu_j; and the decode batch it assumes) beside what the simulator sustains
+for it in a saturating (offline) run: the requests the replica served per second (the run's throughput in
+the orchestration's shares) divided by the busy share of
+its busiest stage (a replica whose busiest stage is busy b of the time while serving r requests/s sustains
+r / b), the decode stages' mean and largest batch, and how long a decode replica's KV holds a request (the
+planner: output_len x TPOT; the simulator: admission to last token, as the scheduler books it), each node's
+busy share and KV use, and the busiest links.
+
+    .venv/bin/python scripts/diagnose_thunderserve_phases.py [--duration 120] [--traffic code conv]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+from collections import Counter
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from reproduce_thunderserve import Lab, cluster
+
+from hetnode.planner.placement import PlannerOptions, plan_placement
+from hetnode.planner.profile_sources import profile_table_for
+from hetnode.planner.thunderserve.gpus import gpu_pool
+from hetnode.planner.thunderserve.parallel import Layout, Stage, performance
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--duration", type=float, default=120.0)
+    parser.add_argument("--traffic", nargs="+", default=["code", "conv"], choices=["code", "conv"])
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    lab = Lab(args.duration, min(60.0, args.duration / 5), args.seed)
+    cloud = cluster("thunderserve-cloud-gpus")
+    pool = gpu_pool(cloud)
+    index = {g.name: i for i, g in enumerate(pool.gpus)}
+    for traffic in args.traffic:
+        opts = lab.ts_options(traffic)
+        plan = plan_placement(cloud, lab.model, profile_table_for(cloud, lab.model, "roofline",
+                                                                  kv_share=opts.kv_reserve),
+                              method="thunderserve", options=PlannerOptions(seed=lab.seed, thunderserve=opts))
+        result = lab.run(f"thunderserve {traffic}", cloud, plan, traffic, None, opts.kv_reserve)
+        stats = {n.name: n for n in result.nodes}
+        total = result.summary["request_throughput"]
+        orch = plan.orchestration
+        assert orch is not None
+        ranges = plan.ranges()
+        print(f"\n{traffic}: planned for {opts.traffic}")
+        print(f"{traffic}: {result.summary['request_throughput']:.2f} requests/s offline "
+              f"({args.duration:.0f} s, warm-up {lab.warmup_s:.0f} s)")
+        done = [q for q in result.requests if q.measured and q.finished and math.isfinite(q.admitted)]
+        # A decode replica's KV holds a request from its admission (the scheduler books both replicas then) to
+        # its last token; the planner's nu_j counts only the decode (output_len x TPOT at its batch).
+        held = statistics.fmean(q.finish - q.admitted for q in done) if done else math.nan
+        print(f"{'replica':10} {'stages':>6} {'planner /s':>10} {'batch':>6}   {'sim served /s':>13} "
+              f"{'busiest':>8} {'sim sustains /s':>15} {'sim/planner':>11} {'sim batch mean/max':>18} "
+              f"{'KV held s planner/sim':>22}")
+        counts = Counter[str]()
+        for r in plan.replicas:
+            k = counts[r.role]
+            counts[r.role] += 1
+            cells = [r.nodes[s:s + r.tp] for s in range(0, len(r.nodes), r.tp)]
+            layout = Layout(tp=r.tp, stages=tuple(Stage(tuple(index[n] for n in cell), *ranges[cell[0]])
+                                                  for cell in cells))
+            perf = performance(pool, layout, lab.model, opts)
+            est = perf.prefill_rate if r.role == "prefill" else perf.decode_rate
+            leads = [cell[0] for cell in cells]
+            busiest = max(stats[n].utilization for n in leads)
+            # served by this replica: the run's completions in the orchestration's shares (X_i; sum_i X_i Y_ij)
+            share = (orch.prefill_share[k] if r.role == "prefill"
+                     else sum(x * y[k] for x, y in zip(orch.prefill_share, orch.decode_share, strict=True)))
+            rate = total * share / sum(orch.prefill_share)
+            sustains = rate / busiest if busiest > 0 else float("nan")
+            batch = (f"{max(stats[n].mean_batch for n in leads):.1f}/{max(stats[n].max_batch for n in leads)}"
+                     if r.role == "decode" else "")
+            kv_held = (f"{perf.tpot[-1][1] * opts.traffic.output_len:.1f}/{held:.1f}" if r.role == "decode" else "")
+            print(f"{r.role[0]}{k:<9} {len(cells):>6} {est:>10.2f} "
+                  f"{perf.max_batch if r.role == 'decode' else '':>6}   {rate:>13.2f} {busiest:>8.0%} "
+                  f"{sustains:>15.2f} {sustains / est if est else float('nan'):>11.2f} {batch:>18} {kv_held:>22}")
+        print("busy: " + ", ".join(f"{n.name} [{n.first_layer},{n.last_layer}) {n.utilization:.0%} "
+                                   f"batch {n.mean_batch:.1f}, KV mean {n.kv_mean:.0%} peak {n.kv_peak:.0%}"
+                                   for n in result.nodes))
+        busiest_links = sorted(result.links, key=lambda x: -x.utilization)[:6]
+        print("busiest links: " + ", ".join(f"{x.name} {x.utilization:.0%} (queue mean {x.mean_queue_s:.2f} s)"
+                                            for x in busiest_links))
+        print("planner: " + "; ".join(plan.notes[:1]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
