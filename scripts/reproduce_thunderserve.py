@@ -6,7 +6,8 @@ measured profile covers the A6000, A5000 or 3090Ti), the whole Azure code and co
 from them, Poisson arrivals, `hetnode.testnet.sim.poisson`; no Helix length filter: ThunderServe's means are the
 whole traces', 2048 and 1155 prompt tokens), the runtime's planners and the simulator
 (`hetnode.testnet.sim.simulate`; a tensor-parallel stage runs as one node of its GPUs with its all-reduces
-charged as the planner prices them, `sim/tp_stages.py`).
+charged as the planner prices them, `sim/tp_stages.py`, and so do the baselines' multi-GPU nodes: every
+multi-GPU roofline profile pays them, `profile.roofline_profile`).
 
 - ThunderServe: `plan_placement(method="thunderserve")` on thunderserve-cloud-gpus (32 GPUs, §5.1), planned for
   the mean lengths of the trace it is simulated on at PLAN_RATE requests/s (`trace_traffic`), routed by its
@@ -105,10 +106,13 @@ def cluster(name: str) -> ClusterSpec:
 
 
 def vllm_server(a100: ClusterSpec) -> ClusterSpec:
-    """The 8xA100 server as four TP-2 nodes (vLLM's replicas of LLaMA-30B on two A100s each)."""
+    """The 8xA100 server as four TP-2 nodes (vLLM's replicas of LLaMA-30B on two A100s each), whose GPUs
+    all-reduce over the server's own link between them (NVLink), as ThunderServe's stages on it do."""
     first = a100.nodes[0]
+    nvlink = a100.link(first.name, a100.nodes[1].name)
     nodes = tuple(NodeSpec(name=f"2xa100-{k}", device="2xa100-80g", region=first.region,
-                           memory_gb=2 * first.memory_gb, host=first.host) for k in range(len(a100.nodes) // 2))
+                           memory_gb=2 * first.memory_gb, host=first.host, gpu_link=nvlink)
+                  for k in range(len(a100.nodes) // 2))
     return replace(a100, name="thunderserve-a100-tp2", nodes=nodes, pair_links={}, directed_links={})
 
 
@@ -244,7 +248,8 @@ def reproduce(lab: Lab) -> tuple[list[Claim], dict[str, Any]]:
         claims.append(Claim("5.4", f"random dispatch instead of TSTP (KV at fp16), {traffic}", 4.0,
                             mean_e2e(scattered) / mean_e2e(fp16), "mean E2E, random pairs / tstp"))
         # Diagnostic (no paper number): ThunderServe's planner on the same instances as whole nodes, tensor
-        # parallel inside each priced as the simulator prices it (free), as the HexGen-like baseline gets it.
+        # parallel inside each priced as the simulator prices it (its all-reduces over PCIe), as the HexGen-like
+        # baseline gets it.
         whole = plan_placement(hosts, model, profile_table_for(hosts, model, "roofline", kv_share=opts.kv_reserve),
                                method="thunderserve", options=PlannerOptions(seed=lab.seed, thunderserve=opts))
         thr["ts_whole_instances"] = lab.run(f"thunderserve on whole instances {traffic}", hosts, whole, traffic,

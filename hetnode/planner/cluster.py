@@ -20,6 +20,8 @@ The format (TOML; docs/cluster-files.md has the long version)::
     region = "us"                 # same character set as node names
     memory_gb = 40                # optional; overrides the device's memory (GiB)
     host = "box-0"                # optional; the machine the GPU sits in (GPU-granularity files)
+    gpu_link = { bandwidth_mbps = 2400000, latency_ms = 0.005 }  # optional; among a multi-GPU node's own
+                                  # GPUs (its roofline profile's all-reduces; default: PCIE_LINK)
 
     [links.default]               # optional; where nothing more specific applies
     bandwidth_mbps = 1000         # megabits per second, > 0
@@ -116,6 +118,9 @@ class NodeSpec:
     region: str
     memory_gb: float  # the device's memory, or the file's override
     host: str = ""  # the machine it sits in; "": a machine of its own
+    # The link among the node's own GPUs (a multi-GPU device such as "4xa6000", which its roofline profile runs
+    # tensor parallel over them); None: PCIE_LINK, a machine without NVLink.
+    gpu_link: LinkSpec | None = None
 
     @property
     def machine(self) -> str:
@@ -220,7 +225,8 @@ class ClusterSpec:
             out["coordinator"]["links"] = self.coordinator_links
         out["nodes"] = [
             {"name": n.name, "device": n.device, "region": n.region, "memory_gb": n.memory_gb,
-             **({"host": n.host} if n.host else {})}
+             **({"host": n.host} if n.host else {}),
+             **({"gpu_link": _link_dict(n.gpu_link)} if n.gpu_link is not None else {})}
             for n in self.nodes
         ]
         if links:
@@ -376,7 +382,7 @@ class _Parser:
         host_region: dict[str, tuple[str, int]] = {}  # host -> (its region, the first node naming it)
         for i, entry in enumerate(entries):
             key = f"nodes[{i}]"
-            t = self.table(entry, key, {"name", "device", "region", "memory_gb", "host"},
+            t = self.table(entry, key, {"name", "device", "region", "memory_gb", "host", "gpu_link"},
                            {"name", "device", "region"})
             name = self.ident(t["name"], f"{key}.name")
             if name == COORDINATOR:
@@ -400,7 +406,14 @@ class _Parser:
                 if first[0] != region:
                     raise self.error(f"{key}.host", f"host {host!r} is in region {first[0]!r} "
                                      f"(nodes[{first[1]}]); its GPUs cannot be in region {region!r}")
-            out.append(NodeSpec(name=name, device=device.name, region=region, memory_gb=memory, host=host))
+            gpu_link = None
+            if "gpu_link" in t:
+                rule = self.link(t["gpu_link"], f"{key}.gpu_link", set())
+                if isinstance(rule, NoLink):
+                    raise self.error(f"{key}.gpu_link", "a node's GPUs always have a link; leave it out for PCIe")
+                gpu_link = rule
+            out.append(NodeSpec(name=name, device=device.name, region=region, memory_gb=memory, host=host,
+                                gpu_link=gpu_link))
         return tuple(out)
 
     def link(self, value: object, key: str, extra: set[str]) -> Rule:

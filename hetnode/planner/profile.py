@@ -35,6 +35,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 from hetnode.errors import ConfigError
+from hetnode.planner.all_reduce import tp_layer_s
+from hetnode.planner.cluster import PCIE_LINK, LinkSpec
 from hetnode.planner.costmodel import step_time
 from hetnode.planner.devices import DeviceSpec
 from hetnode.planner.model import ModelSpec
@@ -199,19 +201,40 @@ _DECODE_POINTS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 
 def roofline_profile(device: DeviceSpec, model: ModelSpec, *, kv_share: float = 0.5,
-                     workload: Workload | None = None, memory_bytes: int | None = None) -> DeviceProfile:
-    """A profile from the roofline cost model of the device's table numbers."""
+                     workload: Workload | None = None, memory_bytes: int | None = None,
+                     gpu_link: LinkSpec | None = None) -> DeviceProfile:
+    """A profile from the roofline cost model of the device's table numbers.
+
+    A device of several GPUs ("4xa6000") runs each layer tensor parallel over them, so every prompt and decode
+    step of a layer also pays its two ring all-reduces (`all_reduce.tp_layer_s`, tp = the GPU count), over
+    `gpu_link`, the link among its GPUs. A node of a cluster file names none of its own (`NodeSpec.gpu_link`):
+    None is the cluster files' PCIe link between GPUs of one host (`cluster.PCIE_LINK`, 16 GB/s, 10 us). This
+    is the one place the roofline charges them: ThunderServe's planner (`thunderserve.parallel`) and EcoServe's
+    instances (`instance_cost`) price from `costmodel.step_time` and charge their own with the same function,
+    and the simulator's merged TP stages carry the link between the stage's GPUs on their node
+    (`testnet.sim.tp_stages`). Measured profiles (Helix's vLLM tables, Splitwise's performance model) include
+    their all-reduces already and pay nothing more. The all-reduce is affine in the step's tokens, so adding it
+    at the curves' points prices every step between them exactly."""
     shape = model.shape
     memory = device.memory_bytes if memory_bytes is None else memory_bytes
     bpe = round(model.bytes_per_param)
+    link = gpu_link or PCIE_LINK
+    bps, latency = link.bandwidth_mbps * 1e6 / 8, link.latency_ms / 1e3
+
+    def all_reduces(tokens: int) -> float:
+        return tp_layer_s(device.count, tokens, model.activation_bytes, bps, latency)
+
     prompt = tuple((float(n), step_time(device, shape, 1, n, n, attended_pairs=n * (n + 1) // 2,
-                                        bytes_per_elem=bpe)) for n in _PROMPT_POINTS)
-    decode = tuple((float(b), step_time(device, shape, 1, b, 0, bytes_per_elem=bpe)) for b in _DECODE_POINTS)
+                                        bytes_per_elem=bpe) + all_reduces(n)) for n in _PROMPT_POINTS)
+    decode = tuple((float(b), step_time(device, shape, 1, b, 0, bytes_per_elem=bpe) + all_reduces(b))
+                   for b in _DECODE_POINTS)
     # Decode reads each context token's KV once per step: the memory-bound cost of context.
     context_s = model.kv_bytes_per_token_layer / (device.mem_bandwidth_gbps * 1e9 * 0.7)
+    charged = (f", with TP-{device.count} all-reduces at {link.bandwidth_mbps / 1000:g} Gb/s"
+               if device.count > 1 else "")
     base = DeviceProfile(name=device.name, memory_bytes=memory, max_layers=max_layers_for(memory, model, kv_share),
                          prompt_curve=prompt, decode_curve=decode, decode_context_s=context_s,
-                         source=f"roofline of {device.name} ({device.source})")
+                         source=f"roofline of {device.name} ({device.source}){charged}")
     return with_throughput(base, model, workload or Workload())
 
 

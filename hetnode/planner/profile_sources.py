@@ -7,7 +7,8 @@
   `max_layers` and either the throughputs T_1..T_k directly or prompt/decode step-time curves to compute them
   from. `save_profile_table` writes one back (a table measured on the testnet, say) so that it loads again.
 - `roofline_profile_table(cluster, model)`: one roofline profile per device type of the cluster, from the
-  papers' GPU tables (`planner.costmodel`).
+  papers' GPU tables (`planner.costmodel`); a multi-GPU device pays its tensor-parallel all-reduces over the
+  node's GPU link (`profile.roofline_profile`).
 - `measured_profile(...)`: a roofline over a live node's measured matmul rate and memory bandwidth.
 - `profile_table_for(cluster, model, source)`: picks one of these by name ("auto", "helix", "roofline") or path;
   optionally with T_j of a node inside that cluster's pipelines (`in_pipelines`, `profile.pipeline_throughputs`).
@@ -33,7 +34,7 @@ from typing import Any
 import tomli_w
 
 from hetnode.errors import ConfigError
-from hetnode.planner.cluster import ClusterSpec
+from hetnode.planner.cluster import PCIE_LINK, ClusterSpec
 from hetnode.planner.costmodel import COMPUTE_EFFICIENCY, MEMORY_EFFICIENCY
 from hetnode.planner.devices import DeviceSpec, parse_device
 from hetnode.planner.model import ALIASES, PRESETS, ModelSpec
@@ -145,7 +146,9 @@ def _check_kv_share(kv_share: float) -> None:
 
 def roofline_profile_table(cluster: ClusterSpec, model: ModelSpec, *, kv_share: float = 0.5,
                            workload: Workload | None = None) -> ProfileTable:
-    """One roofline profile per device type in the cluster, plus one per node whose memory_gb differs."""
+    """One roofline profile per device type in the cluster, plus one per node whose memory_gb differs or whose
+    GPUs have a link of their own (`NodeSpec.gpu_link`; a multi-GPU device's all-reduces run over it,
+    `profile.roofline_profile`)."""
     _check_kv_share(kv_share)
     profiles: dict[str, DeviceProfile] = {}
     for node in cluster.nodes:
@@ -153,9 +156,11 @@ def roofline_profile_table(cluster: ClusterSpec, model: ModelSpec, *, kv_share: 
         if spec.name not in profiles:
             profiles[spec.name] = roofline_profile(spec, model, kv_share=kv_share, workload=workload)
         memory = int(node.memory_gb * 2**30)
-        if memory != spec.memory_bytes:
+        own_link = spec.count > 1 and node.gpu_link not in (None, PCIE_LINK)
+        if memory != spec.memory_bytes or own_link:
             profiles[node.name] = replace(
-                roofline_profile(spec, model, kv_share=kv_share, workload=workload, memory_bytes=memory),
+                roofline_profile(spec, model, kv_share=kv_share, workload=workload, memory_bytes=memory,
+                                 gpu_link=node.gpu_link),
                 name=node.name)
     return ProfileTable(model=model.name, profiles=profiles,
                         source="roofline (papers' GPU tables, planner.costmodel)")

@@ -207,6 +207,18 @@ def test_to_dict_round_trips_through_toml(tmp_path: Path) -> None:
     assert parse_cluster(uniform_cluster(2).to_dict(), "u") == uniform_cluster(2)
 
 
+def test_a_multi_gpu_node_may_name_the_link_among_its_gpus() -> None:
+    data = {"name": "t", "nodes": [{"name": "a", "device": "2xa100-80g", "region": "us",
+                                    "gpu_link": {"bandwidth_mbps": 2_400_000, "latency_ms": 0.005}},
+                                   {"name": "b", "device": "4xa6000", "region": "us"}]}
+    spec = parse_cluster(data, "t")
+    assert spec.node("a").gpu_link == LinkSpec(2_400_000, 0.005) and spec.node("b").gpu_link is None
+    assert parse_cluster(spec.to_dict(), "t") == spec
+    data["nodes"][1]["gpu_link"] = {"none": True}
+    with pytest.raises(ConfigError, match="always have a link"):
+        parse_cluster(data, "t")
+
+
 def test_link_spec_validates_its_own_values() -> None:
     for bad in [dict(bandwidth_mbps=0, latency_ms=1), dict(bandwidth_mbps=1, latency_ms=-1),
                 dict(bandwidth_mbps=1, latency_ms=math.inf), dict(bandwidth_mbps=1, latency_ms=1, loss=1)]:

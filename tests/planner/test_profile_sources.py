@@ -1,12 +1,16 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
+from importlib.resources import files
 from pathlib import Path
 
 import pytest
 
 from hetnode.errors import ConfigError
-from hetnode.planner.cluster import NodeSpec, uniform_cluster
+from hetnode.planner.all_reduce import tp_layer_s
+from hetnode.planner.cluster import PCIE_LINK, LinkSpec, NodeSpec, load_cluster, uniform_cluster
+from hetnode.planner.costmodel import step_time
 from hetnode.planner.devices import parse_device
 from hetnode.planner.model import ModelSpec, model_spec
 from hetnode.planner.profile import ProfileTable, Workload, interpolate, roofline_profile, with_throughput
@@ -108,6 +112,44 @@ def test_roofline_table_has_one_profile_per_device_type() -> None:
     assert table.profiles["small"].max_layers < table.profiles["a100"].max_layers
     assert table.for_node("small", "a100").name == "small"
     assert table.for_node("big", "a100").name == "a100"
+
+
+def test_a_multi_gpu_roofline_node_pays_its_all_reduces_over_pcie() -> None:
+    """A "4xa6000" instance of a cluster file (thunderserve-cloud) is tensor parallel over its four GPUs: each
+    layer's step pays tp_layer_s(4, ...) over the cluster files' PCIe link, as ThunderServe's TP stages do."""
+    cloud = load_cluster(str(files("hetnode.testnet") / "clusters" / "thunderserve-cloud.toml"))
+    assert cloud.node("4xa6000-0").gpu_link is None
+    table = roofline_profile_table(cloud, L30)
+    four = parse_device("4xa6000")
+    prof = table.for_node("4xa6000-0", "4xa6000")
+    bps, latency = PCIE_LINK.bandwidth_mbps * 1e6 / 8, PCIE_LINK.latency_ms / 1e3
+    bpe = round(L30.bytes_per_param)
+    for n, t in prof.prompt_curve:
+        bare = step_time(four, L30.shape, 1, round(n), round(n), attended_pairs=round(n) * (round(n) + 1) // 2,
+                         bytes_per_elem=bpe)
+        assert t - bare == pytest.approx(tp_layer_s(4, n, L30.activation_bytes, bps, latency), rel=1e-9)
+    for b, t in prof.decode_curve:
+        bare = step_time(four, L30.shape, 1, round(b), 0, bytes_per_elem=bpe)
+        assert t - bare == pytest.approx(tp_layer_s(4, b, L30.activation_bytes, bps, latency), rel=1e-9)
+    assert tp_layer_s(4, 2048, L30.activation_bytes, bps, latency) > 0.01 * dict(prof.prompt_curve)[2048.0]
+    # One GPU pays nothing; a faster link of its own (NodeSpec.gpu_link) less, in a profile of its own.
+    one = parse_device("a6000")
+    for n, t in roofline_profile(one, L30).prompt_curve:
+        k = round(n)
+        assert t == step_time(one, L30.shape, 1, k, k, attended_pairs=k * (k + 1) // 2, bytes_per_elem=bpe)
+    nv = replace(cloud, nodes=(replace(cloud.node("4xa6000-0"), gpu_link=LinkSpec(2_400_000, 0.005)),))
+    fast = roofline_profile_table(nv, L30).for_node("4xa6000-0", "4xa6000")
+    assert fast.name == "4xa6000-0" and dict(fast.prompt_curve)[2048.0] < dict(prof.prompt_curve)[2048.0]
+
+
+def test_measured_multi_gpu_profiles_pay_nothing_more() -> None:
+    """Helix's 2xl4 and 4xt4 were measured with vLLM running tensor parallel: their all-reduces are in the
+    numbers, so the profile is the artifact's curves as they are."""
+    for device, gpu_dir in (("2xl4", "l4x2"), ("4xt4", "t4x4")):
+        prof = helix_profile(L30, device)
+        root = Path(str(files("hetnode.planner") / "data" / "helix" / "llama1_30b" / gpu_dir))
+        rows = [line.split(",") for line in (root / "prompt_bs2time.csv").read_text().splitlines() if line.strip()]
+        assert prof.prompt_curve == tuple((float(x), float(ms) / 1e3) for x, ms in rows)
 
 
 def test_measured_profile_runs_the_roofline_at_the_measured_rates() -> None:

@@ -10,7 +10,9 @@ import pytest
 
 from hetnode.errors import ConfigError
 from hetnode.planner.all_reduce import ring_all_reduce_s
-from hetnode.planner.cluster import load_cluster
+from hetnode.planner.cluster import PCIE_LINK, load_cluster
+from hetnode.planner.costmodel import step_time
+from hetnode.planner.devices import parse_device
 from hetnode.planner.model import model_spec
 from hetnode.planner.plan import NodePlacement, PlacementPlan, Replica
 from hetnode.planner.profile_sources import profile_table_for
@@ -19,7 +21,7 @@ from hetnode.planner.thunderserve.gpus import gpu_pool
 from hetnode.planner.thunderserve.parallel import Layout, Stage, performance
 from hetnode.planner.thunderserve.settings import CODING, ThunderServeOptions, Traffic
 from hetnode.testnet.sim import load_trace, poisson, simulate
-from hetnode.testnet.sim.tp_stages import merge_tensor_parallel, with_all_reduces
+from hetnode.testnet.sim.tp_stages import merge_tensor_parallel
 
 CLOUD = load_cluster(str(files("hetnode.testnet") / "clusters" / "thunderserve-cloud-gpus.toml"))
 MODEL = model_spec("llama-30b")
@@ -85,25 +87,46 @@ def test_the_simulator_serves_a_thunderserve_plan_with_tensor_parallel_stages() 
 
 def test_a_tp_stage_pays_the_all_reduces_the_planner_charges() -> None:
     """Issue 14: the simulator's TP stage took the aggregate device's roofline alone, so it prefilled faster
-    than ThunderServe's planner expected; now a prompt on a stage costs what the planner prices it at."""
+    than ThunderServe's planner expected; now a prompt on a stage costs what the planner prices it at, once."""
     plan = two_replicas()
-    table = profile_table_for(merge_tensor_parallel(plan, CLOUD)[1], MODEL, "roofline")
-    charged = with_all_reduces(plan, CLOUD, table, MODEL)
+    merged = merge_tensor_parallel(plan, CLOUD)[1]
+    table = profile_table_for(merged, MODEL, "roofline")
     options = ThunderServeOptions(traffic=Traffic(input_len=2048.0, output_len=28.0))
     pool = gpu_pool(CLOUD)
     index = {g.name: i for i, g in enumerate(pool.gpus)}
     stage = Stage((index["4xa6000-0-gpu0"], index["4xa6000-0-gpu1"]), 0, 40)
     planner = performance(pool, Layout(tp=2, stages=(stage,)), MODEL, options).prefill_s
-    node = charged.for_node("4xa6000-0-gpu0", "2xa6000")
+    node = table.for_node("4xa6000-0-gpu0", "2xa6000")
     assert 40 * dict(node.prompt_curve)[2048.0] == pytest.approx(planner, rel=1e-9)
-    bare = table.for_node("4xa6000-0-gpu0", "2xa6000")
-    assert 40 * dict(bare.prompt_curve)[2048.0] < 0.95 * planner  # what the simulator charged before
+    bare = step_time(parse_device("2xa6000"), MODEL.shape, 1, 2048, 2048, attended_pairs=2048 * 2049 // 2,
+                     bytes_per_elem=round(MODEL.bytes_per_param))
+    assert 40 * bare < 0.95 * planner  # what the simulator charged before
     # Decode steps pay them too, per item; the TP-4 stage over its own host's link.
     link = CLOUD.link("4xa5000-0-gpu0", "4xa5000-0-gpu1")
-    d4, bare4 = charged.for_node("4xa5000-0-gpu0", "4xa5000"), table.for_node("4xa5000-0-gpu0", "4xa5000")
-    for (b, t), (_, t0) in zip(d4.decode_curve, bare4.decode_curve, strict=True):
+    assert merged.node("4xa5000-0-gpu0").gpu_link == link
+    d4 = table.for_node("4xa5000-0-gpu0", "4xa5000")
+    for b, t in d4.decode_curve:
+        t0 = step_time(parse_device("4xa5000"), MODEL.shape, 1, round(b), 0,
+                       bytes_per_elem=round(MODEL.bytes_per_param))
         assert t - t0 == pytest.approx(2 * ring_all_reduce_s(4, b * MODEL.activation_bytes,
                                                              link.bandwidth_mbps * 1e6 / 8, link.latency_ms / 1e3))
-    # Nodes outside every TP stage keep their device's profile.
-    assert with_all_reduces(replace(plan, replicas=tuple(replace(r, tp=1) for r in plan.replicas)), CLOUD, table,
-                            MODEL) is table
+
+
+def test_a_stage_on_a_faster_link_gets_a_profile_of_its_own() -> None:
+    """Stages of an NVLink server all-reduce over NVLink, not the PCIe a cluster file's multi-GPU node gets."""
+    a100 = load_cluster(str(files("hetnode.testnet") / "clusters" / "thunderserve-a100.toml"))
+    gpus = tuple(n.name for n in a100.nodes[:2])
+    plan = PlacementPlan(cluster=a100.name, model=MODEL.name, num_layers=60, method="thunderserve",
+                         placements=tuple(NodePlacement(n, 0, 60) for n in gpus), partial_inference=False,
+                         replicas=(Replica("prefill", gpus, tp=2),))
+    merged = merge_tensor_parallel(plan, a100)[1]
+    table = profile_table_for(merged, MODEL, "roofline")
+    nvlink = a100.link(*gpus)
+    assert merged.node(gpus[0]).gpu_link == nvlink and nvlink.bandwidth_mbps > PCIE_LINK.bandwidth_mbps
+    own, pcie = table.for_node(gpus[0], merged.node(gpus[0]).device), table.profiles[merged.node(gpus[0]).device]
+    assert own is not pcie
+    pool = gpu_pool(a100)
+    options = ThunderServeOptions(traffic=Traffic(input_len=2048.0, output_len=28.0))
+    planner = performance(pool, Layout(tp=2, stages=(Stage((0, 1), 0, 60),)), MODEL, options).prefill_s
+    assert 60 * dict(own.prompt_curve)[2048.0] == pytest.approx(planner, rel=1e-9)
+    assert dict(pcie.prompt_curve)[2048.0] > dict(own.prompt_curve)[2048.0]

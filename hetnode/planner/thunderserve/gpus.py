@@ -1,8 +1,8 @@
 """The cluster as ThunderServe sees it: GPUs with a type and a host, and the links between every two.
 
 A node of the cluster file is one GPU here (a "4xa6000" node is one GPU-like device of four, tensor parallel
-inside it, for files written before hosts). Links are taken each way as the file states them; a missing
-link is bandwidth 0, so that no plan sends activations or KV over it.
+inside it over its `gpu_link`, for files written before hosts). Links are taken each way as the file states
+them; a missing link is bandwidth 0, so that no plan sends activations or KV over it.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from hetnode.planner.cluster import ClusterSpec
+from hetnode.planner.cluster import PCIE_LINK, ClusterSpec, LinkSpec
 from hetnode.planner.devices import DeviceSpec
 
 # An unlimited link priced as a fast one (bytes/s), so that alpha-beta sums stay finite.
@@ -24,6 +24,7 @@ class Gpu:
     host: str
     device: DeviceSpec
     memory_bytes: int
+    gpu_link: LinkSpec = PCIE_LINK  # among a multi-GPU node's own GPUs (`NodeSpec.gpu_link`)
 
 
 @dataclass(frozen=True)
@@ -45,7 +46,8 @@ class GpuPool:
 
 def gpu_pool(cluster: ClusterSpec) -> GpuPool:
     gpus = tuple(Gpu(name=n.name, kind=n.device, host=n.machine, device=n.device_spec,
-                     memory_bytes=int(n.memory_gb * 2**30)) for n in cluster.nodes)
+                     memory_bytes=int(n.memory_gb * 2**30), gpu_link=n.gpu_link or PCIE_LINK)
+                 for n in cluster.nodes)
     bandwidth: list[tuple[float, ...]] = []
     latency: list[tuple[float, ...]] = []
     for a in gpus:

@@ -239,8 +239,17 @@ def _device(pool: GpuPool, gpu: int, count: int = 1) -> DeviceSpec:
 
 
 def _all_reduce_layer_s(pool: GpuPool, stage: Stage, tokens: float, activation_bytes: float) -> float:
-    """A layer's all-reduces among a stage's GPUs over the host's link (`all_reduce.tp_layer_s`)."""
-    if len(stage.gpus) == 1:
+    """A layer's all-reduces among a stage's GPUs (`all_reduce.tp_layer_s`): every GPU of its nodes is a party
+    (a "4xa6000" node is four), and the ring runs at its slowest link, the host's between the nodes or the
+    one inside a multi-GPU node (`Gpu.gpu_link`), as the simulator's roofline of that node charges it."""
+    first = pool.gpus[stage.gpus[0]]
+    parties = len(stage.gpus) * first.device.count
+    if parties == 1:
         return 0.0
-    a, b = stage.gpus[0], stage.gpus[1]
-    return tp_layer_s(len(stage.gpus), tokens, activation_bytes, pool.bandwidth[a][b], pool.latency[a][b])
+    bps, latency = math.inf, 0.0
+    if first.device.count > 1:
+        bps, latency = first.gpu_link.bandwidth_mbps * 1e6 / 8, first.gpu_link.latency_ms / 1e3
+    if len(stage.gpus) > 1:
+        a, b = stage.gpus[0], stage.gpus[1]
+        bps, latency = min(bps, pool.bandwidth[a][b]), max(latency, pool.latency[a][b])
+    return tp_layer_s(parties, tokens, activation_bytes, bps, latency)

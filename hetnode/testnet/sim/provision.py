@@ -46,12 +46,15 @@ class Machine:
     cost_per_hour: float  # dollars
     power: float  # provisioned, relative to a DGX-A100
     interconnect_gbps: float  # its InfiniBand
+    # Its GPUs' NVLink, one direction (what a roofline profile's tensor-parallel all-reduces run over, where no
+    # measured profile covers the model): NVIDIA's A100 and H100 data sheets, 600 and 900 GB/s bidirectional.
+    nvlink_gbps: float
 
 
 MACHINES = {
-    "8xa100-80g": Machine("8xa100-80g", 17.6, 1.0, 200.0),  # DGX-A100: Splitwise Tables I and V
-    "8xh100": Machine("8xh100", 38.0, 1.75, 400.0),  # DGX-H100
-    "8xh100-pcap": Machine("8xh100-pcap", 38.0, 1.23, 400.0),  # DGX-H100, each GPU capped at 50% power
+    "8xa100-80g": Machine("8xa100-80g", 17.6, 1.0, 200.0, 300.0),  # DGX-A100: Splitwise Tables I and V
+    "8xh100": Machine("8xh100", 38.0, 1.75, 400.0, 450.0),  # DGX-H100
+    "8xh100-pcap": Machine("8xh100-pcap", 38.0, 1.23, 400.0, 450.0),  # DGX-H100, each GPU capped at 50% power
 }
 GOALS = ("cost", "power", "throughput")
 REFERENCE = "8xa100-80g"  # the SLOs are slowdowns against a request alone on this machine
@@ -118,7 +121,9 @@ def design_cluster(prompt_machine: str, token_machine: str, prompt: int, token: 
     cluster = parse_cluster({
         "name": f"splitwise-{prompt}x{prompt_machine}-{token}x{token_machine}",
         "coordinator": {"region": "dc"},
-        "nodes": [{"name": n, "device": d, "region": "dc"} for n, d in names],
+        "nodes": [{"name": n, "device": d, "region": "dc",
+                   "gpu_link": {"bandwidth_mbps": MACHINES[d].nvlink_gbps * 8000, "latency_ms": 0.005}}
+                  for n, d in names],
         "links": {"default": {"bandwidth_mbps": gbps * 1000, "latency_ms": 0.005}},
     }, "provisioning design")
     layers = model.num_layers

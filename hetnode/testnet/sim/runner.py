@@ -52,7 +52,7 @@ from hetnode.testnet.sim.metrics import (
 )
 from hetnode.testnet.sim.node import MIXED_STEPS, SimNode
 from hetnode.testnet.sim.offline_loop import OfflineLoop
-from hetnode.testnet.sim.tp_stages import merge_tensor_parallel, with_all_reduces
+from hetnode.testnet.sim.tp_stages import merge_tensor_parallel
 from hetnode.testnet.sim.workload import Trace, Workload, offline
 
 SCHEDULERS = ("iwrr", "random", "shortest-queue", "swarm", "cls", "splitwise", "tstp", "random-pairs", "cronus")
@@ -211,9 +211,8 @@ def simulate(cluster: ClusterSpec, model: ModelSpec, profiles: ProfileTable, pla
              progress: bool = False, options: SimOptions | None = None) -> SimResult:
     """Simulate serving `workload` for `duration_s` seconds; measure over [warmup_s, duration_s)."""
     opts = options or SimOptions()
-    # A stage of tp GPUs runs as one node of those GPUs (tp_stages.py); `profiles` must cover those devices.
-    # Its all-reduces are charged as the planner charges them (over the plan's own cluster's links).
-    profiles = with_all_reduces(plan, cluster, profiles, model)
+    # A stage of tp GPUs runs as one node of those GPUs (tp_stages.py); `profiles` must cover those devices
+    # (a roofline table of the merged cluster charges the stage's all-reduces over the link between its GPUs).
     plan, cluster = merge_tensor_parallel(plan, cluster)
     if not duration_s > 0 or not 0 <= warmup_s < duration_s:
         raise ConfigError(f"need 0 <= warmup ({warmup_s}) < duration ({duration_s})")

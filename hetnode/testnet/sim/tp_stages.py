@@ -7,11 +7,14 @@ named after the stage's first GPU and keeping its host and region, so that every
 pair and directed ones naming that GPU) gives the stage the links its first GPU has. The other GPUs of the
 stage leave the cluster, with the rules that name them.
 
-Tensor parallelism's all-reduces inside a stage (two ring all-reduces of the step's activations per layer over
-the link between the stage's GPUs) are charged on top of the aggregate device's roofline, with the function
-the planner prices them by (`planner.all_reduce`): `with_all_reduces` gives each stage's node a profile whose
-per-layer step costs carry them. Before (issue 14) the simulator left them out, so a TP stage served faster
-than the planner expected, prefill more than decode (its steps carry more tokens).
+Tensor parallelism's all-reduces inside a stage (two ring all-reduces of the step's activations per layer) are
+charged where every multi-GPU node's are: by its roofline profile (`profile.roofline_profile`), over the node's
+`gpu_link`, which the merged node takes from the plan's cluster (the link between the stage's first two GPUs),
+with the function the planner prices them by (`planner.all_reduce`). So a TP stage costs in the simulator what
+the planner prices, and pays once: a node of a cluster file with several GPUs ("4xa6000") pays the same charge
+over PCIe, and a measured profile of the merged device (Helix's "2xl4") pays none beyond what it measured.
+Before (issue 14) the simulator left them out, so a TP stage served faster than the planner expected, prefill
+more than decode (its steps carry more tokens).
 """
 
 from __future__ import annotations
@@ -19,11 +22,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from hetnode.errors import ConfigError
-from hetnode.planner.all_reduce import tp_layer_s
-from hetnode.planner.cluster import ClusterSpec, NodeSpec
-from hetnode.planner.model import ModelSpec
+from hetnode.planner.cluster import PCIE_LINK, ClusterSpec, LinkSpec, NodeSpec
 from hetnode.planner.plan import PlacementPlan
-from hetnode.planner.profile import Curve, DeviceProfile, ProfileTable
 
 
 def merge_tensor_parallel(plan: PlacementPlan, cluster: ClusterSpec) -> tuple[PlacementPlan, ClusterSpec]:
@@ -47,8 +47,16 @@ def merge_tensor_parallel(plan: PlacementPlan, cluster: ClusterSpec) -> tuple[Pl
                                   "holding one layer range")
             if r.tp > 1:
                 first = specs[0]
+                link = cluster.link_or_none(cell[0], cell[1])
+                if link is None:
+                    raise ConfigError(f"plan replica {k}: no link between {cell[0]} and {cell[1]} for the stage's "
+                                      "all-reduces")
+                if first.device_spec.count > 1:  # the ring also crosses each node's own link: the slower
+                    inner = first.gpu_link or PCIE_LINK
+                    link = LinkSpec(bandwidth_mbps=min(link.bandwidth_mbps, inner.bandwidth_mbps),
+                                    latency_ms=max(link.latency_ms, inner.latency_ms))
                 merged[first.name] = replace(first, device=stage_device(first, r.tp),
-                                             memory_gb=first.memory_gb * r.tp)
+                                             memory_gb=first.memory_gb * r.tp, gpu_link=link)
                 gone |= set(cell[1:])
         replicas.append(replace(r, nodes=tuple(cell[0] for cell in stages), tp=1))
     nodes = tuple(merged.get(n.name, n) for n in cluster.nodes if n.name not in gone)
@@ -63,33 +71,3 @@ def stage_device(first: NodeSpec, tp: int) -> str:
     """The device of a stage of `tp` GPUs like `first` ("2xa6000")."""
     device = first.device_spec
     return f"{tp * device.count}x{device.kind}"
-
-
-def with_all_reduces(plan: PlacementPlan, cluster: ClusterSpec, profiles: ProfileTable,
-                     model: ModelSpec) -> ProfileTable:
-    """`profiles` (a table for the merged cluster) with an entry for every TP stage's node: its device's
-    profile with each layer's all-reduces added to every prompt and decode step (module docstring), over the
-    link between the stage's first two GPUs in `cluster` (the plan's own, before merging). The all-reduce is
-    affine in the step's tokens, so adding it at the curves' points prices every step between them exactly."""
-    extra: dict[str, DeviceProfile] = {}
-    for r in plan.replicas:
-        if r.tp <= 1:
-            continue
-        for s in range(0, len(r.nodes), r.tp):
-            a, b = r.nodes[s], r.nodes[s + 1]
-            first = cluster.node(a)
-            link = cluster.link_or_none(a, b)
-            bps, latency = ((link.bandwidth_mbps * 1e6 / 8, link.latency_ms / 1000) if link is not None
-                            else (0.0, 0.0))
-            base = profiles.for_node(a, stage_device(first, r.tp))
-
-            def charged(curve: Curve, tp: int = r.tp, bps: float = bps, latency: float = latency) -> Curve:
-                return tuple((x, y + tp_layer_s(tp, x, model.activation_bytes, bps, latency)) for x, y in curve)
-
-            extra[a] = replace(base, name=a, prompt_curve=charged(base.prompt_curve),
-                               decode_curve=charged(base.decode_curve),
-                               source=f"{base.source}, with TP-{r.tp} all-reduces at {bps * 8 / 1e9:g} Gb/s")
-    if not extra:
-        return profiles
-    return ProfileTable(model=profiles.model, profiles={**profiles.profiles, **extra},
-                        source=f"{profiles.source}, TP stages' all-reduces charged")
