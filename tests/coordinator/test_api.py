@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -74,16 +77,23 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_model(tmp_path_factory.mktemp("llama") / "m", "llama")
 
 
+@asynccontextmanager
+async def serving_api(nursery: trio.Nursery, transport: Any, model: Path,
+                      **config: Any) -> AsyncIterator[httpx.AsyncClient]:
+    """A coordinator serving `model` on `transport`, and a client of its REST API (API key "k3y")."""
+    coord = Coordinator(CoordinatorConfig(token="t", **config), transport)
+    coord.enable_serving(model=str(model), model_config=load_config(model), tokenizer=load_tokenizer(model))
+    await nursery.start(coord.run)
+    app = build_app(coord, api_key="k3y")
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://api") as client:
+        yield client
+
+
 async def test_replan_endpoint_is_admin_and_checks_its_body(tiny_model: Path) -> None:
     net = MemoryNetwork()
     async with trio.open_nursery() as nursery, net.transport("coord") as ct:
-        coord = Coordinator(CoordinatorConfig(token="t"), ct)
-        coord.enable_serving(model=str(tiny_model), model_config=load_config(tiny_model),
-                             tokenizer=load_tokenizer(tiny_model))
-        await nursery.start(coord.run)
-        app = build_app(coord, api_key="k3y")
         auth = {"Authorization": "Bearer k3y"}
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://api") as client:
+        async with serving_api(nursery, ct, tiny_model) as client:
             assert (await client.post("/v1/plan", json={"method": "petals"})).status_code == 401
             r = await client.post("/v1/plan", json={"method": "magic"}, headers=auth)
             assert r.status_code == 400 and "unknown method 'magic'" in r.json()["error"]["message"]
@@ -104,13 +114,8 @@ async def test_plan_long_poll_waits_for_a_ready_plan_and_checks_its_query(tiny_m
                           mem_bandwidth_gbps=30.0, dtype="float32")
     probe = ProbeSettings(first_bytes=1024, max_bytes=1024)
     async with trio.open_nursery() as nursery, net.transport("coord") as ct, net.transport("n1") as nt:
-        coord = Coordinator(CoordinatorConfig(token="t", probe=probe), ct)
-        coord.enable_serving(model=str(tiny_model), model_config=load_config(tiny_model),
-                             tokenizer=load_tokenizer(tiny_model))
-        await nursery.start(coord.run)
-        app = build_app(coord, api_key="k3y")
         auth = {"Authorization": "Bearer k3y"}
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://api") as client:
+        async with serving_api(nursery, ct, tiny_model, probe=probe) as client:
             for query, why in (("ready=maybe", "ready must be true or false"), ("min_nodes=x", "bad query parameter"),
                                ("timeout=61", "timeout must be between 0 and 60"),
                                ("min_node=1", "unknown query parameter(s): min_node")):

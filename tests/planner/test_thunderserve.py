@@ -148,17 +148,23 @@ def test_tp_degrees_divide_every_cell_and_the_heads() -> None:
     assert tp_degrees(POOL, mixed, MODEL) == [1, 2]
 
 
+def random_lp(rng: np.random.Generator, most: int) -> tuple[int, int, list[list[float]], list[float], list[float],
+                                                             float]:
+    """A random TSTP instance: m prefill and n decode replicas (each at most `most` - 1), D, mu, nu, the rate."""
+    m, n = (int(k) for k in rng.integers(1, most, size=2))
+    d = rng.uniform(0, 1, size=(m, n)).tolist()
+    mu = rng.uniform(0.5, 4, size=m).tolist()
+    nu = rng.uniform(0.5, 4, size=n).tolist()
+    return m, n, d, mu, nu, float(rng.uniform(0.5, 8))
+
+
 def test_the_lp_respects_capacities_and_beats_every_single_pair() -> None:
     rng = np.random.default_rng(0)
     for _ in range(30):
-        m, n = rng.integers(1, 5, size=2)
-        d = rng.uniform(0, 1, size=(m, n)).tolist()
-        mu = rng.uniform(0.5, 4, size=m).tolist()
-        nu = rng.uniform(0.5, 4, size=n).tolist()
-        rate, u = float(rng.uniform(0.5, 8)), 0.9
+        m, n, d, mu, nu, rate = random_lp(rng, 5)
+        u = 0.9
         routing = orchestrate(d, mu, nu, rate, u)
-        z = np.array([[routing.routed * x * y for y in row]
-                      for x, row in zip(routing.prefill_share, routing.decode_share, strict=True)])
+        z = pair_shares(routing)
         assert routing.routed <= 1 + 1e-6
         assert (rate * z.sum(axis=1) <= np.array(mu) * u + 1e-6).all()
         assert (rate * z.sum(axis=0) <= np.array(nu) * u + 1e-6).all()
@@ -198,11 +204,7 @@ def test_a_full_link_moves_flow_to_the_next_best_pair() -> None:
 def test_a_slack_link_changes_nothing() -> None:
     rng = np.random.default_rng(1)
     for _ in range(20):
-        m, n = rng.integers(1, 4, size=2)
-        d = rng.uniform(0, 1, size=(m, n)).tolist()
-        mu = rng.uniform(0.5, 4, size=m).tolist()
-        nu = rng.uniform(0.5, 4, size=n).tolist()
-        rate = float(rng.uniform(0.5, 8))
+        m, n, d, mu, nu, rate = random_lp(rng, 4)
         # Every pair on one link fast enough for all the requests at once: never binding.
         link = LinkLoad(1e12, tuple((i, j, 1e9) for i in range(m) for j in range(n)))
         with_link, without = orchestrate(d, mu, nu, rate, 0.9, links=[link]), orchestrate(d, mu, nu, rate, 0.9)
@@ -213,11 +215,8 @@ def test_a_slack_link_changes_nothing() -> None:
 def test_the_lp_respects_link_capacities() -> None:
     rng = np.random.default_rng(2)
     for _ in range(30):
-        m, n = rng.integers(1, 5, size=2)
-        d = rng.uniform(0, 1, size=(m, n)).tolist()
-        mu = rng.uniform(0.5, 4, size=m).tolist()
-        nu = rng.uniform(0.5, 4, size=n).tolist()
-        rate, u = float(rng.uniform(0.5, 8)), 0.9
+        m, n, d, mu, nu, rate = random_lp(rng, 5)
+        u = 0.9
         links = [LinkLoad(float(rng.uniform(1e8, 2e9)),
                           tuple((i, j, float(rng.uniform(1e7, 1e9))) for i in range(m) for j in range(n)
                                 if rng.uniform() < 0.5))
