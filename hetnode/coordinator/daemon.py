@@ -48,6 +48,8 @@ from hetnode.protocol.transport import Stream, Transport
 log = logging.getLogger(__name__)
 # How long a node that leaves stays a member while the KV it sent is on its way (then it is gone anyway).
 _KV_DELIVERY_S = 10.0
+# A control message that cannot go within this is reported unsent (an assignment is tried again later).
+_CTL_SEND_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -116,6 +118,7 @@ class Coordinator:
             if self.deployment is not None and self.generator is not None:
                 nursery.start_soon(self.deployment.run)
                 nursery.start_soon(self.deployment.run_scaling)
+                nursery.start_soon(self.deployment.run_resends)
                 await nursery.start(self.generator.run)
             task_status.started()
 
@@ -280,11 +283,13 @@ class Coordinator:
     async def _send_ctl(self, peer: NodeId, msg: ProbeOrder | Assignment) -> bool:
         session = self._sessions.get(peer)
         if session is None:
+            log.info("no control stream to %s for %s", self._name(peer), type(msg).__name__)
             return False
         try:
-            with trio.move_on_after(5):
+            with trio.move_on_after(_CTL_SEND_S):
                 await session.framed.send_msg(msg)
                 return True
+            log.info("could not send %s to %s within %g s", type(msg).__name__, self._name(peer), _CTL_SEND_S)
         except (StreamClosed, OSError) as exc:
             log.info("could not send %s to %s: %s", type(msg).__name__, self._name(peer), exc)
         return False

@@ -76,6 +76,10 @@ _FOLLOW_THE_MIX = ("split", "thunderserve")
 # Kinds of re-plan that ThunderServe answers with its lightweight reschedule rather than a new search.
 _LIGHT_KINDS = ("node_lost", "node_left", "node_leaving", "workload_shift")
 _WIRE_ROLES = {"ppi": "prefill", "cpi": "mixed"}
+_UNSENT = "could not send the assignment"
+# Between tries of an assignment that could not be sent: a control stream stalls for seconds on a loaded host.
+_RESEND_FIRST_S = 0.5
+_RESEND_MAX_S = 8.0
 
 
 def _wire_role(role: str) -> str:
@@ -267,6 +271,9 @@ class Deployment:
         self.scaling: list[dict[str, object]] = []  # EcoServe's mitosis changes, newest last (GET /v1/plan)
         self._pending_method: str | None = None
         self._planning = trio.Lock()
+        # Assignments that could not be sent, by node: they go again (run_resends) while they are current.
+        self._unsent: dict[NodeId, Assignment] = {}
+        self._unsent_added = trio.Event()
         # Requests routed by a scheduler, by session: the scheduler to tell when the session ends.
         self._routed: dict[str, Scheduler] = {}
         # Queued requests: the event that wakes them, and what they got (a pipeline, or why not).
@@ -567,8 +574,40 @@ class Deployment:
                            role=roles.get(r.peer_id, "mixed") if s else "idle")  # type: ignore[arg-type]
             r.assignment, r.assignment_state = a, "sent"
             plan.ready.discard(r.peer_id)
-            if not await self.send(r.peer_id, a) and s is not None:
-                plan.failed[r.peer_id] = "could not send the assignment"
+            if await self.send(r.peer_id, a):
+                self._unsent.pop(r.peer_id, None)
+                continue
+            self._unsent[r.peer_id] = a
+            self._unsent_added.set()
+            if s is not None:
+                plan.failed[r.peer_id] = _UNSENT
+
+    async def run_resends(self) -> None:
+        """Assignments that could not be sent go again, backing off, while they are their node's newest and the
+        node a member: a control stream that stalled for a moment (a loaded host) must not leave a plan waiting
+        for a node that never heard of it."""
+        delay = _RESEND_FIRST_S
+        while True:
+            if not self._unsent:
+                await self._unsent_added.wait()
+                self._unsent_added = trio.Event()
+                delay = _RESEND_FIRST_S
+                continue
+            await trio.sleep(delay)  # a backoff between tries, not a wait for something to happen
+            delay = min(2 * delay, _RESEND_MAX_S)
+            for peer, a in list(self._unsent.items()):
+                record = self.registry.nodes.get(peer)
+                if record is None or record.assignment is not a or not self.registry.is_member(peer):
+                    del self._unsent[peer]  # replaced by a newer assignment, or the node is gone
+                    continue
+                if not await self.send(peer, a) or self._unsent.get(peer) is not a:
+                    continue
+                del self._unsent[peer]
+                log.info("assignment of plan %d reached %s on a later try", a.plan_version, record.name)
+                plan = self.plan
+                if plan is not None and plan.version == a.plan_version and plan.failed.get(peer) == _UNSENT:
+                    del plan.failed[peer]
+                    self._notify()
 
     # -- routing -----------------------------------------------------------------------------------------
 

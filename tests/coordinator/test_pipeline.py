@@ -29,7 +29,7 @@ from hetnode.node.daemon import NodeConfig, NodeDaemon
 from hetnode.node.engine import EngineConfig, SamplingParams
 from hetnode.node.hops import HopServer
 from hetnode.protocol.memory import MemoryNetwork
-from hetnode.protocol.messages import HardwareProfile, Load
+from hetnode.protocol.messages import Assignment, HardwareProfile, Load
 from hetnode.protocol.probe import ProbeSettings
 
 PROMPTS = [[5, 6, 7], list(range(20, 45)), list(range(100, 170)), [9] * 11]
@@ -47,8 +47,10 @@ def profile(bw: float) -> HardwareProfile:
 
 @asynccontextmanager
 async def network(model: Path, bandwidths: list[float], method: str = "pipeline",
-                  engine_config: EngineConfig | None = None, scheduler: str = "iwrr",
+                  engine_config: EngineConfig | None = None, scheduler: str = "iwrr", lose_assignments: int = 0,
                   ) -> AsyncIterator[tuple[PipelineGenerator, list[NodeDaemon]]]:
+    """`lose_assignments`: that many of the first assignments the coordinator sends are lost on the way, as they
+    are when a node's control stream stalls past the send timeout."""
     net = MemoryNetwork()
     cfg = load_config(model)
     async with trio.open_nursery() as nursery, net.transport("coord") as ct:
@@ -56,6 +58,14 @@ async def network(model: Path, bandwidths: list[float], method: str = "pipeline"
                                               probe=ProbeSettings(first_bytes=1024, max_bytes=1024)), ct)
         gen = coord.enable_serving(model=str(model), model_config=cfg, tokenizer=load_tokenizer(model),
                                    planning=PlanningConfig(method=method, scheduler=scheduler))
+        if lose_assignments:
+            deployment, send = gen.deployment, gen.deployment.send
+            lost = itertools.count()
+
+            async def lossy(peer: NodeId, a: Assignment) -> bool:
+                return next(lost) >= lose_assignments and await send(peer, a)
+
+            deployment.send = lossy
         await nursery.start(coord.run)
         nodes: list[NodeDaemon] = []
         async with _nodes(net, nursery, bandwidths, nodes, engine_config):
@@ -119,6 +129,18 @@ async def test_three_stage_pipeline_matches_single_process(tiny_model: Path) -> 
             await node.hops.loop.wait_idle()
             assert node.hops.loop.kv.used_blocks == 0
     assert got == want
+
+
+async def test_assignments_lost_on_the_way_go_again_and_the_plan_serves(tiny_model: Path) -> None:
+    """The first assignments never reach their nodes (their control streams stalled): the coordinator sends them
+    again, so the plan does not wait forever for nodes that never heard of it."""
+    async with LocalGenerator.open(tiny_model) as local:
+        want = await collect(local, PROMPTS[1], 8)
+    async with network(tiny_model, [30.0, 20.0], lose_assignments=3) as (gen, _nodes):
+        plan = gen.deployment.plan
+        assert plan is not None and plan.is_ready and not plan.failed
+        assert not gen.deployment._unsent
+        assert await collect(gen, PROMPTS[1], 8) == want
 
 
 async def test_stage_dropping_out_mid_request_moves_the_request(tiny_model: Path) -> None:
