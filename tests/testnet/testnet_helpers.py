@@ -31,10 +31,22 @@ def start_testnet(state_dir: Path, model: str, nodes: int = 3, *, cluster: Path 
     if ready:
         try:
             wait_for_ready_plan(state["api"], key=state.get("api_key"))
+        except AssertionError as exc:
+            stop_testnet(state_dir)
+            raise AssertionError(f"{exc}\n{log_tails(state_dir)}") from None
         except BaseException:
             stop_testnet(state_dir)
             raise
     return state
+
+
+def log_tails(state_dir: Path, lines: int = 40) -> str:
+    """The last lines of each process's log: what a test that gave up waiting shows of why."""
+    out = []
+    for log in sorted((state_dir / "logs").glob("*.log")):
+        tail = log.read_text(errors="replace").splitlines()[-lines:]
+        out.append(f"--- last {len(tail)} lines of {log.name}:\n" + "\n".join(tail))
+    return "\n".join(out)
 
 
 def wait_for_ready_plan(api: str, timeout_s: float = 300, *, nodes: int | None = None, key: str | None = None,
