@@ -219,7 +219,7 @@ def roofline_profile(device: DeviceSpec, model: ModelSpec, *, kv_share: float = 
     memory = device.memory_bytes if memory_bytes is None else memory_bytes
     bpe = round(model.bytes_per_param)
     link = gpu_link or PCIE_LINK
-    bps, latency = link.bandwidth_mbps * 1e6 / 8, link.latency_ms / 1e3
+    bps, latency = link.bytes_per_s, link.latency_s
 
     def all_reduces(tokens: int) -> float:
         return tp_layer_s(device.count, tokens, model.activation_bytes, bps, latency)

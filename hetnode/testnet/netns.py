@@ -144,7 +144,7 @@ def shape(layout: NetnsLayout, cluster: ClusterSpec) -> dict[tuple[str, str], fl
             rate = f"{link.bandwidth_mbps:g}mbit"
             # A burst of a few milliseconds at the rate (at least 32 KiB): HTB's default burst is sized for
             # the timer of slow machines and lets fast bulk probes run over the rate.
-            burst = max(32 * 1024, int(link.bandwidth_mbps * 1e6 / 8 * 0.004))
+            burst = max(32 * 1024, int(link.bytes_per_s * 0.004))
             _run("ip", "netns", "exec", ns, "tc", "class", "add", "dev", dev, "parent", "1:", "classid",
                  f"1:{minor}", "htb", "rate", rate, "ceil", rate, "burst", str(burst), "cburst", str(burst))
             _run("ip", "netns", "exec", ns, "tc", "filter", "add", "dev", dev, "protocol", "ip", "parent", "1:",

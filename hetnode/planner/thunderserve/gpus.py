@@ -59,9 +59,8 @@ def gpu_pool(cluster: ClusterSpec) -> GpuPool:
                 bw_row.append(math.inf if a.name == b.name else 0.0)
                 lat_row.append(0.0)
                 continue
-            bps = link.bandwidth_mbps * 1e6 / 8
-            bw_row.append(min(bps, FAST_BPS))
-            lat_row.append(link.latency_ms / 1000)
+            bw_row.append(min(link.bytes_per_s, FAST_BPS))
+            lat_row.append(link.latency_s)
         bandwidth.append(tuple(bw_row))
         latency.append(tuple(lat_row))
     return GpuPool(gpus=gpus, bandwidth=tuple(bandwidth), latency=tuple(latency))

@@ -248,7 +248,7 @@ def _all_reduce_layer_s(pool: GpuPool, stage: Stage, tokens: float, activation_b
         return 0.0
     bps, latency = math.inf, 0.0
     if first.device.count > 1:
-        bps, latency = first.gpu_link.bandwidth_mbps * 1e6 / 8, first.gpu_link.latency_ms / 1e3
+        bps, latency = first.gpu_link.bytes_per_s, first.gpu_link.latency_s
     if len(stage.gpus) > 1:
         a, b = stage.gpus[0], stage.gpus[1]
         bps, latency = min(bps, pool.bandwidth[a][b]), max(latency, pool.latency[a][b])
