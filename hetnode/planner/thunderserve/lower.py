@@ -35,6 +35,8 @@ class Solution:
     handoffs: tuple[tuple[Handoff, ...], ...]
     routing: Routing
     score: Score
+    # requests/s each decode replica's KV sustains held from admission, at the capacity-proportional mix of pairs
+    decode_capacity: tuple[float, ...] = ()
 
 
 @dataclass
@@ -102,7 +104,7 @@ class LowerLevel:
         routing = orchestrate(d, mu, nu, traffic.rate, self.options.utilization, self._lp,
                               link_loads(self.pool, handoffs), residency)
         score = (round(routing.attainment, 9), headroom)
-        return Solution(dep, prefill, decode, d, handoffs, routing, score)
+        return Solution(dep, prefill, decode, d, handoffs, routing, score, tuple(nu_mix))
 
     def handoff(self, prefill: Configured, decode: Configured) -> Handoff:
         key = (prefill.layout.gpus, decode.layout.gpus)
