@@ -3,12 +3,14 @@
 
 For the plan `reproduce_thunderserve.py` makes of each traffic (thunderserve-cloud-gpus, LLaMA-30B, planned at
 4 requests/s), prints each replica's capacity as the planner has it (prefill: prompts/s, the mu_i of the TSTP
-LP; decode: requests/s at its batch, nu_j; and the decode batch it assumes) beside what the simulator sustains
+LP; decode: requests/s its KV sustains at its batch, nu_j over the residency ratio of the pairs the orchestration
+sends it; and the decode batch it assumes) beside what the simulator sustains
 for it in a saturating (offline) run: the requests the replica served per second (the run's throughput in
 the orchestration's shares) divided by the busy share of
 its busiest stage (a replica whose busiest stage is busy b of the time while serving r requests/s sustains
 r / b), the decode stages' mean and largest batch, and how long a decode replica's KV holds a request (the
-planner: output_len x TPOT; the simulator: admission to last token, as the scheduler books it), each node's
+planner: prefill, hand-off and output_len x TPOT, `slo.decode_residency`; the simulator: admission to last
+token, as the scheduler books it), each node's
 busy share and KV use, and the busiest links.
 
     .venv/bin/python scripts/diagnose_thunderserve_phases.py [--duration 120] [--traffic code conv]
@@ -31,7 +33,8 @@ from reproduce_thunderserve import Lab, cluster
 from hetnode.planner.placement import PlannerOptions, plan_placement
 from hetnode.planner.profile_sources import profile_table_for
 from hetnode.planner.thunderserve.gpus import gpu_pool
-from hetnode.planner.thunderserve.parallel import Layout, Stage, performance
+from hetnode.planner.thunderserve.parallel import Layout, Performance, Stage, performance
+from hetnode.planner.thunderserve.slo import decode_residency, kv_handoff
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -60,20 +63,35 @@ def main(argv: list[str] | None = None) -> int:
               f"({args.duration:.0f} s, warm-up {lab.warmup_s:.0f} s)")
         done = [q for q in result.requests if q.measured and q.finished and math.isfinite(q.admitted)]
         # A decode replica's KV holds a request from its admission (the scheduler books both replicas then) to
-        # its last token; the planner's nu_j counts only the decode (output_len x TPOT at its batch).
+        # its last token; so does the planner's (the prefill, the hand-off and output_len x TPOT at its batch).
         held = statistics.fmean(q.finish - q.admitted for q in done) if done else math.nan
         print(f"{'replica':10} {'stages':>6} {'planner /s':>10} {'batch':>6}   {'sim served /s':>13} "
               f"{'busiest':>8} {'sim sustains /s':>15} {'sim/planner':>11} {'sim batch mean/max':>18} "
               f"{'KV held s planner/sim':>22}")
+        layouts: dict[str, list[tuple[Layout, Performance]]] = {"prefill": [], "decode": []}
+        for r in plan.replicas:
+            cells = [r.nodes[s:s + r.tp] for s in range(0, len(r.nodes), r.tp)]
+            layout = Layout(tp=r.tp, stages=tuple(Stage(tuple(index[n] for n in cell), *ranges[cell[0]])
+                                                  for cell in cells))
+            layouts[r.role].append((layout, performance(pool, layout, lab.model, opts)))
+        # The planner's residency of a request on decode replica j (prefill on i, hand-off, decode: `slo.
+        # decode_residency`), averaged over the pairs in the orchestration's shares X_i Y_ij.
+        held_planned: list[float] = []
+        for j, (dlay, dperf) in enumerate(layouts["decode"]):
+            pairs = [(x * y[j], decode_residency(pperf, kv_handoff(pool, play, dlay, lab.model, opts).seconds, dperf,
+                                                 opts.traffic.output_len))
+                     for (play, pperf), x, y in zip(layouts["prefill"], orch.prefill_share, orch.decode_share,
+                                                    strict=True)]
+            weight = sum(w for w, _ in pairs)
+            ratio = sum(w * v for w, v in pairs) / weight if weight > 0 else min(v for _, v in pairs)
+            held_planned.append(ratio)
         counts = Counter[str]()
         for r in plan.replicas:
             k = counts[r.role]
             counts[r.role] += 1
             cells = [r.nodes[s:s + r.tp] for s in range(0, len(r.nodes), r.tp)]
-            layout = Layout(tp=r.tp, stages=tuple(Stage(tuple(index[n] for n in cell), *ranges[cell[0]])
-                                                  for cell in cells))
-            perf = performance(pool, layout, lab.model, opts)
-            est = perf.prefill_rate if r.role == "prefill" else perf.decode_rate
+            perf = layouts[r.role][k][1]
+            est = perf.prefill_rate if r.role == "prefill" else perf.decode_rate / held_planned[k]
             leads = [cell[0] for cell in cells]
             busiest = max(stats[n].utilization for n in leads)
             # served by this replica: the run's completions in the orchestration's shares (X_i; sum_i X_i Y_ij)
@@ -83,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
             sustains = rate / busiest if busiest > 0 else float("nan")
             batch = (f"{max(stats[n].mean_batch for n in leads):.1f}/{max(stats[n].max_batch for n in leads)}"
                      if r.role == "decode" else "")
-            kv_held = (f"{perf.tpot[-1][1] * opts.traffic.output_len:.1f}/{held:.1f}" if r.role == "decode" else "")
+            decode_s = perf.tpot[-1][1] * opts.traffic.output_len
+            kv_held = (f"{decode_s * held_planned[k]:.1f}/{held:.1f}" if r.role == "decode" else "")
             print(f"{r.role[0]}{k:<9} {len(cells):>6} {est:>10.2f} "
                   f"{perf.max_batch if r.role == 'decode' else '':>6}   {rate:>13.2f} {busiest:>8.0%} "
                   f"{sustains:>15.2f} {sustains / est if est else float('nan'):>11.2f} {batch:>18} {kv_held:>22}")

@@ -23,7 +23,8 @@ from hetnode.planner.thunderserve.lower import LowerLevel, link_loads
 from hetnode.planner.thunderserve.neighbours import MOVES, neighbour
 from hetnode.planner.thunderserve.orchestration import LinkLoad, Routing, orchestrate
 from hetnode.planner.thunderserve.parallel import DECODE, PREFILL, configure, partition, tp_degrees
-from hetnode.planner.thunderserve.settings import ThunderServeOptions
+from hetnode.planner.thunderserve.settings import ThunderServeOptions, Traffic
+from hetnode.planner.thunderserve.slo import decode_residency
 from hetnode.planner.thunderserve.stage_order import best_order, path_cost
 from hetnode.planner.validate import validate_plan
 
@@ -224,6 +225,60 @@ def test_the_lp_respects_link_capacities() -> None:
         z = pair_shares(orchestrate(d, mu, nu, rate, u, links=links))
         for link in links:
             assert sum(rate * z[i, j] * b for i, j, b in link.pairs) <= u * link.bytes_per_s * (1 + 1e-6)
+
+
+def test_a_decode_replica_held_through_the_prefill_takes_less() -> None:
+    # One decode replica (nu 3/s for its decode alone); a request from prefill replica 0 holds its KV for its decode
+    # alone (r 1), one from replica 1 three times as long (a long prefill and hand-off first), so by Little's law
+    # the replica's KV holds 3 Z_1 lambda requests of the latter where it would hold Z_1 lambda.
+    d, nu, rate, u = [[0.9], [0.9]], [3.0], 3.0, 0.9
+    assert orchestrate(d, [10.0, 10.0], nu, rate, u, residency=[[2.0], [2.0]]).routed == pytest.approx(0.45)
+    # The short pair first, as far as its prefill replica goes (u x 1.5 / 3 = 0.45), the long one the rest:
+    # 0.45 + 3 Z_1 <= 0.9.
+    z = pair_shares(orchestrate(d, [1.5, 10.0], nu, rate, u, residency=[[1.0], [3.0]]))
+    assert z[:, 0].tolist() == pytest.approx([0.45, 0.15])
+    # A pair that cannot hand its KV over takes nothing, even though every D is 0 and eps would route it.
+    assert orchestrate([[0.0]], [10.0], nu, rate, u, residency=[[math.inf]]).routed == 0.0
+    with pytest.raises(ValueError):
+        orchestrate(d, [1.0, 1.0], nu, rate, u, residency=[[0.5], [1.0]])
+
+
+def test_the_lp_bounds_each_decode_replicas_kv_by_littles_law() -> None:
+    rng = np.random.default_rng(3)
+    for _ in range(30):
+        m, n, d, mu, nu, rate = random_lp(rng, 5)
+        u = 0.9
+        r = rng.uniform(1, 4, size=(m, n))
+        z = pair_shares(orchestrate(d, mu, nu, rate, u, residency=r.tolist()))
+        assert (rate * (r * z).sum(axis=0) <= np.array(nu) * u + 1e-6).all()
+        assert (rate * z.sum(axis=1) <= np.array(mu) * u + 1e-6).all()
+
+
+def test_a_long_prefill_cuts_its_decode_replicas_rate_by_the_residency() -> None:
+    # Coding (2,048-token prompts, 28 output tokens): a prefill pipeline takes about as long as the decode, so
+    # the decode replica's KV, booked at admission, holds each request about twice its decode. Every group but
+    # one A5000 instance prefills, so that replica's KV bounds what the plan serves.
+    options = replace(QUICK, traffic=Traffic(input_len=2048, output_len=28, rate=40.0))
+    names = {g.name: i for i, g in enumerate(POOL.gpus)}
+    decode_gpus = tuple(names[f"4xa5000-0-gpu{k}"] for k in range(4))
+    groups = [Group(g.gpus, DECODE if set(g.gpus) == set(decode_gpus) else PREFILL) for g in start(2).groups]
+    assert sum(g.role == DECODE for g in groups) == 1
+    solution = LowerLevel(POOL, MODEL, options).solve(Deployment.of(groups))
+    assert solution is not None and len(solution.decode) == 1
+    decode = solution.decode[0][1].performance
+    decode_s = options.traffic.output_len * decode.tpot[-1][1]
+    r = []
+    for i, (_, prefill) in enumerate(solution.prefill):
+        handoff_s = solution.handoffs[i][0].seconds
+        r.append(decode_residency(prefill.performance, handoff_s, decode, options.traffic.output_len))
+        assert r[-1] == pytest.approx((prefill.performance.prefill_s + handoff_s + decode_s) / decode_s)
+    assert min(r) > 1.5
+    z = pair_shares(solution.routing)[:, 0]
+    rate, u = options.traffic.rate, options.utilization
+    assert rate * float(np.dot(r, z)) == pytest.approx(u * decode.decode_rate)  # its KV binds
+    # Priced for the decode alone it would take u x nu; held from admission, at most u x nu / r of the best pair.
+    assert rate * z.sum() <= u * decode.decode_rate / min(r) + 1e-6
+    assert sum(p.performance.prefill_rate for _, p in solution.prefill) > decode.decode_rate  # prefill does not bind
 
 
 def test_the_search_keeps_fp16_hand_offs_within_the_links() -> None:

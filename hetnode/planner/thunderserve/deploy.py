@@ -54,9 +54,12 @@ def plan_of(cluster: ClusterSpec, model: ModelSpec, pool: GpuPool, best: Solutio
             placements += [NodePlacement(pool.gpus[g].name, s.first_layer, s.last_layer)
                            for s in c.layout.stages for g in s.gpus]
             perf = c.performance
+            held = (f" for the decode alone, {best.decode_capacity[k]:.2f} held from admission"
+                    if role == "decode" and k < len(best.decode_capacity) else "")
             lines.append(f"{role} {k}: (tp {c.layout.tp}, pp {len(c.layout.stages)}), layers "
                          f"{[s.layers for s in c.layout.stages]}, prefill {perf.prefill_s:.3f} s at "
-                         f"{perf.prefill_rate:.2f}/s, decode batch {perf.max_batch} at {perf.decode_rate:.2f} req/s")
+                         f"{perf.prefill_rate:.2f}/s, decode batch {perf.max_batch} at {perf.decode_rate:.2f} req/s"
+                         f"{held}")
     routing = best.routing
     traffic = options.traffic
     slo = LowerLevel(pool, model, options).slo

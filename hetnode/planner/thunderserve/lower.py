@@ -11,6 +11,7 @@ phase sustains, min(sum of prefill rates, sum of decode rates). None: some group
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -20,7 +21,7 @@ from hetnode.planner.thunderserve.gpus import GpuPool
 from hetnode.planner.thunderserve.orchestration import LinkLoad, Routing, Solver, orchestrate
 from hetnode.planner.thunderserve.parallel import DECODE, PREFILL, Configured, configure, performance
 from hetnode.planner.thunderserve.settings import ThunderServeOptions
-from hetnode.planner.thunderserve.slo import Handoff, Slo, attainment, kv_handoff, slo_for
+from hetnode.planner.thunderserve.slo import Handoff, Slo, attainment, decode_residency, kv_handoff, slo_for
 
 Score = tuple[float, float]
 
@@ -34,6 +35,8 @@ class Solution:
     handoffs: tuple[tuple[Handoff, ...], ...]
     routing: Routing
     score: Score
+    # requests/s each decode replica's KV sustains held from admission, at the capacity-proportional mix of pairs
+    decode_capacity: tuple[float, ...] = ()
 
 
 @dataclass
@@ -79,30 +82,44 @@ class LowerLevel:
         decode = tuple((g, c) for g, c in configs if c is not None and g.role == DECODE)
         traffic = self.options.traffic
         mu = [c.performance.prefill_rate for _, c in prefill]
+        handoffs = tuple(tuple(self.handoff(p, d) for _, d in decode) for _, p in prefill)
+        residency = [[decode_residency(p.performance, handoffs[i][j].seconds, q.performance, traffic.output_len)
+                      for j, (_, q) in enumerate(decode)] for i, (_, p) in enumerate(prefill)]
         nu = [c.performance.decode_rate for _, c in decode]
-        headroom = min(sum(mu), sum(nu))
+        # What each decode replica's KV sustains with requests from the prefill replicas in proportion to their
+        # capacity (the mix D is estimated at): its decode-alone rate over the mix's mean residency ratio.
+        nu_mix = [nu[j] / _mix(mu, [residency[i][j] for i in range(len(prefill))]) for j in range(len(decode))]
+        headroom = min(sum(mu), sum(nu_mix))
         # D at loads in proportion to capacity (orchestration.py says why), of what the LP can route at most:
         # past u x capacity it leaves requests unrouted, and those it routes see the capped load, not the
         # whole rate (which would make every D 0 on an overloaded phase).
         u = self.options.utilization
         load_p = [min(traffic.rate, u * sum(mu)) * x / sum(mu) for x in mu] if mu else []
-        load_d = ([min(traffic.rate, u * sum(nu)) * x / sum(nu) for x in nu] if nu and sum(nu) > 0
+        load_d = ([min(traffic.rate, u * sum(nu_mix)) * x / sum(nu_mix) for x in nu_mix] if nu_mix and sum(nu_mix) > 0
                   else [0.0] * len(nu))
-        handoffs = tuple(tuple(self.handoff(p, d) for _, d in decode) for _, p in prefill)
         d = tuple(tuple(attainment(p.performance, load_p[i], q.performance, load_d[j], handoffs[i][j].seconds,
-                                   self.slo, traffic.output_len)
+                                   self.slo, traffic.output_len, nu_mix[j])
                         for j, (_, q) in enumerate(decode))
                   for i, (_, p) in enumerate(prefill))
         routing = orchestrate(d, mu, nu, traffic.rate, self.options.utilization, self._lp,
-                              link_loads(self.pool, handoffs))
+                              link_loads(self.pool, handoffs), residency)
         score = (round(routing.attainment, 9), headroom)
-        return Solution(dep, prefill, decode, d, handoffs, routing, score)
+        return Solution(dep, prefill, decode, d, handoffs, routing, score, tuple(nu_mix))
 
     def handoff(self, prefill: Configured, decode: Configured) -> Handoff:
         key = (prefill.layout.gpus, decode.layout.gpus)
         if key not in self._handoffs:
             self._handoffs[key] = kv_handoff(self.pool, prefill.layout, decode.layout, self.model, self.options)
         return self._handoffs[key]
+
+
+def _mix(weights: list[float], ratios: list[float]) -> float:
+    """The mean of the finite `ratios` weighted by `weights` (inf when none is finite: nothing reaches it)."""
+    finite = [(w, r) for w, r in zip(weights, ratios, strict=True) if math.isfinite(r)]
+    total = sum(w for w, _ in finite)
+    if not finite or total <= 0:
+        return math.inf if not finite else max(r for _, r in finite)
+    return sum(w * r for w, r in finite) / total
 
 
 def link_loads(pool: GpuPool, handoffs: tuple[tuple[Handoff, ...], ...]) -> list[LinkLoad]:

@@ -7,9 +7,17 @@ Z_ij = X_i Y_ij the share of all requests routed through pair (i, j) and lambda 
     maximize    sum_ij (D_ij + eps) Z_ij
     subject to  sum_ij Z_ij <= 1
                 lambda sum_j Z_ij <= u mu_i       for every prefill replica i (prompts/s it sustains)
-                lambda sum_i Z_ij <= u nu_j       for every decode replica j (requests/s it sustains)
+                lambda sum_i r_ij Z_ij <= u nu_j  for every decode replica j (requests/s it sustains)
                 lambda sum_ij b_ijl Z_ij <= u B_l  for every link l that KV hand-offs cross
                 Z_ij >= 0
+
+nu_j is what replica j's KV sustains when a request holds it for its decode alone (max_batch / (output_len x
+TPOT)); r_ij >= 1 is how much longer a request through pair (i, j) holds it (`slo.decode_residency`): the
+scheduler books the decode KV when it admits the request, so it is held through the prefill on i and the
+hand-off too. By Little's law replica j's KV then holds lambda sum_i Z_ij R_ij requests, which the row bounds by
+u max_batch_j (divided through by the decode time). Without r, a long prefill pipeline's decode replica was
+planned at twice what its KV served (docs/reproducing-thunderserve.md). A pair with no way to hand its KV over
+(r infinite) takes nothing.
 
 b_ijl is the bytes one request's KV puts on link l when it goes from prefill replica i to decode replica j (at
 the codec that link uses) and B_l the link's bandwidth (bytes/s). Without these rows each pair's transfer is
@@ -30,6 +38,7 @@ Solved with HiGHS (the simplex, a few milliseconds).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -74,8 +83,12 @@ class Solver:
 
 def orchestrate(d: Sequence[Sequence[float]], prefill_caps: Sequence[float], decode_caps: Sequence[float],
                 rate: float, utilization: float, solver: Solver | None = None,
-                links: Sequence[LinkLoad] = ()) -> Routing:
+                links: Sequence[LinkLoad] = (), residency: Sequence[Sequence[float]] | None = None) -> Routing:
+    """The LP of the module docstring; `residency` is r_ij (None: every r_ij is 1, the decode alone)."""
     m, n = len(prefill_caps), len(decode_caps)
+    r = [[1.0] * n for _ in range(m)] if residency is None else [list(row) for row in residency]
+    if len(r) != m or any(len(row) != n or not all(v >= 1.0 for v in row) for row in r):
+        raise ValueError(f"residency must be {m} x {n} ratios >= 1, not {residency}")
     if m == 0 or n == 0:
         # One phase has no replica: nothing is served (a deployment the search moves away from).
         return Routing((1.0 / m,) * m if m else (), tuple(() for _ in range(m)), 0.0, 0.0)
@@ -85,11 +98,13 @@ def orchestrate(d: Sequence[Sequence[float]], prefill_caps: Sequence[float], dec
     lp.num_col_ = k
     lp.col_cost_ = np.array([d[i][j] + EPS for i in range(m) for j in range(n)], dtype=float)
     lp.col_lower_ = np.zeros(k)
-    lp.col_upper_ = np.full(k, np.inf)
+    lp.col_upper_ = np.array([0.0 if math.isinf(r[i][j]) else np.inf for i in range(m) for j in range(n)])
     starts, index, values, lower, upper = [0], [], [], [], []
     rows: list[tuple[list[int], list[float], float]] = [(list(range(k)), [1.0] * k, 1.0)]
     rows += [([i * n + j for j in range(n)], [1.0] * n, utilization * prefill_caps[i] / rate) for i in range(m)]
-    rows += [([i * n + j for i in range(m)], [1.0] * m, utilization * decode_caps[j] / rate) for j in range(n)]
+    for j in range(n):
+        finite = [i for i in range(m) if math.isfinite(r[i][j])]
+        rows.append(([i * n + j for i in finite], [r[i][j] for i in finite], utilization * decode_caps[j] / rate))
     for link in links:
         # Seconds of the link each routed share takes per second of arrivals: sum of those <= u.
         per_pair: dict[int, float] = {}

@@ -11,7 +11,8 @@ every pair of every deployment the tabu search looks at:
   (KVCodecPolicy.choose on the exact packed sizes of hetnode.protocol.kv_wire: one policy for the runtime,
   the simulator and the planner), alpha + bytes / beta (Eq. 1).
 - Replica j decodes at the batch its load keeps in flight (Little: lambda_j x output_len x TPOT), and its TPOT
-  at that batch is the layout's decode cycle.
+  at that batch is the layout's decode cycle. Its KV holds each request longer than that, from admission to the
+  last token (`decode_residency`), which bounds the rate it sustains.
 
 A request attains the SLO when TTFT = wait + prefill_s <= the TTFT SLO, TPOT <= the TPOT SLO, and wait +
 prefill_s + KV + output_len x TPOT <= the end-to-end SLO: with TPOT deterministic here, D_ij is the
@@ -109,11 +110,27 @@ def decode_tpot(perf: Performance, rate: float, output_len: float) -> float:
     return tpot
 
 
+def decode_residency(prefill: Performance, handoff_s: float, decode: Performance, output_len: float) -> float:
+    """r_ij: how many times its decode alone a request through this pair holds the decode replica's KV.
+
+    The scheduler (CLS, coordinator/split_scheduler.py) books the decode KV when it admits a request, so the KV is
+    held through the prefill (`prefill_s`) and the hand-off (`handoff_s`) before the decode (output_len x TPOT at
+    the batch `decode_rate` assumes, its largest). The prefill queue is left out: a request waits for a pair with
+    room before it is admitted, not after. inf: the pair cannot hand its KV over."""
+    decode_s = output_len * decode.tpot[-1][1]
+    if not math.isfinite(handoff_s):
+        return math.inf
+    return (prefill.prefill_s + handoff_s + decode_s) / decode_s if decode_s > 0 else 1.0
+
+
 def attainment(prefill: Performance, prefill_load: float, decode: Performance, decode_load: float,
-               handoff_s: float, slo: Slo, output_len: float) -> float:
-    """D_ij: the share of requests through this pair that meet every SLO, at these loads (requests/s)."""
+               handoff_s: float, slo: Slo, output_len: float, decode_capacity: float | None = None) -> float:
+    """D_ij: the share of requests through this pair that meet every SLO, at these loads (requests/s).
+    decode_capacity: the requests/s the decode replica's KV sustains at the mix it serves (`decode_rate` divided by
+    the mix's residency ratio); None: its decode_rate."""
     mu = prefill.prefill_rate
-    if prefill_load >= mu or decode_load >= decode.decode_rate or not math.isfinite(handoff_s):
+    nu = decode.decode_rate if decode_capacity is None else decode_capacity
+    if prefill_load >= mu or decode_load >= nu or not math.isfinite(handoff_s):
         return 0.0
     tpot = decode_tpot(decode, decode_load, output_len)
     if tpot > slo.tpot_s:
