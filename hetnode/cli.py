@@ -73,7 +73,8 @@ def _planning_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reschedule-shift", type=_non_negative, default=0.0, metavar="F",
                    help="re-plan a split deployment for the observed mix when its mean prompt or output length "
                         "moves by more than this share from what it was sized for, over the last "
-                        "--workload-window seconds (0, the default: never)")
+                        "--workload-window seconds, and a thunderserve one also when the arrival rate does "
+                        "(0, the default: never)")
     p.add_argument("--workload-window", type=_positive, default=120.0, metavar="S",
                    help="seconds of requests the coordinator's view of the workload covers (default: 120)")
     p.add_argument("--slo", type=_slo, default=(5.0, 0.1), metavar="TTFT,TPOT",

@@ -2,7 +2,8 @@
 """Where ThunderServe's planner and the simulator disagree, per replica and phase (issue 14).
 
 For the plan `reproduce_thunderserve.py` makes of each traffic (thunderserve-cloud-gpus, LLaMA-30B, planned at
-4 requests/s), prints each replica's capacity as the planner has it (prefill: prompts/s, the mu_i of the TSTP
+4 requests/s, and routed for a saturating run as it routes one: by the TSTP solved at what the planner expects the
+plan to sustain), prints each replica's capacity as the planner has it (prefill: prompts/s, the mu_i of the TSTP
 LP; decode: requests/s its KV sustains at its batch, nu_j over the residency ratio of the pairs the orchestration
 sends it; and the decode batch it assumes) beside what the simulator sustains
 for it in a saturating (offline) run: the requests the replica served per second (the run's throughput in
@@ -23,6 +24,7 @@ import math
 import statistics
 import sys
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -34,6 +36,7 @@ from hetnode.planner.placement import PlannerOptions, plan_placement
 from hetnode.planner.profile_sources import profile_table_for
 from hetnode.planner.thunderserve.gpus import gpu_pool
 from hetnode.planner.thunderserve.parallel import Layout, Performance, Stage, performance
+from hetnode.planner.thunderserve.reschedule import reschedule, sustained_rate
 from hetnode.planner.thunderserve.slo import decode_residency, kv_handoff
 
 
@@ -52,6 +55,9 @@ def main(argv: list[str] | None = None) -> int:
         plan = plan_placement(cloud, lab.model, profile_table_for(cloud, lab.model, "roofline",
                                                                   kv_share=opts.kv_reserve),
                               method="thunderserve", options=PlannerOptions(seed=lab.seed, thunderserve=opts))
+        # Routed as reproduce_thunderserve routes a saturating run: by the TSTP solved at what the plan sustains.
+        at = sustained_rate(plan, cloud, lab.model, opts)
+        plan = reschedule(plan, cloud, lab.model, replace(opts, traffic=replace(opts.traffic, rate=at)), steps=0)
         result = lab.run(f"thunderserve {traffic}", cloud, plan, traffic, None, opts.kv_reserve)
         stats = {n.name: n for n in result.nodes}
         total = result.summary["request_throughput"]

@@ -73,6 +73,8 @@ PLAN_BYTES_PER_PARAM = 2
 METHODS = ("helix", "petals", "swarm", "sp", "sp+", "pipeline", "split", "cronus", "thunderserve", "ecoserve")
 # The methods that follow a shift of the request mix, when --reschedule-shift is set.
 _FOLLOW_THE_MIX = ("split", "thunderserve")
+# The arrival rate a ThunderServe plan is made for while no request has come in yet.
+_RATE_UNSEEN = 1.0
 # Kinds of re-plan that ThunderServe answers with its lightweight reschedule rather than a new search.
 _LIGHT_KINDS = ("node_lost", "node_left", "node_leaving", "workload_shift")
 _WIRE_ROLES = {"ppi": "prefill", "cpi": "mixed"}
@@ -98,7 +100,8 @@ class PlanningConfig:
     # The workload a phase-split plan sizes its pools for: prompt and output tokens of a typical request.
     split_workload: tuple[int, int] = (Workload.input_len, Workload.output_len)
     # A phase-split plan is made again for the observed mix when its mean prompt or output length moves by more
-    # than this share from what the plan was sized for, over the last `workload_window_s` (0: never).
+    # than this share from what the plan was sized for, over the last `workload_window_s` (0: never); a
+    # ThunderServe plan also when the arrival rate moves so from the rate it was made for.
     reschedule_shift: float = 0.0
     workload_window_s: float = 120.0
     # The TTFT and TPOT SLOs in seconds: ThunderServe's orchestration maximizes the share of requests meeting
@@ -279,9 +282,11 @@ class Deployment:
         # Queued requests: the event that wakes them, and what they got (a pipeline, or why not).
         self._waiting: dict[str, tuple[Scheduler, trio.Event]] = {}
         self._outcome: dict[str, Route | str] = {}
-        # The requests' lengths and arrivals (GET /v1/plan; a phase-split plan follows a shift of the mix).
+        # The requests' lengths and arrivals (GET /v1/plan; a phase-split plan follows a shift of the mix, and a
+        # ThunderServe plan, whose orchestration is solved for a rate, a shift of the arrival rate too).
         self.workload = WorkloadMonitor(self.planning.split_workload, window_s=self.planning.workload_window_s,
-                                        shift=self.planning.reschedule_shift or 0.5)
+                                        shift=self.planning.reschedule_shift or 0.5,
+                                        rate=_RATE_UNSEEN if self.planning.method == "thunderserve" else None)
         # Told each plan that starts serving (a coordinator with --state-dir saves it).
         self.on_serving: Callable[[Plan], None] | None = None
         # The plan that served before a restart, served again once its nodes are back (restore()).
@@ -309,6 +314,8 @@ class Deployment:
             prompt, output = self.workload.rebase(now)
             self.planning = replace(self.planning, split_workload=(max(1, round(prompt)), max(0, round(output))))
             log.info("workload shift (%s): planning the phase-split deployment again", why)
+            # ThunderServe re-plans at the window's rate (`_thunderserve`); the split planner reads no rate, and
+            # the monitor judges none for it, so a rate shift alone never re-plans a split deployment.
             self.membership_changed(f"workload shift: {why}")
 
     def request_finished(self, output_len: int) -> None:
@@ -473,6 +480,8 @@ class Deployment:
             raise ConfigError("no up member can hold a layer" if members else "no nodes are up")
         cluster = live_cluster(self.registry, self.coordinator, self.home_region, usable)
         restored, self._restored = self._restored, None  # once: later plans follow the members
+        # Only a ThunderServe plan is made for a rate (`_thunderserve` states it); a restored plan's is not known.
+        self.workload.planned_at(None)
         if restored is not None:
             if _fits(restored, self.spec, self.planning.method, usable):
                 return self._served_again(restored, cluster, profiles), profiles
@@ -504,10 +513,10 @@ class Deployment:
         reschedule of the plan in use instead (§3.4: surviving groups keep their layers, phases may flip), unless
         no group of it survives or a node it does not know has joined."""
         prompt, output = self.planning.split_workload
-        rate = self.workload.mix(trio.current_time()).rate
-        options = ThunderServeOptions(traffic=Traffic(input_len=prompt, output_len=max(1, output),
-                                                      rate=rate if rate > 0 else 1.0),
+        rate = self.workload.mix(trio.current_time()).rate or _RATE_UNSEEN
+        options = ThunderServeOptions(traffic=Traffic(input_len=prompt, output_len=max(1, output), rate=rate),
                                       slo_s=self.planning.slo_s)
+        self.workload.planned_at(rate)  # a shift of the arrival rate is judged against this one from now on
         current = self.plan.placement if self.plan is not None else None
         up = {str(r.peer_id) for r in usable}
         if (current is not None and current.method == "thunderserve" and kind in _LIGHT_KINDS
@@ -786,4 +795,4 @@ class Deployment:
                 "history": self.history, "scaling": self.scaling,
                 "workload": {"window_s": mix.window_s, "arrivals": mix.arrivals, "finished": mix.finished,
                              "rate": mix.rate, "mean_input": mix.mean_input, "mean_output": mix.mean_output,
-                             "planned_for": list(self.workload.baseline)}}
+                             "planned_for": list(self.workload.baseline), "planned_rate": self.workload.rate}}

@@ -10,11 +10,15 @@ import pytest
 import trio
 import trio.testing
 
+from hetnode.coordinator import deployment as deployment_module
 from hetnode.coordinator.deployment import Deployment, PlanningConfig
 from hetnode.coordinator.registry import Registry
+from hetnode.errors import ConfigError
 from hetnode.ids import NodeId
 from hetnode.models.resolve import load_config
 from hetnode.models.tiny import write_tiny_model
+from hetnode.planner.plan import PlacementPlan
+from hetnode.planner.thunderserve.settings import ThunderServeOptions
 
 
 @pytest.fixture(scope="module")
@@ -67,5 +71,59 @@ def test_other_methods_are_not_replanned_for_a_shift(tiny_model: Path) -> None:
         d = deployment(tiny_model, PlanningConfig(method="helix", reschedule_shift=0.5, workload_window_s=60))
         await feed(d, 120, 3000, 40)
         assert d._pending_reason == "initial"
+
+    trio.run(run, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+async def arrive(d: Deployment, n: int, gap: float, prompt: int = 750, output: int = 240) -> None:
+    """`n` requests of one mix, one every `gap` seconds."""
+    for _ in range(n):
+        d.request_arrived(prompt)
+        d.request_finished(output)
+        await trio.sleep(gap)
+
+
+@pytest.mark.parametrize("method", ["thunderserve", "split"])
+def test_a_shift_of_the_arrival_rate_replans_a_thunderserve_deployment(tiny_model: Path, method: str) -> None:
+    async def run() -> None:
+        d = deployment(tiny_model, PlanningConfig(method=method, split_workload=(750, 240), reschedule_shift=0.5,
+                                                  workload_window_s=60))
+        await arrive(d, 120, 1.0)  # steady at the rate it is planned for (1 request/s before any arrival)
+        assert d._pending_reason == "initial"
+        await arrive(d, 240, 0.25)  # four a second, the same lengths, for a window
+        if method == "thunderserve":
+            assert d._pending_reason.startswith("workload shift: arrival rate 1.00 -> ")
+            assert d.planning.split_workload == (750, 240)  # the lengths did not move
+        else:  # the split planner sizes its pools by lengths only: the rate is not judged for it
+            assert d._pending_reason == "initial"
+        assert d.to_json()["workload"]["rate"] == pytest.approx(4.0, rel=0.05)  # type: ignore[index]
+
+    trio.run(run, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def test_thunderserve_is_replanned_at_the_windows_rate(tiny_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the re-plan after a rate shift solves for: the window's rate, which the monitor then judges
+    against."""
+    asked: list[float] = []
+
+    def search(cluster: object, spec: object, options: ThunderServeOptions) -> PlacementPlan:
+        asked.append(options.traffic.rate)
+        raise ConfigError("not searched here")
+
+    monkeypatch.setattr(deployment_module, "thunderserve_placement", search)
+
+    async def run() -> None:
+        d = deployment(tiny_model, PlanningConfig(method="thunderserve", split_workload=(750, 240),
+                                                  reschedule_shift=0.5, workload_window_s=60))
+        await arrive(d, 120, 1.0)
+        await arrive(d, 240, 0.25)
+        with pytest.raises(ConfigError):
+            await d._thunderserve([], None, "workload_shift")  # type: ignore[arg-type]
+        assert asked == [pytest.approx(4.0, rel=0.05)]
+        assert d.to_json()["workload"]["planned_rate"] == asked[0]  # type: ignore[index]
+        await arrive(d, 240, 0.25)  # steady at the rate it was planned for: no re-plan
+        d._pending_reason = "served"
+        await arrive(d, 240, 0.25)
+        assert d._pending_reason == "served"
 
     trio.run(run, clock=trio.testing.MockClock(autojump_threshold=0))

@@ -20,7 +20,7 @@ from hetnode.planner.thunderserve.deploy import thunderserve_placement
 from hetnode.planner.thunderserve.deployment import holds_model, initial
 from hetnode.planner.thunderserve.gpus import gpu_pool
 from hetnode.planner.thunderserve.parallel import DECODE, PREFILL
-from hetnode.planner.thunderserve.reschedule import kept_groups, reschedule
+from hetnode.planner.thunderserve.reschedule import kept_groups, reschedule, sustained_rate
 from hetnode.planner.thunderserve.settings import CODING, CONVERSATION, ThunderServeOptions
 from hetnode.planner.validate import validate_plan
 
@@ -118,3 +118,13 @@ def test_bad_input_is_a_config_error() -> None:
     torn = replace(PLAN, placements=PLAN.placements[1:])
     with pytest.raises(ConfigError, match="layer range"):
         reschedule(torn, CLOUD, MODEL, QUICK)
+
+
+def test_what_a_plan_sustains_is_the_planners_own_estimate_whatever_rate_it_was_planned_for() -> None:
+    sustains = sustained_rate(PLAN, CLOUD, MODEL, QUICK)
+    assert f"the weaker phase sustains {sustains:.2f} requests/s" in PLAN.notes[0]
+    assert sustained_rate(PLAN, CLOUD, MODEL, replace(QUICK, traffic=replace(QUICK.traffic, rate=1.0))) == sustains
+    # Solved at that rate (a saturated deployment's), the orchestration leans on every prefill replica.
+    full = reschedule(PLAN, CLOUD, MODEL, replace(QUICK, traffic=replace(QUICK.traffic, rate=sustains)), steps=0)
+    assert full.orchestration is not None and min(full.orchestration.prefill_share) > 0.1
+    assert [r.role for r in full.replicas] == [r.role for r in PLAN.replicas] and layouts(full) == layouts(PLAN)

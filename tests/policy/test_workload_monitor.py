@@ -52,3 +52,28 @@ def test_bad_settings_are_refused() -> None:
             WorkloadMonitor((750, 240), **kwargs)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="baseline"):
         WorkloadMonitor((0, 240))
+
+
+def test_a_shift_of_the_arrival_rate_is_judged_against_the_planned_rate() -> None:
+    m = WorkloadMonitor((750, 240), window_s=60, shift=0.5, min_requests=20, rate=1.0)
+    t = feed(m, 0.0, 70, 1.0, 750, 240)  # the lengths and the rate it was planned for
+    assert m.shifted(t) == ""
+    t = feed(m, t, 150, 0.4, 750, 240)  # 2.5 a second, same lengths
+    assert m.shifted(t).startswith("arrival rate 1.00 -> 2.4")
+    assert m.rebase(t) == (750, 240) and m.rate == pytest.approx(2.5, rel=0.05)
+    t = feed(m, t, 150, 0.4, 750, 240)  # a window later, steady at the new rate
+    assert m.shifted(t) == ""
+    t = feed(m, t, 60, 1.0, 750, 240)  # back to one a second, for a window
+    assert m.shifted(t).startswith("arrival rate 2.") and m.mix(t).rate == pytest.approx(1.0, rel=0.05)
+
+
+def test_a_plan_made_for_no_rate_has_its_rate_reported_not_judged() -> None:
+    m = WorkloadMonitor((750, 240), window_s=60, shift=0.5, min_requests=20)
+    t = feed(m, 0.0, 300, 0.2, 750, 240)  # five a second
+    assert m.mix(t).rate == pytest.approx(5.0, rel=0.05) and m.shifted(t) == ""
+    m.planned_at(1.0)  # the planner states the rate its plan was made for
+    assert m.shifted(t).startswith("arrival rate 1.00 -> 4.9")
+    m.planned_at(None)
+    assert m.shifted(t) == ""
+    with pytest.raises(ValueError, match="rate"):
+        m.planned_at(0.0)

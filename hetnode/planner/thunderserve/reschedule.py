@@ -86,11 +86,7 @@ def reschedule(plan: PlacementPlan, cluster: ClusterSpec, model: ModelSpec, opti
     was made for; `gone` names the GPUs that left. Raises ConfigError when no group survives."""
     began = time.perf_counter()
     kept = kept_groups(plan, cluster, gone)
-    if not kept.groups:
-        raise ConfigError(f"no group of the plan for {plan.cluster} survives without {', '.join(sorted(gone))}")
-    fixed = {g.gpus: Configured(layout, performance(kept.pool, layout, model, options)) for g, layout in kept.groups}
-    lower = LowerLevel(kept.pool, model, options, fixed=fixed)
-    start = Deployment.of([g for g, _ in kept.groups])
+    lower, start = _kept_lower(plan, kept, model, options, gone)
     best, log = tabu_search(start, kept.pool, model, lower, random.Random(options.seed),
                             steps=options.steps if steps is None else steps, neighbours=options.neighbours,
                             memory=options.memory, moves=("flip",))
@@ -100,3 +96,25 @@ def reschedule(plan: PlacementPlan, cluster: ClusterSpec, model: ModelSpec, opti
     note = (f"lightweight reschedule of {len(plan.replicas)} replicas: {len(kept.dropped)} dropped (a GPU gone), "
             f"{flips} phases flipped, layouts kept (no weights reloaded)")
     return replace(out, notes=(note, *out.notes))
+
+
+def sustained_rate(plan: PlacementPlan, cluster: ClusterSpec, model: ModelSpec, options: ThunderServeOptions) -> float:
+    """The requests/s the planner expects `plan` to sustain as it stands (its groups, layouts and phases): the
+    weaker phase's rate, the search's tie-break (`LowerLevel`). It does not depend on the rate planned for, so a
+    saturated deployment's window converges to it when the planner is right, and its orchestration solved at
+    this rate is the one that deployment would be rescheduled to."""
+    kept = kept_groups(plan, cluster)
+    lower, start = _kept_lower(plan, kept, model, options, ())
+    solved = lower.solve(start)
+    if solved is None:
+        raise ConfigError(f"plan for {plan.cluster}: a group has no layout")
+    return solved.score[1]
+
+
+def _kept_lower(plan: PlacementPlan, kept: Kept, model: ModelSpec, options: ThunderServeOptions,
+                gone: Collection[str]) -> tuple[LowerLevel, Deployment]:
+    """The lower level with the kept layouts fixed, and the kept groups as a deployment."""
+    if not kept.groups:
+        raise ConfigError(f"no group of the plan for {plan.cluster} survives without {', '.join(sorted(gone))}")
+    fixed = {g.gpus: Configured(layout, performance(kept.pool, layout, model, options)) for g, layout in kept.groups}
+    return LowerLevel(kept.pool, model, options, fixed=fixed), Deployment.of([g for g, _ in kept.groups])
