@@ -39,6 +39,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from hetnode.planner.costmodel import ROOFLINES
 from hetnode.planner.devices import parse_device
 from hetnode.planner.model import model_spec
 from hetnode.testnet.sim.pair_designs import DESIGNS, PairResult, PairSetup, simulate_pair
@@ -134,6 +135,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=None, metavar="N", help="requests per run (default 1000)")
     p.add_argument("--load", type=float, default=LOAD, metavar="F",
                    help="latency runs: this share of the smallest maximum throughput of the column (default 0.75)")
+    p.add_argument("--roofline", choices=sorted(ROOFLINES), default="default",
+                   help="the cost model's calibration (planner.costmodel.ROOFLINES; fitted: on Splitwise's measured "
+                   "step times, scripts/fit_roofline.py)")
     p.add_argument("--json", default=None, metavar="OUT", help="write every number to this JSON file")
     args = p.parse_args(argv)
     n = args.requests or (60 if args.quick else 1000)
@@ -149,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     cells: dict[tuple[str, str, str], dict[str, float]] = {}
     rates: dict[str, float] = {}
     for low, model in COLUMNS:
-        setup = PairSetup(parse_device(HIGH), parse_device(low), model_spec(model))
+        setup = PairSetup(parse_device(HIGH), parse_device(low), model_spec(model), roofline=ROOFLINES[args.roofline])
         peak = {d: simulate_pair(d, setup, prompts, outputs, [0.0] * n) for d in DESIGNS}
         rate = args.load * min(r.throughput for r in peak.values())
         rates[f"{low}/{model}"] = rate
@@ -187,7 +191,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{sum(v['within_25'] for v in stated)}/{len(stated)}; {wall:.0f} s")
     if args.json:
         Path(args.json).write_text(json.dumps({
-            "requests": n, "mean_input": sum(prompts) / n, "mean_output": sum(outputs) / n, "load": args.load,
+            "roofline": args.roofline, "requests": n, "mean_input": sum(prompts) / n,
+            "mean_output": sum(outputs) / n, "load": args.load,
             "rates": rates, "table2": {d: list(v) for d, v in TABLE2.items()},
             "cells": [{"design": d, "low": low, "model": model, **m} for (d, low, model), m in cells.items()],
             "verdicts": verdicts, "wall_s": wall}, indent=1))

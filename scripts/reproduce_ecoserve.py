@@ -48,6 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import itertools
 
+from hetnode.planner.costmodel import ROOFLINES, Roofline
 from hetnode.planner.model import model_spec
 from hetnode.policy.ecoserve import Slos
 from hetnode.testnet.sim.padg import PadgOptions, simulate_instances
@@ -111,12 +112,12 @@ def crossing(points: list[tuple[float, float]], p: float) -> float:
     return points[-1][0]
 
 
-def start_rate(model: str, trace: Trace) -> float:
+def start_rate(model: str, trace: Trace, roofline: Roofline) -> float:
     """A low rate to start the grid at: a fifth of what the instances could prefill alone."""
     from hetnode.testnet.sim.padg import instance_cost
 
     tp, instances = MODELS[model]
-    cost = instance_cost(model_spec(model), PadgOptions(tp=tp))
+    cost = instance_cost(model_spec(model), PadgOptions(tp=tp, roofline=roofline))
     mean_in = sum(trace.inputs) / len(trace)
     mean_out = sum(trace.outputs) / len(trace)
     per_request = cost.prefill_s(round(mean_in)) + mean_out * cost.step_s((), [round(mean_in + mean_out)] * 32) / 32
@@ -142,6 +143,9 @@ def main() -> None:
                     help="run MODEL at TP with N instances instead of §4.2's (e.g. qwen2-72b=4x8)")
     ap.add_argument("--explain-at", default=None, metavar="MODEL/DATASET@RATE",
                     help="only the where-the-time-goes runs, at this rate (skips the goodput search)")
+    ap.add_argument("--roofline", choices=sorted(ROOFLINES), default="default",
+                    help="the cost model's calibration (planner.costmodel.ROOFLINES; fitted: on Splitwise's "
+                    "measured step times, scripts/fit_roofline.py)")
     ap.add_argument("--json", default=None, metavar="OUT")
     args = ap.parse_args()
     for spec in args.deploy:
@@ -169,19 +173,21 @@ def main() -> None:
     for model in args.models.split(","):
         for name, trace, slos in workloads:
             key = f"{model}/{name}"
-            start = start_rate(model, trace)
+            start = start_rate(model, trace, ROOFLINES[args.roofline])
             cell: dict[str, Any] = {}
             for design in designs:
                 if design == "mooncake":  # the best P/D split (§4.1), by P90 goodput
                     tries = {}
                     for p in (2, 4, 6) if not args.quick else (4,):
-                        opts = options(design, model, prefill=p * MODELS[model][1] // 8)
+                        opts = options(design, model, prefill=p * MODELS[model][1] // 8,
+                                       roofline=ROOFLINES[args.roofline])
                         tries[p] = goodput(model, trace, slos, opts, args.duration, args.seed, start)
                     best = max(tries, key=lambda p: tries[p]["p90"])
                     cell[design] = {**tries[best], "prefill_of_8": best}
                 else:
-                    cell[design] = goodput(model, trace, slos, options(design, model), args.duration, args.seed,
-                                           start)
+                    cell[design] = goodput(model, trace, slos, options(design, model,
+                                                                      roofline=ROOFLINES[args.roofline]),
+                                           args.duration, args.seed, start)
                 print(f"{key:28} {design:10} P50 {cell[design]['p50']:6.2f}  P90 {cell[design]['p90']:6.2f}  "
                       f"P99 {cell[design]['p99']:6.2f} req/s   ({time.time() - t0:.0f} s)", flush=True)
             results["goodput"][key] = cell
@@ -245,7 +251,9 @@ def explain(args: argparse.Namespace, goodputs: dict[str, Any], designs: tuple[s
     print(f"\nwhere the time goes, {key} at {rate:.2f} req/s:")
     for design in designs:
         w = poisson(rate, lengths=trace, duration_s=args.duration, seed=args.seed)
-        opts = options(design, model, prefill=MODELS[model][1] // 2) if design == "mooncake" else options(design, model)
+        roofline = ROOFLINES[args.roofline]
+        opts = (options(design, model, prefill=MODELS[model][1] // 2, roofline=roofline) if design == "mooncake"
+                else options(design, model, roofline=roofline))
         res = simulate_instances(model_spec(model), w, opts, duration_s=args.duration, warmup_s=args.duration / 6,
                                  slos=Slos(row.ttft_s, row.tpot_s))
         summary = res.summary()
@@ -271,8 +279,8 @@ def fig9(args: argparse.Namespace) -> dict[str, Any]:
     for design in ("ecoserve", "vllm"):
         per: dict[int, float] = {}
         for n in (1, 2, 4):
-            opts = PadgOptions(design=design, tp=4, instances=n, per_host=1)
-            start = start_rate("codellama-34b", trace) * n / 8
+            opts = PadgOptions(design=design, tp=4, instances=n, per_host=1, roofline=ROOFLINES[args.roofline])
+            start = start_rate("codellama-34b", trace, opts.roofline) * n / 8
             per[n] = goodput("codellama-34b", trace, slos, opts, args.duration, args.seed, start)["p90"]
         out[design] = {"p90": per, "x4_over_x1": per[4] / per[1] if per[1] > 0 else None}
         print(f"fig9 {design:9} P90 goodput 1/2/4 instances: {per[1]:.2f} {per[2]:.2f} {per[4]:.2f} req/s", flush=True)
@@ -297,7 +305,7 @@ def fig10(args: argparse.Namespace) -> dict[str, Any]:
 
     workload = Workload("fig10", tuple(inputs), tuple(outputs), tuple(arrivals))
     opts = PadgOptions(design="ecoserve", tp=4, instances=8, max_instances=16, n_lower=4, n_upper=16,
-                       window_s=30.0, drain_s=120.0)
+                       window_s=30.0, drain_s=120.0, roofline=ROOFLINES[args.roofline])
     duration = step * len(rates)
     result = simulate_instances(model_spec("codellama-34b"), workload, opts, duration_s=duration, warmup_s=0.0,
                                 slos=Slos(row.ttft_s, row.tpot_s))

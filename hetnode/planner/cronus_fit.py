@@ -11,21 +11,23 @@ from __future__ import annotations
 
 import statistics
 
-from hetnode.planner.costmodel import step_time
+from hetnode.planner.costmodel import DEFAULT_ROOFLINE, Roofline, step_time
 from hetnode.planner.devices import DeviceSpec
 from hetnode.planner.model import ModelSpec
 from hetnode.policy.cronus import ChunkedIteration, LinearPrefill
 
 
-def fit_partial_prefill(device: DeviceSpec, model: ModelSpec) -> LinearPrefill:
+def fit_partial_prefill(device: DeviceSpec, model: ModelSpec, roofline: Roofline = DEFAULT_ROOFLINE) -> LinearPrefill:
     shape = model.shape
     xs = [64 * 2**i for i in range(8)]  # 64 .. 8192 tokens
-    ys = [step_time(device, shape, model.num_layers, n, n, attended_pairs=n * (n + 1) // 2) for n in xs]
+    ys = [step_time(device, shape, model.num_layers, n, n, attended_pairs=n * (n + 1) // 2, roofline=roofline)
+          for n in xs]
     fit = statistics.linear_regression(xs, ys)
     return LinearPrefill(fit.slope, max(0.0, fit.intercept))
 
 
-def fit_chunked_iteration(device: DeviceSpec, model: ModelSpec, max_batch_tokens: int) -> ChunkedIteration:
+def fit_chunked_iteration(device: DeviceSpec, model: ModelSpec, max_batch_tokens: int,
+                          roofline: Roofline = DEFAULT_ROOFLINE) -> ChunkedIteration:
     """Eq. 3 by least squares over iterations of `max_batch_tokens` tokens (a chunk plus the decodes)."""
     shape = model.shape
     rows: list[tuple[float, float, float]] = []
@@ -38,7 +40,7 @@ def fit_chunked_iteration(device: DeviceSpec, model: ModelSpec, max_batch_tokens
                 decode_context = decodes * per_decode
                 pairs = chunk * prefill_context + decode_context
                 t = step_time(device, shape, model.num_layers, chunk + decodes, prefill_context + decode_context,
-                              attended_pairs=pairs)
+                              attended_pairs=pairs, roofline=roofline)
                 rows.append((prefill_context, decode_context, t))
     return ChunkedIteration(*_least_squares(rows))
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from hetnode.planner.all_reduce import ring_all_reduce_s
 from hetnode.planner.cluster import PCIE_LINK
-from hetnode.planner.costmodel import MEMORY_EFFICIENCY, step_time
+from hetnode.planner.costmodel import DEFAULT_ROOFLINE, Roofline, step_time
 from hetnode.planner.devices import DeviceSpec
 from hetnode.planner.model import ModelSpec
 
@@ -49,6 +49,7 @@ class InstanceCost:
     model: ModelSpec
     link_gbps: float = PCIE_GBPS
     link_latency_s: float = PCIE_LATENCY_S
+    roofline: Roofline = DEFAULT_ROOFLINE
 
     def __post_init__(self) -> None:
         if self.device.count != 1:
@@ -83,7 +84,8 @@ class InstanceCost:
         # KV read: every context position once per step (a chunk reads its prefix and its own).
         context = sum(c.done + c.tokens for c in chunks) + sum(decode_contexts)
         compute = step_time(self.group, self.model.shape, self.model.num_layers, new, context,
-                            attended_pairs=pairs, bytes_per_elem=round(self.model.bytes_per_param))
+                            attended_pairs=pairs, bytes_per_elem=round(self.model.bytes_per_param),
+                            roofline=self.roofline)
         return compute + 2 * self.model.num_layers * self.all_reduce_s(new)
 
     def prefill_s(self, prompt: int) -> float:
@@ -101,6 +103,8 @@ class InstanceCost:
 
     @property
     def decode_floor_s(self) -> float:
-        """The memory-bound floor of any step: reading the weights once."""
+        """The memory-bound floor of any step: reading the weights once (and the step's fixed costs)."""
         weights = self.model.layer_bytes * self.model.num_layers
-        return weights / (self.group.mem_bandwidth_gbps * 1e9 * MEMORY_EFFICIENCY)
+        r = self.roofline
+        return (weights / (self.group.mem_bandwidth_gbps * 1e9 * r.memory_efficiency)
+                + self.model.num_layers * r.layer_fixed_s + r.step_fixed_s)

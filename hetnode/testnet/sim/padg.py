@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 from hetnode.errors import ConfigError
+from hetnode.planner.costmodel import DEFAULT_ROOFLINE, Roofline
 from hetnode.planner.devices import parse_device
 from hetnode.planner.instance_cost import PCIE_GBPS, Chunk, InstanceCost
 from hetnode.planner.model import ModelSpec
@@ -89,6 +90,7 @@ class PadgOptions:
     scale_low_use: float = 0.3
     scale_idle_windows: int = 4
     drain_s: float = 300.0
+    roofline: Roofline = DEFAULT_ROOFLINE  # how a step's roofline becomes seconds (costmodel.ROOFLINES)
 
     def __post_init__(self) -> None:
         if self.design not in DESIGNS:
@@ -227,7 +229,8 @@ class PadgResult:
 
 
 def instance_cost(model: ModelSpec, options: PadgOptions) -> InstanceCost:
-    return InstanceCost(parse_device(options.device), options.tp, model, link_gbps=options.pcie_gbps)
+    return InstanceCost(parse_device(options.device), options.tp, model, link_gbps=options.pcie_gbps,
+                        roofline=options.roofline)
 
 
 def fit_predictor(cost: InstanceCost) -> PrefillPredictor:

@@ -35,6 +35,7 @@ from typing import Any
 
 from hetnode.coordinator.cronus_scheduler import CronusScheduler
 from hetnode.coordinator.scheduler import Decision
+from hetnode.planner.costmodel import DEFAULT_ROOFLINE, Roofline
 from hetnode.planner.cronus_fit import fit_chunked_iteration, fit_partial_prefill
 from hetnode.planner.devices import DeviceSpec
 from hetnode.planner.model import ModelSpec
@@ -60,6 +61,8 @@ class PairSetup:
     model: ModelSpec
     link_gbps: float = 100.0
     link_latency_s: float = 10e-6
+    # How a step's roofline becomes seconds, for every engine and for Cronus's profile fits alike.
+    roofline: Roofline = DEFAULT_ROOFLINE
 
     def __post_init__(self) -> None:
         if not self.link_gbps > 0 or not self.link_latency_s >= 0:
@@ -199,9 +202,9 @@ class PartialPrefill(Design):
         self.name = name
         m = setup.model
         self.ppi = Engine("ppi", ppi, m, m.num_layers, kv_tokens=kv_tokens(ppi, m, m.num_layers),
-                          max_batch_tokens=WHOLE, max_prompts=1)
+                          max_batch_tokens=WHOLE, max_prompts=1, roofline=setup.roofline)
         self.cpi = Engine("cpi", cpi, m, m.num_layers, kv_tokens=kv_tokens(cpi, m, m.num_layers),
-                          max_batch_tokens=CHUNK)
+                          max_batch_tokens=CHUNK, roofline=setup.roofline)
         self.engines = [self.ppi, self.cpi]
         # The frontend holds requests for the PPI only (§4.2): no KV mask (Algorithm 1 itself gives the PPI the
         # whole prompt when the CPI lacks room), and a queue as long as the workload.
@@ -285,9 +288,9 @@ class DataParallel(Design):
         super().__init__(setup, loop)
         m = setup.model
         self.high = Engine("high", setup.high, m, m.num_layers, kv_tokens=kv_tokens(setup.high, m, m.num_layers),
-                           max_batch_tokens=CHUNK)
+                           max_batch_tokens=CHUNK, roofline=setup.roofline)
         self.low = Engine("low", setup.low, m, m.num_layers, kv_tokens=kv_tokens(setup.low, m, m.num_layers),
-                          max_batch_tokens=LOW_DP_CHUNK)
+                          max_batch_tokens=LOW_DP_CHUNK, roofline=setup.roofline)
         self.engines = [self.high, self.low]
         self.by_name = {"high": self.high, "low": self.low}
         self.rr = WeightedRoundRobin(dict(zip(self.by_name, DP_WEIGHTS, strict=True)),
@@ -333,8 +336,9 @@ class PipelineParallel(Design):
         # vLLM: the smaller stage's pool sets the block count, and each virtual engine gets its share of it.
         pool = min(kv_tokens(d, m, n, embeddings=False) - _embedding_tokens(d, m, n)
                    for d, n in zip(self.devices, self.layers, strict=True))
-        self.engines = [Engine(f"ve{i}", setup.high, m, m.num_layers, kv_tokens=pool // 2, max_batch_tokens=CHUNK)
-                        for i in range(2)]
+        # (The virtual engines only form micro-batches: each stage prices them below, on its own device.)
+        self.engines = [Engine(f"ve{i}", setup.high, m, m.num_layers, kv_tokens=pool // 2, max_batch_tokens=CHUNK,
+                               roofline=setup.roofline) for i in range(2)]
         self.stage_free = [0.0, 0.0]
         self.stage_busy = [0.0, 0.0]
         self.link = Link(setup)
@@ -361,7 +365,8 @@ class PipelineParallel(Design):
         t = now
         tokens = sum(w.num_tokens for w in batch)
         for s in range(2):
-            seconds = iteration_seconds(self.devices[s], self.model.shape, self.layers[s], batch)
+            seconds = iteration_seconds(self.devices[s], self.model.shape, self.layers[s], batch,
+                                        self.setup.roofline)
             t = max(t, self.stage_free[s]) + seconds
             self.stage_free[s] = t
             self.stage_busy[s] += seconds
@@ -386,8 +391,8 @@ def build(design: str, setup: PairSetup, loop: Loop, *, queue_limit: int = 1 << 
     """A design of the pair; `refit_window` (Cronus: 0, the reproduction's setting, keeps the profile fits) lets
     its balancer refit Eqs. 2 and 3 on the times it sees, as the coordinator's does."""
     if design == "cronus":
-        balancer = CronusBalancer(fit_partial_prefill(setup.low, setup.model),
-                                  fit_chunked_iteration(setup.high, setup.model, CHUNK))
+        balancer = CronusBalancer(fit_partial_prefill(setup.low, setup.model, setup.roofline),
+                                  fit_chunked_iteration(setup.high, setup.model, CHUNK, setup.roofline))
         return PartialPrefill(setup, loop, ppi=setup.low, cpi=setup.high, splitter=balancer, name=design,
                               queue_limit=queue_limit, refit_window=refit_window)
     if design in ("disagg-hl", "disagg-lh"):

@@ -9,7 +9,8 @@ queue, as vLLM's chunked-prefill scheduler takes them, then prompts in arrival o
 An iteration's time is the roofline cost model's (`planner.costmodel.step_time`, the same model Cronus's
 predictors are fitted on in `planner.cronus_fit`): the longer of its FLOPs (2 per weight per token, plus
 attention over every token's context) and its bytes (the weights once, plus every item's KV) at the device's
-efficiency shares, for the layers the engine holds.
+efficiency shares, for the layers the engine holds, plus the roofline's fixed costs (`Roofline`: none by
+default).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from hetnode.planner.costmodel import LayerShape, step_time
+from hetnode.planner.costmodel import DEFAULT_ROOFLINE, LayerShape, Roofline, step_time
 from hetnode.planner.devices import DeviceSpec
 from hetnode.planner.model import ModelSpec
 from hetnode.policy import BatchConfig, BatchPolicy, KVLedger
@@ -91,7 +92,8 @@ def kv_tokens(device: DeviceSpec, model: ModelSpec, layers: int, *, embeddings: 
     return int(free // (model.kv_bytes_per_token_layer * layers))
 
 
-def iteration_seconds(device: DeviceSpec, shape: LayerShape, layers: int, batch: Iterable[Work]) -> float:
+def iteration_seconds(device: DeviceSpec, shape: LayerShape, layers: int, batch: Iterable[Work],
+                      roofline: Roofline = DEFAULT_ROOFLINE) -> float:
     """One iteration of `batch` on `layers` layers: each item attends to its context so far and its own tokens."""
     new = context = pairs = 0
     for w in batch:
@@ -99,18 +101,20 @@ def iteration_seconds(device: DeviceSpec, shape: LayerShape, layers: int, batch:
         new += w.num_tokens
         context += end
         pairs += w.num_tokens * w.start + w.num_tokens * (w.num_tokens + 1) // 2
-    return step_time(device, shape, layers, new, context, attended_pairs=pairs)
+    return step_time(device, shape, layers, new, context, attended_pairs=pairs, roofline=roofline)
 
 
 class Engine:
     """A queue, a KV pool and a batch policy on one device holding `layers` layers."""
 
     def __init__(self, name: str, device: DeviceSpec, model: ModelSpec, layers: int, *, kv_tokens: int,
-                 max_batch_tokens: int, max_prompts: int | None = None) -> None:
+                 max_batch_tokens: int, max_prompts: int | None = None,
+                 roofline: Roofline = DEFAULT_ROOFLINE) -> None:
         self.name = name
         self.device = device
         self.shape = model.shape
         self.layers = layers
+        self.roofline = roofline
         self.ledger = KVLedger(kv_tokens // BLOCK_SIZE, BLOCK_SIZE)
         self.policy = BatchPolicy(self.ledger, BatchConfig(max_batch_tokens=max_batch_tokens, max_prompts=max_prompts))
         self.budget = max_batch_tokens
@@ -159,7 +163,7 @@ class Engine:
         batch = [w.piece(step.split_tokens) if w is step.split else w for w in step.batch]
         self.running = batch
         self.iterations += 1
-        return batch, iteration_seconds(self.device, self.shape, self.layers, batch)
+        return batch, iteration_seconds(self.device, self.shape, self.layers, batch, self.roofline)
 
     def release(self, session: str) -> None:
         self.ledger.release(session)
