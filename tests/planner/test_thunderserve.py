@@ -281,25 +281,6 @@ def test_a_long_prefill_cuts_its_decode_replicas_rate_by_the_residency() -> None
     assert sum(p.performance.prefill_rate for _, p in solution.prefill) > decode.decode_rate  # prefill does not bind
 
 
-@pytest.mark.parametrize("traffic", [Traffic(input_len=2048, output_len=28), Traffic(input_len=1155, output_len=211)])
-@pytest.mark.parametrize("high_water", [0.9, 0.6])
-def test_a_decode_replicas_batch_is_what_the_scheduler_books_under_its_high_water_mark(
-        traffic: Traffic, high_water: float) -> None:
-    # The scheduler that routes the plan (split_scheduler.py) books each request's prompt and whole expected output
-    # on every stage of its decode replica, and masks a stage at high_water of its KV (memory its weights leave):
-    # the planner's batch is the most requests that fit so, not the KV full at the mean context.
-    options = replace(QUICK, traffic=traffic, high_water=high_water)
-    names = {g.name: i for i, g in enumerate(POOL.gpus)}
-    gpus = tuple(names[f"4xa5000-{h}-gpu{k}"] for h in range(2) for k in range(4))
-    found = configure(POOL, gpus, DECODE, MODEL, options)
-    assert found is not None and found.layout.tp > 1  # a stage is more than one GPU
-    booked = traffic.input_len + traffic.output_len
-    kv = [(len(s.gpus) * min(POOL.gpus[g].memory_bytes for g in s.gpus) - s.layers * MODEL.layer_bytes)
-          / (s.layers * MODEL.kv_bytes_per_token_layer) for s in found.layout.stages]
-    batch = found.performance.max_batch
-    assert batch * booked <= high_water * min(kv) < (batch + 1) * booked
-
-
 def test_the_search_keeps_fp16_hand_offs_within_the_links() -> None:
     # At fp16 a LLaMA-30B prompt's KV is gigabytes: the 5 Gb/s links between instances bind, and every link the
     # routed hand-offs cross must carry them at the planned rate.

@@ -68,7 +68,7 @@ class Performance:
 
     prefill_s: float  # one prompt, first stage to last
     prefill_rate: float  # prompts per second the pipeline sustains (its slowest stage or hop)
-    max_batch: int  # sequences the scheduler lets its KV hold (0: it cannot decode)
+    max_batch: int  # sequences its KV holds at the mean context (0: it cannot decode)
     tpot: tuple[tuple[int, float], ...]  # (batch, seconds per decode step of every sequence), rising batch
     decode_rate: float  # requests per second at max_batch
 
@@ -209,11 +209,7 @@ def performance(pool: GpuPool, layout: Layout, model: ModelSpec, options: Thunde
     for s in stages:
         memory = len(s.gpus) * min(pool.gpus[g].memory_bytes for g in s.gpus)
         holds.append((memory - s.layers * model.layer_bytes) / (s.layers * kv_per_token))
-    # The batch the routing scheduler lets the KV reach: it books a request's prompt plus its whole expected
-    # output from admission to its end, and only up to its high-water mark (split_scheduler.py), so a replica
-    # never holds min(holds) / context sequences, the batch at the mean context with the KV full.
-    booked = traffic.input_len + traffic.output_len
-    max_batch = max(0, min(options.max_batch, math.floor(options.high_water * min(holds) / booked)))
+    max_batch = max(0, min(options.max_batch, math.floor(min(holds) / context)))
 
     def cycle(batch: int) -> float:
         micro = min(len(stages), batch)

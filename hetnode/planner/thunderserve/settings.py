@@ -49,10 +49,6 @@ class ThunderServeOptions:
     seed: int = 0  # >= 0: the initial phases and every move
     max_batch: int = 256  # >= 1: most sequences a decode replica batches
     kv_reserve: float = 0.1  # in [0, 1): share of each GPU's memory that weights leave for KV
-    # In (0, 1]: the KV high-water mark of the scheduler that routes the plan (`SplitScheduler`'s and the live
-    # `Deployment`'s default, 0.9): it books no decode replica's KV past this share, so no more sequences than
-    # that share holds ever decode there.
-    high_water: float = 0.9
     utilization: float = 0.9  # in (0, 1): the most of a replica's capacity the orchestration may route to it
     kv_codec: str = "auto"  # the operator's --kv-codec: what the KV hand-off may use
     # Bytes of fp16 KV per second that packing (and unpacking) a codec runs at on a GPU: a small kernel, far
@@ -69,8 +65,8 @@ class ThunderServeOptions:
             problems.append("SLO scales must be positive and finite")
         if self.steps < 0 or self.neighbours < 1 or self.memory < 1 or self.seed < 0 or self.max_batch < 1:
             problems.append("steps >= 0, neighbours >= 1, memory >= 1, seed >= 0 and max_batch >= 1")
-        if not 0 <= self.kv_reserve < 1 or not 0 < self.utilization < 1 or not 0 < self.high_water <= 1:
-            problems.append("kv_reserve in [0, 1), utilization in (0, 1) and high_water in (0, 1]")
+        if not 0 <= self.kv_reserve < 1 or not 0 < self.utilization < 1:
+            problems.append("kv_reserve in [0, 1) and utilization in (0, 1)")
         if self.kv_codec not in OPERATOR_CHOICES:
             problems.append(f"kv_codec one of {', '.join(OPERATOR_CHOICES)}")
         if not self.codec_rate > 0:
