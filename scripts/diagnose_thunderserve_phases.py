@@ -133,6 +133,11 @@ def main(argv: list[str] | None = None) -> int:
                   f"{planned_prefill:.2f} s, one prompt alone) + hand-off {handoff:.3f} s + decode "
                   f"{decode_phase:.2f} s; "
                   f"requests holding it {booked:.1f}, decoding {decoding:.1f} (time means)")
+            tpots = [q.tpot for q in done if math.isfinite(q.tpot)]
+            if len(layouts["decode"]) == 1 and tpots:  # per replica would need each request's replica
+                perf = layouts["decode"][0][1]
+                print(f"{traffic}: TPOT sim {statistics.fmean(tpots):.3f} s, planner {perf.tpot_at(decoding):.3f} s "
+                      f"at the {decoding:.1f} decoding ({perf.tpot[-1][1]:.3f} s at its batch {perf.max_batch})")
         print("busy: " + ", ".join(f"{n.name} [{n.first_layer},{n.last_layer}) {n.utilization:.0%} "
                                    f"batch {n.mean_batch:.1f}, KV mean {n.kv_mean:.0%} peak {n.kv_peak:.0%}"
                                    for n in result.nodes))
