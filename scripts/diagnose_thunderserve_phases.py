@@ -112,6 +112,32 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{r.role[0]}{k:<9} {len(cells):>6} {est:>10.2f} "
                   f"{perf.max_batch if r.role == 'decode' else '':>6}   {rate:>13.2f} {busiest:>8.0%} "
                   f"{sustains:>15.2f} {sustains / est if est else float('nan'):>11.2f} {batch:>18} {kv_held:>22}")
+        # Where the decode KV's hold goes: the prefill phase (admission to first token: the queue at the prefill
+        # pipeline, its steps and hops), the hand-off, the decode; and how many requests hold it at once, booked
+        # and decoding (time averages over the measured window). The planner's prefill phase is the prefill
+        # replicas' prefill_s (one prompt alone) in the orchestration's shares.
+        shares = orch.prefill_share
+        planned_prefill = (sum(x * p.prefill_s for x, (_, p) in zip(shares, layouts["prefill"], strict=True))
+                           / sum(shares))
+        handoffs = [q.handoff for q in done if math.isfinite(q.handoff)]
+        starts = [(q.admitted, q.first_token + (q.handoff if math.isfinite(q.handoff) else 0.0), q.finish)
+                  for q in result.requests if q.finished and math.isfinite(q.admitted)]
+        if done:
+            handoff = statistics.fmean(handoffs) if handoffs else 0.0
+            prefill_phase = statistics.fmean(q.first_token - q.admitted for q in done)
+            decode_phase = statistics.fmean(q.finish - q.first_token for q in done) - handoff
+            window = (lab.warmup_s, args.duration)
+            booked = mean_count([(a, f) for a, _, f in starts], window)
+            decoding = mean_count([(d, f) for _, d, f in starts], window)
+            print(f"{traffic}: decode KV held {held:.2f} s = prefill phase {prefill_phase:.2f} s (planner "
+                  f"{planned_prefill:.2f} s, one prompt alone) + hand-off {handoff:.3f} s + decode "
+                  f"{decode_phase:.2f} s; "
+                  f"requests holding it {booked:.1f}, decoding {decoding:.1f} (time means)")
+            tpots = [q.tpot for q in done if math.isfinite(q.tpot)]
+            if len(layouts["decode"]) == 1 and tpots:  # per replica would need each request's replica
+                perf = layouts["decode"][0][1]
+                print(f"{traffic}: TPOT sim {statistics.fmean(tpots):.3f} s, planner {perf.tpot_at(decoding):.3f} s "
+                      f"at the {decoding:.1f} decoding ({perf.tpot[-1][1]:.3f} s at its batch {perf.max_batch})")
         print("busy: " + ", ".join(f"{n.name} [{n.first_layer},{n.last_layer}) {n.utilization:.0%} "
                                    f"batch {n.mean_batch:.1f}, KV mean {n.kv_mean:.0%} peak {n.kv_peak:.0%}"
                                    for n in result.nodes))
@@ -120,6 +146,12 @@ def main(argv: list[str] | None = None) -> int:
                                             for x in busiest_links))
         print("planner: " + "; ".join(plan.notes[:1]))
     return 0
+
+
+def mean_count(intervals: list[tuple[float, float]], window: tuple[float, float]) -> float:
+    """How many of the intervals are open at once, on average over the window."""
+    inside = sum(max(0.0, min(b, window[1]) - max(a, window[0])) for a, b in intervals)
+    return float(inside / (window[1] - window[0]))
 
 
 if __name__ == "__main__":
