@@ -10,8 +10,8 @@ charged as the planner prices them, `sim/tp_stages.py`, and so do the baselines'
 multi-GPU roofline profile pays them, `profile.roofline_profile`).
 
 - ThunderServe: `plan_placement(method="thunderserve")` on thunderserve-cloud-gpus (32 GPUs, §5.1), planned for
-  the mean lengths of the trace it is simulated on (`trace_traffic`) at the rate it sustains (see "The planned
-  rate" below), routed by its orchestration (see "Routing" below).
+  the mean lengths of the trace it is simulated on at PLAN_RATE requests/s (`trace_traffic`), routed by its
+  orchestration (see "Routing" below).
 - HexGen-like baseline (no phase split): the `sp` planner on thunderserve-cloud (the same 32 GPUs, one node per
   instance, so tensor parallel inside an instance): independent heterogeneous pipelines, each serving prefill
   and decode, with layers split by speed, requests spread in proportion to capacity (IWRR). That is HexGen's
@@ -46,21 +46,10 @@ the live system has at that rate: the coordinator re-solves the TSTP when the wi
 the planned one (`--reschedule-shift`, `policy/workload_monitor.py`), and a saturated deployment's window
 converges to what it serves. Solved only at the planned PLAN_RATE, the LP gives a second prefill replica a zero
 share, since the first alone takes 4 requests/s, and a saturating run then never uses it. The deployment itself
-(groups, phases) is the one planned (below) for every run of a trace, as it is live: the lightweight
+(groups, phases) is the one planned at PLAN_RATE for every run of a trace, as it is live: the lightweight
 reschedule after a rate shift may flip phases, but the runs here compare systems on one deployment, and a flip
 search per offered rate would make each ratio compare a different ThunderServe plan. Fig. 11's three plans are
-made for the rate the full plan was made for (the loss handled at that rate) and routed the same way at Fig.
-11's rate.
-
-The planned rate: ThunderServe's search maximises SLO attainment for the workload it is given, and the
-comparisons here are about what a deployment sustains (Fig. 9 saturated, the others at shares of it). Given a
-rate well under what the cluster sustains (PLAN_RATE, 4 requests/s), every candidate scores near 100% and the
-choice among them rests on the tie-break; so each deployment of ThunderServe's planner (ThunderServe, the
-DistServe-like one, the whole-instance diagnostic) is planned for the rate it sustains, by the planner's own
-estimate and nothing measured: planned at PLAN_RATE, then re-planned at `sustained_rate` of the last plan until
-that moves by less than SETTLED, at most REPLANS times (`Lab.plan_ts`). A rate the plan sustains, not a higher
-one: past it no candidate attains the SLO and the scores say little. The fixed point is not guaranteed (the
-plan made at a rate sustains a different rate), hence the cap.
+made as before (the loss handled at PLAN_RATE) and routed the same way at Fig. 11's rate.
 
 Ratios are ThunderServe over the baseline for throughput and baseline over ThunderServe for latencies and
 deadlines ("1.8x lower" is 1.8). For each: "same winner" (both on the same side of 1) and "within 25%".
@@ -101,9 +90,7 @@ from hetnode.testnet.sim.workload import Trace
 
 CLUSTERS_DIR = Path(__file__).resolve().parents[1] / "hetnode" / "testnet" / "clusters"
 MODEL = "llama-30b"
-PLAN_RATE = 4.0  # requests/s the first ThunderServe plan of each cluster is made for (bench_planner's)
-REPLANS = 3  # re-plans at the rate the previous plan sustains (module docstring, "The planned rate")
-SETTLED = 0.05  # re-planning stops once the rate moves by less than this share
+PLAN_RATE = 4.0  # requests/s ThunderServe plans the 32 GPUs for (bench_planner's)
 E2E_LOAD = 0.7  # Poisson arrivals for the deadline comparison, as a share of the lower of the two throughputs
 FIG11_LOAD = 0.7  # Fig. 11's arrivals, as a share of the full 32-GPU plan's throughput
 KV_LOAD = 0.5  # Fig. 12's arrivals, as a share of ThunderServe's throughput: per-request cost, not queueing
@@ -158,28 +145,10 @@ class Lab:
         self.traces = {k: load_trace(v, length_filter=False) for k, v in TRACES.items()}
         self.log: list[str] = []
 
-    def ts_options(self, traffic: str, rate: float = PLAN_RATE) -> ThunderServeOptions:
+    def ts_options(self, traffic: str) -> ThunderServeOptions:
         """ThunderServe planned for the mean lengths of the trace the simulator draws from (issue 14: planned for
         other lengths, the planner and the simulator disagree on which phase bounds a plan)."""
-        return ThunderServeOptions(traffic=trace_traffic(self.traces[traffic], rate), seed=self.seed)
-
-    def plan_ts(self, c: ClusterSpec, traffic: str) -> tuple[PlacementPlan, ThunderServeOptions]:
-        """ThunderServe's plan for `c`, made for the rate it sustains (module docstring, "The planned rate"):
-        planned at PLAN_RATE, then re-planned at the rate the last plan sustains by the planner's own estimate
-        (`sustained_rate`) until that rate moves by less than SETTLED, at most REPLANS times. The plan and the
-        options it was made with (so at the rate it was planned for)."""
-        rate = PLAN_RATE
-        for attempt in range(REPLANS + 1):
-            opts = self.ts_options(traffic, rate)
-            plan = plan_placement(c, self.model, profile_table_for(c, self.model, "roofline", kv_share=opts.kv_reserve),
-                                  method="thunderserve", options=PlannerOptions(seed=self.seed, thunderserve=opts))
-            sustains = sustained_rate(plan, c, self.model, opts)
-            self.log.append(f"planned {c.name} {traffic} at {rate:.2f}/s: the planner expects {sustains:.2f}/s")
-            print(self.log[-1], file=sys.stderr, flush=True)
-            if abs(sustains - rate) < SETTLED * rate or attempt == REPLANS:
-                return plan, opts
-            rate = sustains
-        raise AssertionError("unreachable")  # the loop returns on its last attempt
+        return ThunderServeOptions(traffic=trace_traffic(self.traces[traffic], PLAN_RATE), seed=self.seed)
 
     def profiles(self, c: ClusterSpec, plan: PlacementPlan, kv_share: float) -> ProfileTable:
         merged = merge_tensor_parallel(plan, c)[1]
@@ -257,17 +226,20 @@ def reproduce(lab: Lab) -> tuple[list[Claim], dict[str, Any]]:
     claims: list[Claim] = []
     facts: dict[str, Any] = {}
     for traffic in ("code", "conv"):
-        ts, opts = lab.plan_ts(cloud, traffic)
+        opts = lab.ts_options(traffic)
+        ts = plan_placement(cloud, model, profile_table_for(cloud, model, "roofline", kv_share=opts.kv_reserve),
+                            method="thunderserve", options=PlannerOptions(seed=lab.seed, thunderserve=opts))
         hexgen = plan_placement(hosts, model, profile_table_for(hosts, model, "roofline"), method="sp",
                                 options=PlannerOptions(seed=lab.seed))
-        dist, dist_opts = lab.plan_ts(a100, traffic)
+        dist = plan_placement(a100, model, profile_table_for(a100, model, "roofline", kv_share=opts.kv_reserve),
+                              method="thunderserve", options=PlannerOptions(seed=lab.seed, thunderserve=opts))
         vllm = plan_placement(tp2, model, profile_table_for(tp2, model, "roofline"), method="sp",
                               options=PlannerOptions(seed=lab.seed))
         peak = {
             "ts": lab.run(f"thunderserve {traffic}", cloud, ts, traffic, None, opts.kv_reserve, tstp=opts),
             "hexgen": lab.run(f"hexgen-like (sp, cloud) {traffic}", hosts, hexgen, traffic, None, 0.5),
-            "distserve": lab.run(f"distserve-like (8xA100) {traffic}", a100, dist, traffic, None,
-                                 dist_opts.kv_reserve, tstp=dist_opts),
+            "distserve": lab.run(f"distserve-like (8xA100) {traffic}", a100, dist, traffic, None, opts.kv_reserve,
+                                 tstp=opts),
             "vllm": lab.run(f"vllm-like (4 TP-2, 8xA100) {traffic}", tp2, vllm, traffic, None, 0.5),
         }
         thr = {k: v.summary["request_throughput"] for k, v in peak.items()}
@@ -303,10 +275,11 @@ def reproduce(lab: Lab) -> tuple[list[Claim], dict[str, Any]]:
         # Diagnostic (no paper number): ThunderServe's planner on the same instances as whole nodes, tensor
         # parallel inside each priced as the simulator prices it (its all-reduces over PCIe), as the HexGen-like
         # baseline gets it.
-        whole, whole_opts = lab.plan_ts(hosts, traffic)
+        whole = plan_placement(hosts, model, profile_table_for(hosts, model, "roofline", kv_share=opts.kv_reserve),
+                               method="thunderserve", options=PlannerOptions(seed=lab.seed, thunderserve=opts))
         thr["ts_whole_instances"] = lab.run(f"thunderserve on whole instances {traffic}", hosts, whole, traffic,
-                                            None, whole_opts.kv_reserve, tstp=whole_opts).summary["request_throughput"]
-        # Fig. 11: four decoding GPUs lost; the three answers are made for the workload the full plan was made for
+                                            None, opts.kv_reserve, tstp=opts).summary["request_throughput"]
+        # Fig. 11: four decoding GPUs lost
         gone = lost_gpus(ts, cloud)
         light = reschedule(ts, cloud, model, opts, gone=gone)
         none = reschedule(ts, cloud, model, opts, gone=gone, steps=0)
