@@ -28,6 +28,7 @@ trace's 19,366, mean 763 in and 232 out); `load_trace` applies it unless told no
 from __future__ import annotations
 
 import csv
+import logging
 import math
 import os
 import random
@@ -36,6 +37,8 @@ from datetime import date
 from pathlib import Path
 
 from hetnode.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 TRACE_FILES = {"conv": "AzureLLMInferenceTrace_conv.csv", "code": "AzureLLMInferenceTrace_code.csv"}
 SAMPLE_FILES = {"conv": "azure_conv_sample.csv", "code": "azure_code_sample.csv"}
@@ -155,6 +158,10 @@ def load_trace(name: str, *, length_filter: bool = True) -> Trace:
     path, sample = find_trace(name)
     trace = load_azure_trace(path, name=name if name in TRACE_FILES else None)
     if sample:
+        # Loud: a run from a copy of the tree silently measured on the sample once (the full trace sits beside
+        # the repository, not in it).
+        log.warning("the full %s trace is not in %s: using the shipped sample %s (set HETNODE_TRACE_DIR)", name,
+                    " or ".join(str(d) for d in trace_dirs()), path)
         trace = Trace(trace.name, trace.timestamps, trace.inputs, trace.outputs,
                       source=f"{path} (the shipped sample; the full trace was not found)")
     return trace.filtered() if length_filter else trace
