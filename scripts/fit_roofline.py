@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Fit the roofline cost model's efficiencies and fixed costs on Splitwise's measured step times.
 
-Source: /work/shared/data/splitwise-sim/perf_model.csv, from the public simulator released with the Splitwise
+Source: ../shared/data/splitwise-sim/perf_model.csv beside the repository (or --csv PATH), from the public
+simulator released with the Splitwise
 paper (ISCA'24, Mutinifni/splitwise-sim, MIT licence): prompt_time (ms, the whole prompt phase of a batch) and
 token_time (ms, one decode iteration averaged over token_size tokens) of Llama-2 70B (TP 2, 4, 8) and BLOOM-176B
 (TP 8) measured on DGX-A100 (80 GB) and DGX-H100, five repetitions per point. None of the reproductions it
@@ -20,7 +21,7 @@ H100, and a faster decode too: a batch whose KV did not fit TP 2's memory, not a
 BLOOM-176B is a ModelSpec with BLOOM's shape (70 layers, hidden 14,336, 112 heads, no GQA); its two-matrix 4h
 MLP is written as the gated MLP of the same weights (intermediate 8h/3 = 38,229).
 
-    .venv/bin/python scripts/fit_roofline.py
+    .venv/bin/python scripts/fit_roofline.py [--csv PATH]
 
 prints the fit (both fixed costs, and each alone), and per (model, hardware, TP) the median and RMS relative
 error of prefill and decode steps under the fit and under today's DEFAULT_ROOFLINE.
@@ -28,6 +29,7 @@ error of prefill and decode steps under the fit and under today's DEFAULT_ROOFLI
 
 from __future__ import annotations
 
+import argparse
 import csv
 import math
 import statistics
@@ -42,10 +44,11 @@ from hetnode.planner.all_reduce import tp_layer_s
 from hetnode.planner.costmodel import DEFAULT_ROOFLINE, Roofline, peak_seconds
 from hetnode.planner.devices import DEVICES, DeviceSpec
 from hetnode.planner.model import ModelSpec, model_spec
-from hetnode.planner.roofline_fit import Observation, fit_roofline, relative_errors
+from hetnode.planner.roofline_fit import Observation, fit_roofline, predict, relative_errors
 from hetnode.testnet.sim.provision import MACHINES
 
-CSV = Path("/work/shared/data/splitwise-sim/perf_model.csv")
+# The whole measured table (every TP); the package ships only its TP-8 rows (planner/data/splitwise).
+CSV = Path(__file__).resolve().parents[2] / "shared" / "data" / "splitwise-sim" / "perf_model.csv"
 LINK_LATENCY_S = 5e-6  # provision.design_cluster's gpu_link latency
 
 MODELS: dict[str, ModelSpec] = {
@@ -104,11 +107,16 @@ def rms(xs: list[float]) -> float:
 
 
 def main() -> int:
-    groups = observations(CSV)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--csv", type=Path, default=CSV, help=f"Splitwise's perf_model.csv (default: {CSV})")
+    path = ap.parse_args().csv
+    if not path.is_file():
+        ap.error(f"no measured table at {path}: give --csv PATH (splitwise-sim's perf_model.csv)")
+    groups = observations(path)
     every = [o for obs in groups.values() for o in obs]
     fits = {"both": fit_roofline(every), "per layer only": fit_roofline(every, per_step=False),
             "per step only": fit_roofline(every, per_layer=False)}
-    print(f"{len(every)} steps from {CSV}")
+    print(f"{len(every)} steps from {path}")
     print(f"{'fit':16}{'eff_c':>7}{'eff_m':>7}{'layer ms':>10}{'step ms':>9}{'rms rel err':>13}")
     for name, r in [*fits.items(), ("DEFAULT (today)", DEFAULT_ROOFLINE)]:
         print(f"{name:16}{r.compute_efficiency:>7.2f}{r.memory_efficiency:>7.2f}{r.layer_fixed_s * 1e3:>10.4f}"
@@ -132,7 +140,7 @@ def main() -> int:
 
 
 def predict_ms(roofline: Roofline, o: Observation) -> float:
-    return (relative_errors(roofline, [o])[0] + 1) * o.measured_s * 1e3
+    return predict(roofline, o) * 1e3
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ class Roofline:
 
 DEFAULT_ROOFLINE = Roofline()
 # Fitted on Splitwise's measured step times (Llama-2 70B and BLOOM-176B on DGX-A100 and DGX-H100, TP 2 to 8;
-# /work/shared/data/splitwise-sim/perf_model.csv, MIT) by `.venv/bin/python scripts/fit_roofline.py`: relative
+# ../shared/data/splitwise-sim/perf_model.csv, MIT) by `.venv/bin/python scripts/fit_roofline.py`: relative
 # RMS error 0.163 over 1,660 steps, against 0.292 for DEFAULT_ROOFLINE. A per-step fixed cost fits as well
 # (16.2 ms, 0.164): the data's two models (70 and 80 layers) cannot tell the two apart.
 SPLITWISE_ROOFLINE = Roofline(compute_efficiency=0.51, memory_efficiency=0.88, layer_fixed_s=0.206e-3)
