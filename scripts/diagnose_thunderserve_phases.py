@@ -24,7 +24,6 @@ import math
 import statistics
 import sys
 from collections import Counter
-from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -36,7 +35,6 @@ from hetnode.planner.placement import PlannerOptions, plan_placement
 from hetnode.planner.profile_sources import profile_table_for
 from hetnode.planner.thunderserve.gpus import gpu_pool
 from hetnode.planner.thunderserve.parallel import Layout, Performance, Stage, performance
-from hetnode.planner.thunderserve.reschedule import reschedule, sustained_rate
 from hetnode.planner.thunderserve.slo import decode_residency, kv_handoff
 
 
@@ -56,8 +54,7 @@ def main(argv: list[str] | None = None) -> int:
                                                                   kv_share=opts.kv_reserve),
                               method="thunderserve", options=PlannerOptions(seed=lab.seed, thunderserve=opts))
         # Routed as reproduce_thunderserve routes a saturating run: by the TSTP solved at what the plan sustains.
-        at = sustained_rate(plan, cloud, lab.model, opts)
-        plan = reschedule(plan, cloud, lab.model, replace(opts, traffic=replace(opts.traffic, rate=at)), steps=0)
+        plan, _ = lab.routed_for(plan, cloud, opts, None)
         result = lab.run(f"thunderserve {traffic}", cloud, plan, traffic, None, opts.kv_reserve)
         stats = {n.name: n for n in result.nodes}
         total = result.summary["request_throughput"]

@@ -154,6 +154,13 @@ class Lab:
         merged = merge_tensor_parallel(plan, c)[1]
         return profile_table_for(merged, self.model, "roofline", kv_share=kv_share)
 
+    def routed_for(self, plan: PlacementPlan, c: ClusterSpec, tstp: ThunderServeOptions,
+                   rate: float | None) -> tuple[PlacementPlan, float]:
+        """`plan` with its orchestration re-solved for `rate` (None: what the planner expects it to sustain),
+        its deployment kept; and the rate it was solved for."""
+        at = sustained_rate(plan, c, self.model, tstp) if rate is None else rate
+        return reschedule(plan, c, self.model, replace(tstp, traffic=replace(tstp.traffic, rate=at)), steps=0), at
+
     def run(self, label: str, c: ClusterSpec, plan: PlacementPlan, traffic: str, rate: float | None,
             kv_share: float, options: SimOptions | None = None, scheduler: str | None = None,
             tstp: ThunderServeOptions | None = None) -> SimResult:
@@ -166,8 +173,7 @@ class Lab:
         began = time.perf_counter()
         solved_for = ""
         if tstp is not None:
-            at = sustained_rate(plan, c, self.model, tstp) if rate is None else rate
-            plan = reschedule(plan, c, self.model, replace(tstp, traffic=replace(tstp.traffic, rate=at)), steps=0)
+            plan, at = self.routed_for(plan, c, tstp, rate)
             assert plan.orchestration is not None
             solved_for = (f"; TSTP at {at:.2f}/s, X "
                           + "/".join(f"{x:.2f}" for x in plan.orchestration.prefill_share))
