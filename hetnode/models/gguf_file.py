@@ -1,6 +1,7 @@
 """What we need from a GGUF file: its metadata as a `ModelConfig`, and single tensors under Hugging Face names.
 
-The `gguf` package memory-maps the file, so reading one tensor touches only that tensor's pages. Two things
+The header is read and the file memory-mapped by `gguf_header.py`, so reading one tensor touches only that
+tensor's pages; `gguf.quants` dequantizes it. Two things
 differ from a Hugging Face checkpoint and are undone here exactly as transformers' GGUF loader does:
 tensor names (`blk.3.attn_q.weight` is `model.layers.3.self_attn.q_proj.weight`), and llama.cpp's
 permutation of the Q and K rows of `llama`-architecture files (it converts HF's rotate-half RoPE layout to
@@ -15,11 +16,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from gguf import GGUFReader, ReaderTensor
 from gguf.quants import dequantize
 
 from hetnode.errors import ConfigError
 from hetnode.models.config import ModelConfig, RopeConfig
+from hetnode.models.gguf_header import GGUFHeader, GGUFTensorInfo
 
 if TYPE_CHECKING:
     import torch
@@ -44,12 +45,12 @@ _LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)")
 
 
 @functools.lru_cache(maxsize=4)
-def _open(path: str, mtime_ns: int) -> GGUFReader:
-    return GGUFReader(path)
+def _open(path: str, mtime_ns: int) -> GGUFHeader:
+    return GGUFHeader(path)
 
 
-def open_gguf(path: Path) -> GGUFReader:
-    """A reader for the file, shared between config, weights and tokenizer (parsing the header takes ~2 s)."""
+def open_gguf(path: Path) -> GGUFHeader:
+    """The file's header, shared between its config and its weights."""
     try:
         return _open(str(path), path.stat().st_mtime_ns)
     except (OSError, ValueError) as exc:
@@ -66,12 +67,11 @@ def gguf_name(hf_name: str) -> str:
     return f"blk.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}.{match.group(3)}"
 
 
-def _field(reader: GGUFReader, key: str, default: Any = None) -> Any:
-    f = reader.fields.get(key)
-    return default if f is None else f.contents()
+def _field(reader: GGUFHeader, key: str, default: Any = None) -> Any:
+    return reader.fields.get(key, default)
 
 
-def config_from_gguf(reader: GGUFReader) -> ModelConfig:
+def config_from_gguf(reader: GGUFHeader) -> ModelConfig:
     arch = str(_field(reader, "general.architecture", ""))
     name = str(_field(reader, "general.name", "")).lower()
     if arch not in ("llama", "qwen2"):
@@ -93,7 +93,7 @@ def config_from_gguf(reader: GGUFReader) -> ModelConfig:
         raise ConfigError(f"GGUF RoPE scaling {scaling!r} is not supported")
     eos = [_field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
     tokens = reader.fields.get("tokenizer.ggml.tokens")
-    vocab = key("vocab_size") or (len(tokens.data) if tokens is not None else 0)
+    vocab = key("vocab_size") or (len(tokens) if tokens is not None else 0)
     return ModelConfig(
         # llama.cpp files Mistral under "llama"; transformers tells them apart by the model name, as we do.
         arch="mistral" if arch == "llama" and "mistral" in name else arch,
@@ -125,7 +125,7 @@ class GGUFTensors:
         self._reader = open_gguf(path)
         self.config = config_from_gguf(self._reader)
         self._arch = str(_field(self._reader, "general.architecture", ""))
-        self._tensors: dict[str, ReaderTensor] = {t.name: t for t in self._reader.tensors}
+        self._tensors: dict[str, GGUFTensorInfo] = {t.name: t for t in self._reader.tensors}
 
     def has(self, hf_name: str) -> bool:
         try:
