@@ -182,6 +182,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "all prefill while a prompt can run, else all decode)")
     j.add_argument("--prompt-tokens", type=_positive_int, default=2048, metavar="N",
                    help="with --batching splitwise: most prompt tokens batched in one step (default: 2048)")
+    j.add_argument("--prefill-tokens", type=_positive_int, default=None, metavar="N",
+                   help="while this node serves a phase-split plan's prefill replica: most prompt tokens batched "
+                        "in one step, a longer prompt alone (ThunderServe's and DistServe's prefill batching; "
+                        "1024 is ThunderServe's Fig. 2 plateau); default: no cap beyond the token budget")
     j.add_argument("--compute-dilation", type=_positive, default=100.0, metavar="X",
                    help="with --emulate: a step lasts X times the emulated device's modelled step time "
                         "(or the real time, if longer), so emulated devices keep their relative speeds "
@@ -671,7 +675,8 @@ async def _run_node(args: argparse.Namespace) -> None:
                          engine_config=EngineConfig(kv_cache_bytes=int(args.kv_cache_mb * (1 << 20))),
                          pace_factory=pace_factory(args.emulate, args.compute_dilation) if args.emulate else None,
                          kv_transfer=transfer_policy(args.kv_transfer),
-                         batch_policy=batch_policy_for(args.batching, args.prompt_tokens, trio.current_time))
+                         batch_policy=batch_policy_for(args.batching, args.prompt_tokens, trio.current_time),
+                         prefill_tokens=args.prefill_tokens)
         daemon = NodeDaemon(config, transport, hops)
         async with trio.open_nursery() as nursery:
             # SIGTERM or Ctrl-C: the sessions here move to other nodes with their KV before the node goes.

@@ -29,7 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from reproduce_thunderserve import Lab, cluster
+from reproduce_thunderserve import Lab, add_prefill_tokens, cluster
 
 from hetnode.planner.placement import PlannerOptions, plan_placement
 from hetnode.planner.profile_sources import profile_table_for
@@ -43,8 +43,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration", type=float, default=120.0)
     parser.add_argument("--traffic", nargs="+", default=["code", "conv"], choices=["code", "conv"])
     parser.add_argument("--seed", type=int, default=0)
+    add_prefill_tokens(parser)
     args = parser.parse_args(argv)
-    lab = Lab(args.duration, min(60.0, args.duration / 5), args.seed)
+    lab = Lab(args.duration, min(60.0, args.duration / 5), args.seed, prefill_tokens=args.prefill_tokens or None)
     cloud = cluster("thunderserve-cloud-gpus")
     pool = gpu_pool(cloud)
     index = {g.name: i for i, g in enumerate(pool.gpus)}

@@ -34,6 +34,11 @@ multi-GPU roofline profile pays them, `profile.roofline_profile`).
 - Diagnostic (no paper number): ThunderServe's planner on thunderserve-cloud (whole instances as nodes),
   to separate the planner's choices from the GPUs.
 
+Prefill batching: the phase-split plans' prefill replicas (ThunderServe's and DistServe-like) batch as DistServe
+does, which ThunderServe adopts: prompts first come first served up to PREFILL_TOKENS (1,024, the plateau of
+ThunderServe's Fig. 2) a step, a longer prompt alone (`--prefill-tokens`, `hetnode/policy/role_batching.py`);
+their decode replicas and the baselines' pipelines keep the shared setting (up to 8,192 tokens a step).
+
 Routing: every plan with an orchestration (ThunderServe's, DistServe-like) is routed by it (`tstp`: pairs in
 the shares X_i Y_ij, `hetnode/coordinator/pair_schedulers.py`); Fig. 12's random dispatch is `random-pairs`
 (a uniformly drawn pair with KV room), both with the KV hand-off at fp16 as in the paper's ablation.
@@ -84,6 +89,7 @@ from hetnode.planner.profile_sources import profile_table_for
 from hetnode.planner.thunderserve.reschedule import reschedule, sustained_rate
 from hetnode.planner.thunderserve.settings import ThunderServeOptions, Traffic
 from hetnode.planner.thunderserve.slo import slo_for
+from hetnode.policy.role_batching import PREFILL_TOKENS
 from hetnode.testnet.sim import SimOptions, SimResult, load_trace, offline, poisson, simulate
 from hetnode.testnet.sim.tp_stages import merge_tensor_parallel
 from hetnode.testnet.sim.workload import Trace
@@ -137,9 +143,13 @@ def trace_traffic(trace: Trace, rate: float) -> Traffic:
 class Lab:
     """Plans, profiles and simulations, each made once."""
 
-    def __init__(self, duration_s: float, warmup_s: float, seed: int, busy: bool = False) -> None:
+    def __init__(self, duration_s: float, warmup_s: float, seed: int, busy: bool = False,
+                 prefill_tokens: int | None = PREFILL_TOKENS) -> None:
         self.model: ModelSpec = model_spec(MODEL)
         self.duration_s, self.warmup_s, self.seed, self.busy = duration_s, warmup_s, seed, busy
+        # The phase-split plans' prefill replicas batch at most this many prompt tokens a step (ThunderServe's
+        # and DistServe's prefill batching, `hetnode/policy/role_batching.py`); None: the shared setting.
+        self.prefill_tokens = prefill_tokens
         # The whole traces, as ThunderServe serves them: Helix's length filter (input <= 2048) would leave the
         # coding trace's prompts at a mean of 844 tokens where the paper's is 2048 (issue 14).
         self.traces = {k: load_trace(v, length_filter=False) for k, v in TRACES.items()}
@@ -179,6 +189,8 @@ class Lab:
                           + "/".join(f"{x:.2f}" for x in plan.orchestration.prefill_share))
         # A plan with an orchestration is routed by it (ThunderServe's TSTP); the others by IWRR
         scheduler = scheduler or ("tstp" if plan.orchestration is not None else "iwrr")
+        if plan.replicas:
+            options = replace(options or SimOptions(), prefill_tokens=self.prefill_tokens)
         result = simulate(c, self.model, self.profiles(c, plan, kv_share), plan, workload=workload,
                           scheduler=scheduler, duration_s=self.duration_s, warmup_s=self.warmup_s, seed=self.seed,
                           options=options)
@@ -358,6 +370,14 @@ def format_table(claims: list[Claim], facts: dict[str, Any], log: list[str]) -> 
     return "\n".join(lines) + "\n"
 
 
+def add_prefill_tokens(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--prefill-tokens", type=int, default=PREFILL_TOKENS, metavar="N",
+                        help="a phase-split plan's prefill replicas batch at most N prompt tokens a step, a longer "
+                             "prompt alone (ThunderServe's and DistServe's prefill batching, "
+                             f"hetnode/policy/role_batching.py; default {PREFILL_TOKENS}, ThunderServe's Fig. 2); 0: "
+                             "no such cap, every node the shared setting (up to 8,192 tokens a step)")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="smoke run: 40 s of simulated time per run")
@@ -365,9 +385,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, default=None, help="also write the results as JSON here")
     parser.add_argument("--busy", action="store_true", help="print each node's busy share after each offline run")
+    add_prefill_tokens(parser)
     args = parser.parse_args(argv)
     duration = 40.0 if args.quick else args.duration
-    lab = Lab(duration, min(60.0, duration / 5), args.seed, args.busy)
+    lab = Lab(duration, min(60.0, duration / 5), args.seed, args.busy, prefill_tokens=args.prefill_tokens or None)
     claims, facts = reproduce(lab)
     print(format_table(claims, facts, lab.log), end="")
     if args.json is not None:

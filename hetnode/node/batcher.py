@@ -93,7 +93,7 @@ class BatchLoop:
                  queue_size: int = 4096, min_chunk: int = MIN_CHUNK,
                  policy: Callable[[KVLedger, BatchConfig], BatchPolicy] = BatchPolicy,
                  layer_hook: LayerHook | None = None, max_prompts: int | None = None,
-                 max_decodes: int | None = None) -> None:
+                 max_decodes: int | None = None, prompt_tokens: int | None = None) -> None:
         self.engine = engine
         self._deliver = deliver
         self._fail = fail
@@ -118,11 +118,12 @@ class BatchLoop:
         self.ledger = KVLedger(self.kv.total_blocks, self.kv.block_size)
         # The batch policy (the simulator's nodes take the same factory): the shared one unless a design brings
         # its own.
-        # The step caps (prompt and decode items per step) are the policy's; none by default, as the engine's
-        # budget is in tokens. The simulator passes the same ones to its nodes.
+        # The step caps (prompt and decode items per step, prompt tokens per step: a prefill replica's,
+        # role_batching.py) are the policy's; none by default, as the engine's budget is in tokens. The simulator
+        # passes the same ones to its nodes.
         self.policy = policy(self.ledger, BatchConfig(max_batch_tokens=engine.engine_config.max_batch_tokens,
                                                       min_chunk=min_chunk, max_prompts=max_prompts,
-                                                      max_decodes=max_decodes))
+                                                      max_decodes=max_decodes, prompt_tokens=prompt_tokens))
         self._idle = trio.Event()
         self._busy = False
         self._stopping: str | None = None

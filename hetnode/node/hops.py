@@ -45,6 +45,7 @@ from hetnode.node.hop_session import HopSession, sampling_params
 from hetnode.node.kv_handoff import KVHandoffs
 from hetnode.node.metrics import NodeMetrics, NodeView
 from hetnode.policy import BatchConfig, BatchPolicy, Cause, KVLedger, KVTransferPolicy, Lifecycle
+from hetnode.policy.role_batching import prompt_tokens_for
 from hetnode.protocol.mailbox import Mailbox
 from hetnode.protocol.messages import (
     INFER_PROTOCOL,
@@ -99,9 +100,12 @@ class HopServer(KVHandoffs):
     def __init__(self, transport: Transport, is_member: Callable[[NodeId], bool], *, device: str = "cpu",
                  dtype: str = "float32", engine_config: EngineConfig | None = None,
                  pace_factory: PaceFactory | None = None, kv_transfer: KVTransferPolicy | None = None,
-                 batch_policy: Callable[[KVLedger, BatchConfig], BatchPolicy] = BatchPolicy) -> None:
+                 batch_policy: Callable[[KVLedger, BatchConfig], BatchPolicy] = BatchPolicy,
+                 prefill_tokens: int | None = None) -> None:
         self.transport = transport
         self.batch_policy = batch_policy  # the shared one, or another design's (Splitwise's machine-level)
+        # Prompt tokens a step batches while this node serves a prefill replica (role_batching.py); None: none.
+        self.prefill_tokens = prefill_tokens
         self.device = device
         self.dtype = dtype
         self.engine_config = engine_config
@@ -176,6 +180,8 @@ class HopServer(KVHandoffs):
                     and (current.first_layer, current.last_layer) == (a.first_layer, a.last_layer))
             if same or a.role == "idle":
                 self.assignment = a
+                if same and self.loop is not None:  # a phase flip keeps the layers; the step setting follows
+                    self.loop.policy.set_prompt_tokens(prompt_tokens_for(a.role, self.prefill_tokens))
                 # Ready first: that is the coordinator's cue to move the sessions still on the old shard away
                 # with their KV, which the shard keeps until they have gone.
                 await report(AssignmentStatus(plan_version=a.plan_version, state="ready"))
@@ -201,7 +207,8 @@ class HopServer(KVHandoffs):
                 return
             loop = BatchLoop(engine, deliver=self._deliver, fail=self._fail,
                              pace=self.pace_factory(engine) if self.pace_factory else None,
-                             layer_hook=self._stream_for, policy=self.batch_policy)
+                             layer_hook=self._stream_for, policy=self.batch_policy,
+                             prompt_tokens=prompt_tokens_for(a.role, self.prefill_tokens))
             loop.on_step = lambda items, s: self.metrics.observe_step(
                 len(items), sum(i.num_tokens for i in items), any(i.num_tokens > 1 for i in items), s)
             await loop.measure_prefill()

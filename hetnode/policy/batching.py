@@ -13,6 +13,11 @@ One step takes everything already waiting (it never waits for more), in arrival 
   (its `prompt_max_requests` and `decode_max_tokens`, measured per GPU and layer count). An item is a prompt
   item while it starts before its session's `prefill_end` (as the hops tell them apart). An item over a cap
   waits for the next step, keeping its place.
+- Prompt tokens: at most `prompt_tokens` prompt tokens per step, where set (DistServe's prefill batching, which
+  ThunderServe adopts: prompts batched first come first served up to the length that saturates the GPU, a
+  longer one alone; `role_batching.py` sets it for a prefill replica). Prompts are not cut to fill it: the
+  first prompt item that does not fit ends the step's prompts, and later ones wait behind it. A step's first
+  prompt item always runs (split only by the token budget), so a long prompt is never held back.
 - Sessions: at most one item per session per step; a session's later item waits for its earlier one (its KV
   positions must arrive in order).
 - KV memory, through the node's `KVLedger`. A session's first item at this node reserves blocks for its whole
@@ -35,7 +40,7 @@ into work: the runtime slices the split item's tokens, the simulator clones a pi
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Generic, Protocol, TypeVar
 
 from hetnode.policy.kv_ledger import KVLedger
@@ -73,12 +78,14 @@ class BatchConfig:
     # Most prompt items (chunks) and decode items one step takes; None: no cap beyond the token budget.
     max_prompts: int | None = None
     max_decodes: int | None = None
+    # Most prompt tokens one step batches, a step's first prompt item exempt; None: only the token budget.
+    prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_batch_tokens < 1 or self.min_chunk < 1:
             raise ValueError(f"max_batch_tokens ({self.max_batch_tokens}) and min_chunk ({self.min_chunk}) "
                              "must be >= 1")
-        for name in ("max_prompts", "max_decodes"):
+        for name in ("max_prompts", "max_decodes", "prompt_tokens"):
             cap = getattr(self, name)
             if cap is not None and cap < 1:
                 raise ValueError(f"{name} must be >= 1 or None, not {cap}")
@@ -123,7 +130,8 @@ def refusal(need_blocks: int, capacity: int, block_size: int) -> str:
 class BatchPolicy:
     """Forms steps from a queue against one node's `KVLedger`."""
 
-    __slots__ = ("admit_oversized", "budget", "config", "ledger", "max_decodes", "max_prompts", "min_chunk")
+    __slots__ = ("admit_oversized", "budget", "config", "ledger", "max_decodes", "max_prompts", "min_chunk",
+                 "prompt_tokens")
 
     def __init__(self, ledger: KVLedger, config: BatchConfig | None = None) -> None:
         self.config = config or BatchConfig()
@@ -134,6 +142,13 @@ class BatchPolicy:
         # An absent cap is a count no step reaches (one comparison in the loop, no None test).
         self.max_prompts = self.config.max_prompts or 1 << 62
         self.max_decodes = self.config.max_decodes or 1 << 62
+        self.prompt_tokens = self.config.prompt_tokens or 1 << 62
+
+    def set_prompt_tokens(self, cap: int | None) -> None:
+        """A new `BatchConfig.prompt_tokens` from the next step on: a node whose replica changed role while
+        keeping its layers (a lightweight reschedule's phase flip) keeps its queue and KV."""
+        self.config = replace(self.config, prompt_tokens=cap)
+        self.prompt_tokens = cap or 1 << 62
 
     def refusal(self, item: Pending) -> str:
         """Why `item` was refused."""
@@ -184,7 +199,9 @@ class BatchPolicy:
         admitting = True  # first come, first admitted: one new session waiting on KV stops later ones
         max_prompts = self.max_prompts
         max_decodes = self.max_decodes
-        prompts = decodes = 0
+        prompt_cap = self.prompt_tokens
+        prompts = decodes = prompt_tokens = 0
+        prompts_closed = False  # a prompt item over `prompt_cap` waited: later prompts wait behind it
         for it in queue:
             s = it.session
             if s in seen:
@@ -197,6 +214,10 @@ class BatchPolicy:
             n = it.num_tokens
             prompt = it.start < it.prefill_end
             if (prompts >= max_prompts) if prompt else (decodes >= max_decodes):
+                wait(it)
+                continue
+            if prompt and (prompts_closed or (prompts and prompt_tokens + n > prompt_cap)):
+                prompts_closed = True
                 wait(it)
                 continue
             take = n
@@ -229,6 +250,7 @@ class BatchPolicy:
             tokens += take
             if prompt:
                 prompts += 1
+                prompt_tokens += take
             else:
                 decodes += 1
             if take < n:

@@ -305,3 +305,23 @@ def test_a_node_takes_splitwise_machine_batching_from_its_command_line(tmp_path:
         build_parser().parse_args([*cmd, "--batching", "fcfs"])
     with pytest.raises(ValueError, match="batching"):
         batch_policy_for("fcfs")
+
+
+async def test_a_prefill_role_gives_the_nodes_steps_its_prompt_token_cap_and_a_flip_takes_it_away(
+        tiny_model: Path) -> None:
+    """The live side of role_batching: the role the assignment names sets BatchConfig.prompt_tokens, and a phase
+    flip that keeps the layers (no reload) changes it in place."""
+    layers = load_config(tiny_model).num_layers
+    net = MemoryNetwork()
+
+    async def report(status: AssignmentStatus) -> None:
+        assert status.state != "failed", status.detail
+
+    async with trio.open_nursery() as nursery, net.transport("n0") as t0:
+        hops = HopServer(t0, lambda peer: peer in MEMBERS, prefill_tokens=64)
+        await nursery.start(hops.run)
+        for version, role, cap in ((1, "prefill", 64), (2, "decode", None), (3, "prefill", 64)):
+            await hops.assign(Assignment(plan_version=version, model=str(tiny_model), first_layer=0,
+                                         last_layer=layers, role=role), report)
+            assert hops.loop is not None and hops.loop.policy.config.prompt_tokens == cap
+        nursery.cancel_scope.cancel()

@@ -203,3 +203,35 @@ def test_step_caps_must_be_positive() -> None:
         BatchConfig(max_prompts=0)
     with pytest.raises(ValueError, match="max_decodes"):
         BatchConfig(max_decodes=-1)
+    with pytest.raises(ValueError, match="prompt_tokens"):
+        BatchConfig(prompt_tokens=0)
+
+
+# -- prompt tokens per step (a prefill replica's setting, role_batching.py) ----------------------------------
+
+
+def test_prompt_tokens_batch_prompts_in_order_up_to_the_cap_decodes_aside() -> None:
+    p = BatchPolicy(KVLedger(1000, 16), BatchConfig(max_batch_tokens=1000, prompt_tokens=50))
+    q = [It("p1", 0, 30), It("d1", 10, 1, 10), It("p2", 0, 30), It("p3", 0, 10), It("d2", 10, 1, 10)]
+    step = p.form(q)
+    # p2 would pass the cap and is not cut to fit: it ends the step's prompts, so p3 waits behind it.
+    assert names(step.batch) == ["p1", "d1", "d2"] and names(step.waiting) == ["p2", "p3"]
+    assert step.split is None
+
+
+def test_a_prompt_longer_than_the_cap_runs_alone_split_only_by_the_budget() -> None:
+    p = BatchPolicy(KVLedger(1000, 16), BatchConfig(max_batch_tokens=100, prompt_tokens=50))
+    step = p.form([It("long", 0, 300), It("short", 0, 5)])
+    assert names(step.batch) == ["long"] and step.split_tokens == 100
+
+
+def test_set_prompt_tokens_changes_the_next_step_only() -> None:
+    p = BatchPolicy(KVLedger(1000, 16), BatchConfig(max_batch_tokens=1000))
+    q = [It("a", 0, 30), It("b", 0, 30)]
+    assert names(p.form(q).batch) == ["a", "b"]
+    p.ledger.release("a")
+    p.ledger.release("b")
+    p.set_prompt_tokens(40)
+    assert names(p.form(q).batch) == ["a"] and p.config.prompt_tokens == 40
+    p.set_prompt_tokens(None)
+    assert names(p.form(q).batch) == ["a", "b"]

@@ -17,6 +17,7 @@ from hetnode.node.engine.base import EngineConfig, StepItem
 from hetnode.planner.profile import interpolate
 from hetnode.policy import PREEMPTED, BatchConfig, BatchPolicy, KVLedger
 from hetnode.policy.machine_batching import MachineConfig, splitwise_policy
+from hetnode.policy.role_batching import prompt_tokens_for
 from hetnode.testnet.sim.node import SimNode, add_to_bins
 
 WINDOW = (0.0, 1000.0)
@@ -286,7 +287,7 @@ class _Driver:
 
 async def _runtime_rounds(budget: int, blocks: int, min_chunk: int, plan: list[Session],
                           policy: Any = BatchPolicy, caps: tuple[int | None, int | None] = (None, None),
-                          ) -> list[Round]:
+                          prompt_tokens: int | None = None) -> list[Round]:
     failures: list[tuple[str, str, str]] = []
 
     async def nothing(*args: Any) -> None:
@@ -296,7 +297,8 @@ async def _runtime_rounds(budget: int, blocks: int, min_chunk: int, plan: list[S
         failures.append((str(work.item.session), reason, cause))
 
     loop = BatchLoop(_FakeEngine(budget, blocks), deliver=nothing, fail=fail,  # type: ignore[arg-type]
-                     min_chunk=min_chunk, policy=policy, max_prompts=caps[0], max_decodes=caps[1])
+                     min_chunk=min_chunk, policy=policy, max_prompts=caps[0], max_decodes=caps[1],
+                     prompt_tokens=prompt_tokens)
     driver = _Driver(plan)
     out: list[Round] = []
     ran: list[tuple[str, int, int]] = []
@@ -321,10 +323,11 @@ async def _runtime_rounds(budget: int, blocks: int, min_chunk: int, plan: list[S
 
 
 def _sim_rounds(budget: int, blocks: int, min_chunk: int, plan: list[Session], policy: Any = BatchPolicy,
-                caps: tuple[int | None, int | None] = (None, None)) -> list[Round]:
+                caps: tuple[int | None, int | None] = (None, None), prompt_tokens: int | None = None,
+                ) -> list[Round]:
     n = SimNode(0, "n", "a100", PROFILE, 0, 2, kv_capacity_tokens=blocks * 16, block_size=16,
                 max_batch_tokens=budget, window=WINDOW, bin_s=10.0, min_chunk=min_chunk, policy=policy,
-                max_prompts=caps[0], max_decodes=caps[1])
+                max_prompts=caps[0], max_decodes=caps[1], prompt_tokens=prompt_tokens)
     driver = _Driver(plan)
     out: list[Round] = []
     ran: list[tuple[str, int, int]] = []
@@ -388,6 +391,35 @@ async def test_a_prompt_cap_holds_the_second_prompt_in_both_executors() -> None:
     assert [len(ran) for ran, _ in capped[:2]] == [1, 1]
     assert [len(ran) for ran, _ in await _runtime_rounds(100, 1 << 16, 16, plan)][:1] == [2]
     assert _sim_rounds(100, 1 << 16, 16, plan, caps=(1, None)) == capped
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(plan=st.lists(st.tuples(st.integers(0, 4), st.integers(1, 120), st.integers(1, 64), st.integers(0, 12)),
+                     min_size=1, max_size=12),
+       budget=st.integers(1, 400), blocks=st.integers(4, 60), role=st.sampled_from(["prefill", "decode", None]),
+       prefill_tokens=st.none() | st.integers(1, 150))
+async def test_a_replicas_role_setting_decides_alike_in_the_runtime_and_the_simulator(
+        plan: list[Session], budget: int, blocks: int, role: str | None, prefill_tokens: int | None) -> None:
+    """The prompt-token cap a replica's role gives its nodes (role_batching.py), through both executors."""
+    cap = prompt_tokens_for(role, prefill_tokens)
+    runtime = await _runtime_rounds(budget, blocks, 16, plan, prompt_tokens=cap)
+    assert _sim_rounds(budget, blocks, 16, plan, prompt_tokens=cap) == runtime
+
+
+async def test_a_prefill_replicas_steps_batch_prompts_up_to_its_cap_and_a_longer_one_alone() -> None:
+    """Not vacuous: under a 100-token cap a prefill node runs 60 + 30, then 80 (the next 30 would pass the cap),
+    then 30 + 40 + 20, then the 150 alone (longer than the cap: never held back), and the 10 behind it last (not
+    run ahead of it); without the cap (a decode node's setting) all of them go in one step."""
+    plan = [(0, 60, 60, 0), (0, 30, 30, 0), (0, 80, 80, 0), (0, 30, 30, 0), (0, 40, 40, 0), (0, 20, 20, 0),
+            (0, 150, 150, 0), (0, 10, 10, 0)]
+    cap = prompt_tokens_for("prefill", 100)
+    rounds = await _runtime_rounds(1000, 1 << 16, 16, plan, prompt_tokens=cap)
+    assert _sim_rounds(1000, 1 << 16, 16, plan, prompt_tokens=cap) == rounds
+    assert [[s for s, *_ in ran] for ran, _ in rounds if ran] == [
+        ["s0", "s1"], ["s2"], ["s3", "s4", "s5"], ["s6"], ["s7"]]
+    assert prompt_tokens_for("decode", 100) is None
+    shared = await _runtime_rounds(1000, 1 << 16, 16, plan)
+    assert len(shared[0][0]) == len(plan)  # everything in one step without the cap
 
 
 async def test_the_mirror_covers_every_kv_decision() -> None:

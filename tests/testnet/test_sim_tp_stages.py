@@ -20,8 +20,9 @@ from hetnode.planner.thunderserve.deploy import thunderserve_placement
 from hetnode.planner.thunderserve.gpus import gpu_pool
 from hetnode.planner.thunderserve.parallel import Layout, Stage, performance
 from hetnode.planner.thunderserve.settings import CODING, ThunderServeOptions, Traffic
-from hetnode.testnet.sim import load_trace, poisson, simulate
+from hetnode.testnet.sim import SimOptions, load_trace, poisson, simulate
 from hetnode.testnet.sim.tp_stages import merge_tensor_parallel
+from hetnode.testnet.sim.workload import Trace
 
 CLOUD = load_cluster(str(files("hetnode.testnet") / "clusters" / "thunderserve-cloud-gpus.toml"))
 MODEL = model_spec("llama-30b")
@@ -130,3 +131,23 @@ def test_a_stage_on_a_faster_link_gets_a_profile_of_its_own() -> None:
     planner = performance(pool, Layout(tp=2, stages=(Stage((0, 1), 0, 60),)), MODEL, options).prefill_s
     assert 60 * dict(own.prompt_curve)[2048.0] == pytest.approx(planner, rel=1e-9)
     assert dict(pcie.prompt_curve)[2048.0] > dict(own.prompt_curve)[2048.0]
+
+
+def test_a_prefill_replicas_stages_take_the_prefill_token_cap_by_role_and_the_decode_stage_does_not() -> None:
+    """SimOptions.prefill_tokens reaches the merged TP stages of prefill replicas (role_batching.py): prompts of
+    2,048 tokens queued for the prefill replica run one to a step under a 1,024 cap, where the shared setting
+    (8,192 tokens a step) batches several; the decode stage batches either way."""
+    plan = two_replicas()
+    merged = merge_tensor_parallel(plan, CLOUD)[1]
+    profiles = profile_table_for(merged, MODEL, "roofline")
+    lengths = Trace("2048-in", tuple(float(i) for i in range(100)), (2048,) * 100, (64,) * 100)
+    workload = poisson(3.0, lengths=lengths, duration_s=20.0)
+    prefill = {"4xa6000-0-gpu0", "4x3090ti-0-gpu0"}
+    batches = {}
+    for cap in (None, 1024):
+        result = simulate(CLOUD, MODEL, profiles, plan, workload=workload, scheduler="cls",
+                          duration_s=20.0, warmup_s=2.0, options=SimOptions(prefill_tokens=cap))
+        batches[cap] = {n.name: n.max_batch for n in result.nodes if n.steps}
+    assert max(batches[None][n] for n in prefill) > 1
+    assert all(batches[1024][n] == 1 for n in prefill)
+    assert batches[None]["4xa5000-0-gpu0"] > 1 and batches[1024]["4xa5000-0-gpu0"] > 1

@@ -128,7 +128,8 @@ class SimNode:
                  last_layer: int, *, kv_capacity_tokens: int, block_size: int, max_batch_tokens: int,
                  window: tuple[float, float], bin_s: float, mixed_steps: str = "sum",
                  min_chunk: int = MIN_CHUNK, admit_oversized: bool = False, max_prompts: int | None = None,
-                 max_decodes: int | None = None, solo_decode_factor: float = 1.0, first_layer_copy_s: float = 0.0,
+                 max_decodes: int | None = None, prompt_tokens: int | None = None,
+                 solo_decode_factor: float = 1.0, first_layer_copy_s: float = 0.0,
                  solo_beside_prompts: bool = False, copy_every_node: bool = False,
                  policy: Callable[[KVLedger, BatchConfig], BatchPolicy] = BatchPolicy) -> None:
         if not 0 <= first_layer <= last_layer:
@@ -153,7 +154,7 @@ class SimNode:
         # The runtime's batch policy, or another design's (the same factory `BatchLoop` takes).
         self.policy = policy(self.ledger, BatchConfig(max_batch_tokens=max_batch_tokens, min_chunk=min_chunk,
                                                       admit_oversized=admit_oversized, max_prompts=max_prompts,
-                                                      max_decodes=max_decodes))
+                                                      max_decodes=max_decodes, prompt_tokens=prompt_tokens))
         # Costs outside the per-layer tables that Helix's simulator charges (1.0 and 0.0 charge nothing): a decode
         # step of one item costs `solo_factor` times the table's, and the node holding layer 0 copies each token
         # of a step in for `copy_s` seconds (its host-to-device input). Helix's artifact charges both more widely

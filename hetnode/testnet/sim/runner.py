@@ -36,6 +36,7 @@ from hetnode.policy import MIN_CHUNK
 from hetnode.policy.cronus_refit import REFIT_WINDOW
 from hetnode.policy.kv_codec import AUTO, OPERATOR_CHOICES
 from hetnode.policy.machine_batching import BATCHINGS, PROMPT_TOKENS, batch_policy_for
+from hetnode.policy.role_batching import prompt_tokens_for
 from hetnode.testnet.sim.coordinator import Scheduler, SimCoordinator, SimRequest
 from hetnode.testnet.sim.core import Network, Simulation
 from hetnode.testnet.sim.handoff import POLICY, TRANSFER_MODES, SimHandoff, TransferMode, device_rates
@@ -86,6 +87,9 @@ class SimOptions:
     # machine-level scheduler with `prompt_tokens` prompt tokens a step at most (hetnode.policy.machine_batching).
     batching: str = "shared"
     prompt_tokens: int = PROMPT_TOKENS
+    # A prefill replica's nodes batch at most this many prompt tokens a step (role_batching.py: ThunderServe's
+    # and DistServe's prefill batching); None: every node takes the shared setting (the runtime's default).
+    prefill_tokens: int | None = None
     # Splitwise's pools: the requests a decode queue holds before the pool lends (PoolScheduler.decode_batch).
     decode_batch: int | None = None
     # The coordinator's own time, as one server in arrival order (0: it takes none): seconds to start a request
@@ -146,6 +150,8 @@ class SimOptions:
         if self.batching not in BATCHINGS or self.prompt_tokens < 1:
             raise ConfigError(f"batching must be one of {', '.join(BATCHINGS)} ({self.batching!r}) and "
                               f"prompt_tokens >= 1 ({self.prompt_tokens})")
+        if self.prefill_tokens is not None and self.prefill_tokens < 1:
+            raise ConfigError(f"prefill_tokens must be >= 1 or None, not {self.prefill_tokens}")
         if self.kv_pool not in KV_POOLS:
             raise ConfigError(f"kv_pool must be one of {', '.join(KV_POOLS)}, not {self.kv_pool!r}")
         if self.link_messages not in LINK_MESSAGES:
@@ -227,6 +233,7 @@ def simulate(cluster: ClusterSpec, model: ModelSpec, profiles: ProfileTable, pla
 
     # Nodes holding layers, in the cluster file's order.
     ranges = plan.ranges()
+    roles = {n: r.role for r in plan.replicas for n in r.nodes}
     nodes: list[SimNode] = []
     kv_capacity: dict[str, int] = {}
     for spec in cluster.nodes:
@@ -245,6 +252,7 @@ def simulate(cluster: ClusterSpec, model: ModelSpec, profiles: ProfileTable, pla
                              admit_oversized=opts.admit_oversized,
                              max_prompts=caps.max_prompts if caps else None,
                              max_decodes=caps.max_decodes if caps else None,
+                             prompt_tokens=prompt_tokens_for(roles.get(spec.name), opts.prefill_tokens),
                              solo_decode_factor=opts.solo_decode_factor, first_layer_copy_s=opts.first_layer_copy_s,
                              solo_beside_prompts=opts.solo_beside_prompts, copy_every_node=opts.copy_every_node,
                              policy=batch_policy_for(opts.batching, opts.prompt_tokens)))
