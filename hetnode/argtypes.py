@@ -36,3 +36,16 @@ def positive_int(value: str) -> int:
     if x < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1: {value!r}")
     return x
+
+
+def auto_or_count(value: str) -> int | str:
+    """"auto", or a whole number >= 0 (0: none), or argparse's error naming the value."""
+    if value == "auto":
+        return value
+    try:
+        x = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not 'auto' or an integer: {value!r}") from None
+    if x < 0:
+        raise argparse.ArgumentTypeError(f"must be 'auto' or at least 0: {value!r}")
+    return x

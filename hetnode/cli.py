@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import trio
 
+from hetnode.argtypes import auto_or_count
 from hetnode.argtypes import non_negative as _non_negative
 from hetnode.argtypes import positive as _positive
 from hetnode.argtypes import positive_int as _positive_int
@@ -27,6 +28,7 @@ from hetnode.errors import ConfigError, HetnodeError, PeerUnreachable, Refused
 from hetnode.policy.kv_codec import OPERATOR_CHOICES
 from hetnode.policy.kv_transfer import TRANSFER_CHOICES, transfer_policy
 from hetnode.policy.machine_batching import BATCHINGS, batch_policy_for
+from hetnode.policy.role_batching import prefill_tokens_of
 
 if TYPE_CHECKING:
     from hetnode.coordinator.deployment import Plan
@@ -50,6 +52,10 @@ def _planning_args(p: argparse.ArgumentParser) -> None:
                         "groups, routed by its orchestration, rescheduled lightly when a node is lost; ecoserve: "
                         "every node holding the model an instance, in macro-instances, requests routed by "
                         "EcoServe's Algorithms 1 and 2)")
+    p.add_argument("--prefill-tokens", type=auto_or_count, default="auto", metavar="N",
+                   help="most prompt tokens a step of a prefill replica's node batches, a longer prompt alone "
+                        "(ThunderServe's and DistServe's prefill batching; 0: no cap beyond the token budget; "
+                        "default auto: 1024, ThunderServe's Fig. 2 plateau, with --placement thunderserve, else 0)")
     p.add_argument("--macro-bounds", type=_macro_bounds, default=(4, 16), metavar="NL,NU",
                    help="with --placement ecoserve: mitosis's N_l and N_u, the fewest and most instances of a "
                         "macro-instance (default: 4,16)")
@@ -185,7 +191,8 @@ def build_parser() -> argparse.ArgumentParser:
     j.add_argument("--prefill-tokens", type=_positive_int, default=None, metavar="N",
                    help="while this node serves a phase-split plan's prefill replica: most prompt tokens batched "
                         "in one step, a longer prompt alone (ThunderServe's and DistServe's prefill batching; "
-                        "1024 is ThunderServe's Fig. 2 plateau); default: no cap beyond the token budget")
+                        "1024 is ThunderServe's Fig. 2 plateau); default: the cap the coordinator's assignment "
+                        "names (its --prefill-tokens)")
     j.add_argument("--compute-dilation", type=_positive, default=100.0, metavar="X",
                    help="with --emulate: a step lasts X times the emulated device's modelled step time "
                         "(or the real time, if longer), so emulated devices keep their relative speeds "
@@ -585,7 +592,8 @@ async def _run_coordinator(args: argparse.Namespace) -> None:
                               workload_window_s=args.workload_window, slo_s=args.slo,
                               macro_bounds=args.macro_bounds, scale_from=args.scale_from,
                               scale_window_s=args.scale_window, scale_target=args.scale_target,
-                              scale_low_use=args.scale_low_use, scale_idle_windows=args.scale_idle)
+                              scale_low_use=args.scale_low_use, scale_idle_windows=args.scale_idle,
+                              prefill_tokens=prefill_tokens_of(args.placement, args.prefill_tokens))
     identity = args.identity or (store.identity if store is not None else DEFAULT_HOME / "coordinator.key")
     key = load_or_create_identity(identity)
     serving = None

@@ -54,6 +54,7 @@ from hetnode.planner.thunderserve.settings import ThunderServeOptions, Traffic
 from hetnode.policy.cronus_refit import REFIT_WINDOW
 from hetnode.policy.ecoserve import Slos
 from hetnode.policy.ecoserve_overall import ScalingTrigger
+from hetnode.policy.role_batching import prompt_tokens_for
 from hetnode.policy.workload_monitor import WorkloadMonitor
 from hetnode.protocol.messages import Assignment, AssignmentStatus, Load, Route
 from hetnode.protocol.routes import route_peers
@@ -116,6 +117,9 @@ class PlanningConfig:
     scale_target: float = 0.9
     scale_low_use: float = 0.3
     scale_idle_windows: int = 4
+    # Prompt tokens a step of a prefill replica's node batches (policy/role_batching.py); None: no cap. The
+    # command line's default is the placement's (`prefill_tokens_of`).
+    prefill_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -578,9 +582,11 @@ class Deployment:
         roles = {NodeId(n): _wire_role(r.role) for r in plan.placement.replicas for n in r.nodes}
         for r in members:
             s = by_peer.get(r.peer_id)
+            role = roles.get(r.peer_id, "mixed") if s else "idle"
             a = Assignment(plan_version=plan.version, model=self.model,
                            first_layer=s.first_layer if s else 0, last_layer=s.last_layer if s else 0,
-                           role=roles.get(r.peer_id, "mixed") if s else "idle")  # type: ignore[arg-type]
+                           role=role,  # type: ignore[arg-type]
+                           prompt_tokens=prompt_tokens_for(role, self.planning.prefill_tokens))
             r.assignment, r.assignment_state = a, "sent"
             plan.ready.discard(r.peer_id)
             if await self.send(r.peer_id, a):

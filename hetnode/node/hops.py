@@ -181,7 +181,7 @@ class HopServer(KVHandoffs):
             if same or a.role == "idle":
                 self.assignment = a
                 if same and self.loop is not None:  # a phase flip keeps the layers; the step setting follows
-                    self.loop.policy.set_prompt_tokens(prompt_tokens_for(a.role, self.prefill_tokens))
+                    self.loop.policy.set_prompt_tokens(self._prompt_tokens(a))
                 # Ready first: that is the coordinator's cue to move the sessions still on the old shard away
                 # with their KV, which the shard keeps until they have gone.
                 await report(AssignmentStatus(plan_version=a.plan_version, state="ready"))
@@ -208,7 +208,7 @@ class HopServer(KVHandoffs):
             loop = BatchLoop(engine, deliver=self._deliver, fail=self._fail,
                              pace=self.pace_factory(engine) if self.pace_factory else None,
                              layer_hook=self._stream_for, policy=self.batch_policy,
-                             prompt_tokens=prompt_tokens_for(a.role, self.prefill_tokens))
+                             prompt_tokens=self._prompt_tokens(a))
             loop.on_step = lambda items, s: self.metrics.observe_step(
                 len(items), sum(i.num_tokens for i in items), any(i.num_tokens > 1 for i in items), s)
             await loop.measure_prefill()
@@ -220,6 +220,11 @@ class HopServer(KVHandoffs):
                      a.plan_version)
             await report(AssignmentStatus(plan_version=a.plan_version, state="ready"))
             await self._retire(old_engine, old_loop, old_scope, reason)
+
+    def _prompt_tokens(self, a: Assignment) -> int | None:
+        """This node's prompt-token cap under `a`: its own --prefill-tokens for its role where it has one (an
+        operator's say over its machine), else the one the coordinator's assignment names."""
+        return prompt_tokens_for(a.role, self.prefill_tokens) if self.prefill_tokens is not None else a.prompt_tokens
 
     def _load_engine(self, a: Assignment) -> TorchEngine:
         engine = TorchEngine.load(a.model, a.first_layer, a.last_layer, device=self.device, dtype=self.dtype,

@@ -205,6 +205,9 @@ class Assignment(_Msg, tag="assign", frozen=True, kw_only=True):
     first_layer: Count = 0
     last_layer: Count = 0  # exclusive
     role: Literal["idle", "mixed", "prefill", "decode"] = "idle"
+    # Most prompt tokens one step of this node batches (a prefill replica's, policy/role_batching.py); None: no cap
+    # beyond the node's token budget.
+    prompt_tokens: Annotated[int, msgspec.Meta(ge=1, le=1 << 24)] | None = None
 
 
 class AssignmentStatus(_Msg, tag="assign_status", frozen=True, kw_only=True):

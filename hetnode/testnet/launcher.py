@@ -182,7 +182,8 @@ class Running:
 _FORWARDED = (("split_workload", "--split-workload"), ("reschedule_shift", "--reschedule-shift"),
               ("workload_window", "--workload-window"), ("slo", "--slo"), ("macro_bounds", "--macro-bounds"),
               ("scale_from", "--scale-from"), ("scale_window", "--scale-window"), ("scale_target", "--scale-target"),
-              ("scale_low_use", "--scale-low-use"), ("scale_idle", "--scale-idle"))
+              ("scale_low_use", "--scale-low-use"), ("scale_idle", "--scale-idle"),
+              ("prefill_tokens", "--prefill-tokens"))
 
 
 def _workload_args(args: argparse.Namespace) -> list[str]:

@@ -48,7 +48,7 @@ def profile(bw: float) -> HardwareProfile:
 @asynccontextmanager
 async def network(model: Path, bandwidths: list[float], method: str = "pipeline",
                   engine_config: EngineConfig | None = None, scheduler: str = "iwrr", lose_assignments: int = 0,
-                  ) -> AsyncIterator[tuple[PipelineGenerator, list[NodeDaemon]]]:
+                  prefill_tokens: int | None = None) -> AsyncIterator[tuple[PipelineGenerator, list[NodeDaemon]]]:
     """`lose_assignments`: that many of the first assignments the coordinator sends are lost on the way, as they
     are when a node's control stream stalls past the send timeout."""
     net = MemoryNetwork()
@@ -57,7 +57,8 @@ async def network(model: Path, bandwidths: list[float], method: str = "pipeline"
         coord = Coordinator(CoordinatorConfig(token="t", probe_interval_s=3600,
                                               probe=ProbeSettings(first_bytes=1024, max_bytes=1024)), ct)
         gen = coord.enable_serving(model=str(model), model_config=cfg, tokenizer=load_tokenizer(model),
-                                   planning=PlanningConfig(method=method, scheduler=scheduler))
+                                   planning=PlanningConfig(method=method, scheduler=scheduler,
+                                                           prefill_tokens=prefill_tokens))
         if lose_assignments:
             deployment, send = gen.deployment, gen.deployment.send
             lost = itertools.count()
@@ -129,6 +130,20 @@ async def test_three_stage_pipeline_matches_single_process(tiny_model: Path) -> 
             await node.hops.loop.wait_idle()
             assert node.hops.loop.kv.used_blocks == 0
     assert got == want
+
+
+async def test_a_split_deployments_assignments_name_the_prefill_nodes_prompt_token_cap(tiny_model: Path) -> None:
+    """The coordinator's --prefill-tokens reaches the nodes of its prefill replicas through their assignments (a
+    live ThunderServe deployment batches its prompts as the simulator's does); decode nodes get no cap."""
+    async with network(tiny_model, [30.0, 20.0], method="split", prefill_tokens=96) as (gen, nodes):
+        plan = gen.deployment.plan
+        assert plan is not None
+        caps = {}
+        for node in nodes:
+            assert node.hops is not None and node.hops.loop is not None and node.hops.assignment is not None
+            caps[node.hops.assignment.role] = node.hops.loop.policy.config.prompt_tokens
+        assert caps == {"prefill": 96, "decode": None}
+        assert await collect(gen, PROMPTS[0], 4)  # and the plan serves with it
 
 
 async def test_assignments_lost_on_the_way_go_again_and_the_plan_serves(tiny_model: Path) -> None:

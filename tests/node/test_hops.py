@@ -324,4 +324,25 @@ async def test_a_prefill_role_gives_the_nodes_steps_its_prompt_token_cap_and_a_f
             await hops.assign(Assignment(plan_version=version, model=str(tiny_model), first_layer=0,
                                          last_layer=layers, role=role), report)
             assert hops.loop is not None and hops.loop.policy.config.prompt_tokens == cap
+        # The node's own --prefill-tokens wins over the cap the coordinator names.
+        await hops.assign(Assignment(plan_version=4, model=str(tiny_model), first_layer=0, last_layer=layers,
+                                     role="prefill", prompt_tokens=1024), report)
+        assert hops.loop is not None and hops.loop.policy.config.prompt_tokens == 64
+        nursery.cancel_scope.cancel()
+
+
+async def test_without_a_setting_of_its_own_a_node_takes_the_cap_its_assignment_names(tiny_model: Path) -> None:
+    layers = load_config(tiny_model).num_layers
+    net = MemoryNetwork()
+
+    async def report(status: AssignmentStatus) -> None:
+        assert status.state != "failed", status.detail
+
+    async with trio.open_nursery() as nursery, net.transport("n0") as t0:
+        hops = HopServer(t0, lambda peer: peer in MEMBERS)
+        await nursery.start(hops.run)
+        for version, role, cap in ((1, "prefill", 96), (2, "decode", None), (3, "prefill", 128)):
+            await hops.assign(Assignment(plan_version=version, model=str(tiny_model), first_layer=0,
+                                         last_layer=layers, role=role, prompt_tokens=cap), report)
+            assert hops.loop is not None and hops.loop.policy.config.prompt_tokens == cap
         nursery.cancel_scope.cancel()

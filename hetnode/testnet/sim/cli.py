@@ -19,9 +19,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from hetnode.argtypes import auto_or_count
 from hetnode.argtypes import positive as _positive
 from hetnode.errors import ConfigError
 from hetnode.policy.kv_codec import OPERATOR_CHOICES
+from hetnode.policy.role_batching import prefill_tokens_of
 from hetnode.testnet.sim.padg_cli import PLACEMENTS as PADG_PLACEMENTS
 from hetnode.testnet.sim.padg_cli import add_arguments as add_padg_arguments
 
@@ -111,6 +113,9 @@ def add_arguments(p: argparse.ArgumentParser, *, clusters: Sequence[str] = ()) -
                         "costs; docs/simulator.md). Options given below win over the setting's (default: hetnode)")
     p.add_argument("--max-batch-tokens", type=int, default=None, metavar="N",
                    help="most tokens one node step carries (default: the setting's; 8192, the runtime's)")
+    p.add_argument("--prefill-tokens", type=auto_or_count, default="auto", metavar="N",
+                   help="most prompt tokens a step of a prefill replica's node batches, a longer prompt alone (0: no "
+                        "cap; default auto: 1024 with --placement thunderserve, as the coordinator's)")
     p.add_argument("--high-water", type=float, default=None, metavar="F",
                    help="the scheduler's KV high-water mark (default: the setting's, else the scheduler's)")
     p.add_argument("--link-messages", default=None, choices=["step", "item"],
@@ -212,7 +217,8 @@ def run(args: argparse.Namespace, *, clusters_dir: Path) -> int:
         budget = args.max_batch_tokens or (CRONUS_CHUNK if plan.method == "cronus" else None)
         options = options_like(args.like, offline=args.offline, max_batch_tokens=budget,
                                high_water=args.high_water, link_messages=args.link_messages,
-                               kv_codec=args.kv_codec, kv_transfer=args.kv_transfer)
+                               kv_codec=args.kv_codec, kv_transfer=args.kv_transfer,
+                               prefill_tokens=prefill_tokens_of(plan.method, args.prefill_tokens))
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
     if args.like != "hetnode":
