@@ -184,3 +184,20 @@ def test_sim_routes_a_split_plan_by_splitwise_pools_when_asked(tmp_path: Path,
     out = json.loads(capsys.readouterr().out)
     assert out["config"]["scheduler"] == "splitwise"
     assert out["summary"]["requests"]["finished"] > 0
+
+
+@pytest.mark.parametrize(("given", "cap"), [([], 1024), (["--prefill-tokens", "0"], None)])
+def test_sim_plans_and_routes_thunderserve_as_the_coordinator_does(capsys: pytest.CaptureFixture[str],
+                                                                   given: list[str], cap: int | None) -> None:
+    """`hetnode sim --placement thunderserve`: ThunderServe's plan over the cloud cluster's GPUs, routed by its
+    orchestration (tstp), KV handed from its prefill replicas to its decode ones, whose prompt-token cap is the
+    coordinator's default for the placement unless told otherwise."""
+    code = main(["sim", "--cluster", "thunderserve-cloud", "--model", "llama-30b", "--placement", "thunderserve",
+                 "--trace", "code", "--rate", "1", "--duration", "20", "--warmup", "2", "--json", "--progress", "off",
+                 *given])
+    assert code == 0
+    out = json.loads(capsys.readouterr().out)
+    c, s = out["config"], out["summary"]
+    assert c["method"] == "thunderserve" and c["scheduler"] == "tstp" and "prefill" in c["plan_size"]
+    assert c["option_prefill_tokens"] == cap
+    assert s["requests"]["finished"] > 0 and s["kv_handoff"]["installs"] > 0

@@ -29,7 +29,7 @@ from hetnode.testnet.sim.padg_cli import add_arguments as add_padg_arguments
 
 log = logging.getLogger("hetnode.sim")
 
-SCHEDULER_NAMES = ("iwrr", "random", "shortest-queue", "swarm", "cls", "splitwise")
+SCHEDULER_NAMES = ("iwrr", "random", "shortest-queue", "swarm", "cls", "splitwise", "tstp", "random-pairs")
 LIKES = ("hetnode", "helix")  # settings.LIKES; repeated so that the parser need not import the simulator
 PAIR_DESIGNS = ("cronus", "dp", "pp", "disagg-hl", "disagg-lh")  # pair_designs.DESIGNS, likewise
 
@@ -52,11 +52,15 @@ def add_arguments(p: argparse.ArgumentParser, *, clusters: Sequence[str] = ()) -
                    help="profile table: Helix's or Splitwise's measured profiles, the roofline cost model, or a "
                         "table file (measured on the live testnet, say); default auto")
     p.add_argument("--method", "--placement", dest="method", default="helix",
-                   choices=["helix", "petals", "swarm", "sp", "sp+", "split", *PAIR_DESIGNS, *PADG_PLACEMENTS],
+                   choices=["helix", "petals", "swarm", "sp", "sp+", "split", "thunderserve", *PAIR_DESIGNS,
+                            *PADG_PLACEMENTS],
                    help="placement method of the runtime's planner: helix (MILP), or the baselines petals, swarm, sp "
                         "(separate pipelines), sp+ (plus a mixed pipeline of the rest), or split (prefill and decode "
                         "replicas, sized for the trace's mean prompt and output, routed by cls, KV handed between "
-                        "them); default helix. On a two-GPU cluster: cronus (partially disaggregated prefill) and "
+                        "them), or thunderserve (ThunderServe's deployment over the cluster's GPUs, planned for "
+                        "the trace's mean lengths at --rate or 4 requests/s, tensor-parallel stages merged, routed "
+                        "by its orchestration, tstp); default helix. On a two-GPU cluster: cronus (partially "
+                        "disaggregated prefill) and "
                         "Cronus §5's baselines dp, pp, disagg-hl, disagg-lh (pair_designs.py; with --offline or "
                         "--rate, over the trace's first --first); cronus on more nodes pairs weak and strong ones "
                         "and runs in the main simulator (--max-batch-tokens default 512, §5.1's); or an instance "
@@ -125,8 +129,9 @@ def add_arguments(p: argparse.ArgumentParser, *, clusters: Sequence[str] = ()) -
                    help="seconds the placement MILP may run (default: the planner's)")
     p.add_argument("--no-partial", action="store_true",
                    help="plan without partial inference (a node's successor starts exactly at its last layer)")
-    p.add_argument("--kv-share", type=float, default=0.5, metavar="F",
-                   help="share of device memory kept for the KV cache when planning, in [0, 1) (default: 0.5)")
+    p.add_argument("--kv-share", type=float, default=None, metavar="F",
+                   help="share of device memory kept for the KV cache when planning, in [0, 1) (default: 0.5; "
+                        "thunderserve: its kv_reserve, 0.1)")
     p.add_argument("--first", type=int, default=None, metavar="N",
                    help="Cronus's pair designs: serve the trace's first N requests (default 1000, as Cronus §5.1)")
     p.add_argument("--json", action="store_true", help="print the result as JSON (summary, nodes, links)")
@@ -173,13 +178,19 @@ def run(args: argparse.Namespace, *, clusters_dir: Path) -> int:
         from hetnode.testnet.sim.padg_cli import run as run_padg
 
         return run_padg(args, cluster, model)
-    profiles = profile_table_for(cluster, model, args.profile, kv_share=args.kv_share)
     trace = wl.load_trace(args.trace, length_filter=not args.no_length_filter)
+    if args.method == "thunderserve" and args.plan is None:
+        plan, profiles = _thunderserve(args, cluster, model, trace)
+    else:
+        profiles = profile_table_for(cluster, model, args.profile,
+                                     kv_share=0.5 if args.kv_share is None else args.kv_share)
     if args.plan is not None:
         try:
             plan = PlacementPlan.from_json(json.loads(Path(args.plan).read_text()))
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise ConfigError(f"cannot read the plan: {exc}", file=args.plan, key="--plan") from exc
+    elif args.method == "thunderserve":
+        pass  # planned above, with the profiles of its tensor-parallel stages
     elif args.method == "split":
         from hetnode.planner.profile import Workload
         from hetnode.planner.split import split_placement
@@ -261,6 +272,28 @@ def run(args: argparse.Namespace, *, clusters_dir: Path) -> int:
     else:
         print(format_summary(result), end="")
     return 0
+
+
+def _thunderserve(args: argparse.Namespace, cluster: Any, model: Any, trace: Any) -> tuple[Any, Any]:
+    """ThunderServe's plan for the trace's mean lengths (at --rate, else its default rate), and the profiles of
+    the plan's stages, a tensor-parallel one as one node (as scripts/reproduce_thunderserve.py runs it)."""
+    import dataclasses
+
+    from hetnode.planner.profile_sources import profile_table_for
+    from hetnode.planner.thunderserve.deploy import thunderserve_placement
+    from hetnode.planner.thunderserve.settings import ThunderServeOptions, Traffic
+    from hetnode.testnet.sim.tp_stages import merge_tensor_parallel
+
+    defaults = ThunderServeOptions()
+    traffic = Traffic(input_len=max(1.0, trace.mean_input), output_len=max(1.0, trace.mean_output),
+                      rate=args.rate or defaults.traffic.rate)
+    options = dataclasses.replace(defaults, traffic=traffic, seed=args.seed,
+                                  **({} if args.kv_share is None else {"kv_reserve": args.kv_share}))
+    _say(args, f"planning {model.name} on {cluster.name} (thunderserve, for {traffic.input_len:.0f} prompt and "
+               f"{traffic.output_len:.0f} output tokens at {traffic.rate:g} requests/s) ...")
+    plan = thunderserve_placement(cluster, model, options)
+    merged = merge_tensor_parallel(plan, cluster)[1]
+    return plan, profile_table_for(merged, model, args.profile, kv_share=options.kv_reserve)
 
 
 def _say(args: argparse.Namespace, text: str) -> None:
