@@ -149,11 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     j = sub.add_parser("join", help="run a node daemon and join a network through a bootstrap peer",
                        description="Run a node: join through a bootstrap peer, report hardware and links.")
-    j.add_argument("--bootstrap", action="append", default=[], metavar="MULTIADDR",
-                   help="address of the coordinator or any member, with /p2p/<peer id>; repeatable (required)")
-    # Internal: the testnet starts its nodes while the coordinator starts, and writes the coordinator's address
-    # here (one per line, then EOF) once it listens: a node's imports and profile overlap the coordinator's.
-    j.add_argument("--bootstrap-fd", type=int, default=None, help=argparse.SUPPRESS)
+    j.add_argument("--bootstrap", action="append", required=True, metavar="MULTIADDR",
+                   help="address of the coordinator or any member, with /p2p/<peer id>; repeatable")
     j.add_argument("--token", default=os.environ.get("HETNODE_TOKEN"),
                    help="admission token (env HETNODE_TOKEN)")
     j.add_argument("--listen", action="append", default=None, metavar="MULTIADDR",
@@ -380,8 +377,6 @@ def _shipped_clusters() -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.command == "join" and not args.bootstrap and args.bootstrap_fd is None:
-        parser.error("the following arguments are required: --bootstrap")
     from hetnode.runtime import setup_logging
 
     setup_logging(getattr(args, "log_level", "info"))
@@ -445,22 +440,6 @@ def report_error(exc: HetnodeError) -> int:
         return 1
     print(f"hetnode: {exc}", file=sys.stderr)
     return 1
-
-
-async def _read_bootstrap(fd: int | None) -> list[str]:
-    """The addresses the testnet writes on --bootstrap-fd, once its coordinator listens; none without the fd."""
-    if fd is None:
-        return []
-    data = b""
-    async with trio.lowlevel.FdStream(fd) as pipe:
-        while chunk := await pipe.receive_some(4096):
-            data += chunk
-    addrs = data.decode().split()
-    if not addrs:
-        raise ConfigError("no bootstrap address arrived on --bootstrap-fd (the coordinator did not start?)",
-                          key="--bootstrap-fd")
-    _validate_bootstrap(addrs)
-    return addrs
 
 
 def _validate_bootstrap(addrs: list[str]) -> None:
@@ -686,8 +665,7 @@ async def _run_node(args: argparse.Namespace) -> None:
     listen = args.listen or ["/ip4/0.0.0.0/tcp/0"]
     async with open_libp2p_transport(key, listen) as raw, maybe_shaped(raw, args.emulate_links) as transport:
         name = args.name or f"{socket.gethostname()}-{str(transport.peer_id)[-6:]}"
-        bootstrap = [*args.bootstrap, *(await _read_bootstrap(args.bootstrap_fd))]
-        config = NodeConfig(bootstrap=tuple(bootstrap), token=args.token, name=name, region=args.region,
+        config = NodeConfig(bootstrap=tuple(args.bootstrap), token=args.token, name=name, region=args.region,
                             profile=profile, retry_budget_s=args.retry_budget)
         from hetnode.node.emulation import pace_factory
         from hetnode.node.engine import EngineConfig

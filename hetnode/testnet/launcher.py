@@ -117,15 +117,13 @@ class Lifeline:
 
 
 async def _spawn(cmd: list[str], log_path: Path, env: dict[str, str], *, lifeline: Lifeline | None,
-                 ready_timeout_s: float, name: str, pass_fds: tuple[int, ...] = (),
-                 started: list[trio.Process] | None = None) -> tuple[trio.Process, dict[str, Any]]:
-    """Start one child and wait for its readiness line. `pass_fds`: more descriptors the child inherits (named in
-    `cmd`); `started` gets the child as soon as it runs, so that a caller cancelled meanwhile can stop it."""
+                 ready_timeout_s: float, name: str) -> tuple[trio.Process, dict[str, Any]]:
+    """Start one child and wait for its readiness line."""
     r, w = os.pipe()
-    fds: tuple[int, ...] = (w, *pass_fds)
+    fds: tuple[int, ...] = (w,)
     if lifeline is not None:
         cmd = [*cmd, "--lifeline-fd", str(lifeline.read_fd)]
-        fds = (*fds, lifeline.read_fd)
+        fds = (w, lifeline.read_fd)
     # A local append-open is instant; the child keeps its own copy of the descriptor after the fork.
     log_file = open(log_path, "ab")  # noqa: ASYNC230, SIM115
     try:
@@ -136,8 +134,6 @@ async def _spawn(cmd: list[str], log_path: Path, env: dict[str, str], *, lifelin
     finally:
         os.close(w)
         log_file.close()
-    if started is not None:
-        started.append(proc)
     line = b""
     async with trio.lowlevel.FdStream(r) as pipe:
         with trio.move_on_after(ready_timeout_s) as scope:
@@ -231,7 +227,7 @@ def join_args(args: argparse.Namespace, spec: NodeSpec, bootstrap: str, state_di
 
 
 async def start(args: argparse.Namespace) -> Running:
-    """Start the coordinator and every node concurrently; returns once all are ready."""
+    """Start the coordinator, then every node concurrently; returns once all are ready."""
     state_dir: Path = args.state_dir
     state_path = state_dir / "state.json"
     if state_path.exists():
@@ -305,21 +301,7 @@ async def start(args: argparse.Namespace) -> Running:
     lifeline = None if args.detach else Lifeline()
     t0 = time.monotonic()
     procs: list[tuple[Proc, trio.Process]] = []
-    # Every child as soon as it runs, ready or not: what a failed start stops (the coordinator's list first).
-    started: tuple[list[trio.Process], list[trio.Process]] = ([], [])
-    # The nodes start beside the coordinator, not after it: their imports and profiles take seconds of their own.
-    # Each learns the coordinator's address on a pipe once it listens (EOF without one: it exits).
-    pipes = [os.pipe() for _ in cluster.nodes]
-    unclosed = {fd for pipe in pipes for fd in pipe}
-    coordinator: dict[str, Any] = {}
-
-    def close(fd: int) -> None:
-        """Each end once: a descriptor number closed twice may by then name another file."""
-        if fd in unclosed:
-            unclosed.discard(fd)
-            os.close(fd)
-
-    async def start_coordinator() -> None:
+    try:
         coord_log = log_dir / "coordinator.log"
         prefix, listen = where("coordinator")
         api_bind = args.api if layout is None else f"{layout.address('coordinator')}:{args.api.rpartition(':')[2]}"
@@ -333,52 +315,33 @@ async def start(args: argparse.Namespace) -> Running:
             "--kv-codec", getattr(args, "kv_codec", "auto"),
             "--plan-time-limit", str(getattr(args, "plan_time_limit", 10.0)),
             "--route-wait", str(getattr(args, "route_wait", 30.0)), *_workload_args(args), *emulate]
-        try:
-            cproc, ready = await _spawn(coord_cmd, coord_log, env, lifeline=lifeline,
-                                        ready_timeout_s=args.ready_timeout, name="coordinator", started=started[0])
-            procs.insert(0, (Proc("coordinator", "coordinator", cproc.pid, str(coord_log), ready["peer_id"],
-                                  coord_cmd), cproc))
-            coordinator.update(api=ready["api"], bootstrap=ready["addrs"][0])
-            for _, w in pipes:
-                os.write(w, coordinator["bootstrap"].encode() + b"\n")
-        finally:
-            for _, w in pipes:  # EOF: the nodes read the address, or learn that none will come
-                close(w)
+        cproc, ready = await _spawn(coord_cmd, coord_log, env, lifeline=lifeline,
+                                    ready_timeout_s=args.ready_timeout, name="coordinator")
+        procs.append((Proc("coordinator", "coordinator", cproc.pid, str(coord_log), ready["peer_id"], coord_cmd),
+                       cproc))
+        api, bootstrap = ready["api"], ready["addrs"][0]
 
-    async def start_node(spec_index: int) -> None:
-        spec = cluster.nodes[spec_index]
-        log_path = log_dir / f"{spec.name}.log"
-        prefix, listen = where(spec.name)
-        read_fd = pipes[spec_index][0]
-        cmd = [*prefix, *base, *join_args(args, spec, "", state_dir, emulate, listen=listen)]
-        at = cmd.index("--bootstrap")
-        try:
-            proc, node_ready = await _spawn([*cmd[:at], "--bootstrap-fd", str(read_fd), *cmd[at + 2:]], log_path,
-                                            env, lifeline=lifeline, ready_timeout_s=args.ready_timeout,
-                                            name=f"node {spec.name}", pass_fds=(read_fd,), started=started[1])
-        finally:
-            close(read_fd)  # the node has its own copy
-        # What `testnet restart` runs again: the address itself, which it has by now (the node joined through it).
-        cmd[at + 1] = coordinator["bootstrap"]
-        procs.append((Proc(spec.name, "node", proc.pid, str(log_path), node_ready["peer_id"], cmd,
-                           node_ready.get("metrics") or ""), proc))
+        async def start_node(spec_index: int) -> None:
+            spec = cluster.nodes[spec_index]
+            log_path = log_dir / f"{spec.name}.log"
+            prefix, listen = where(spec.name)
+            cmd = [*prefix, *base, *join_args(args, spec, bootstrap, state_dir, emulate, listen=listen)]
+            proc, node_ready = await _spawn(cmd, log_path, env, lifeline=lifeline,
+                                            ready_timeout_s=args.ready_timeout, name=f"node {spec.name}")
+            procs.append((Proc(spec.name, "node", proc.pid, str(log_path), node_ready["peer_id"], cmd,
+                               node_ready.get("metrics") or ""), proc))
 
-    try:
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(start_coordinator)
             for i in range(len(cluster.nodes)):
                 nursery.start_soon(start_node, i)
     except BaseException:
-        for fd in list(unclosed):
-            close(fd)
         with trio.CancelScope(shield=True):
-            await _stop([*started[0], *started[1]])
+            await _stop([p for _, p in procs])
         if lifeline is not None:
             lifeline.close()
         if layout is not None:
             destroy(layout)
         raise
-    api, bootstrap = coordinator["api"], coordinator["bootstrap"]
     if lifeline is not None:
         os.close(lifeline.read_fd)  # only the children need it; the launcher keeps the write end
     state = TestnetState(api=api, bootstrap=bootstrap, token=token, api_key=args.api_key,
