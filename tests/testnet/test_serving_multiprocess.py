@@ -60,7 +60,9 @@ def test_tiny_models_greedy_match_transformers(arch: str, tmp_path: Path) -> Non
     from hetnode.models.tiny import write_tiny_model
 
     model_dir = write_tiny_model(tmp_path / arch, arch)
-    state = start_testnet(tmp_path / "tn", str(model_dir))
+    # Two nodes: each holds the whole tiny model (a third is one more replica, as 3 nodes' plan was: each [0, 5)),
+    # so the four prompts still share a node's batches; the pipelines of several stages are the split tests'.
+    state = start_testnet(tmp_path / "tn", str(model_dir), nodes=2)
     try:
         hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
         tok = AutoTokenizer.from_pretrained(str(model_dir))

@@ -30,9 +30,12 @@ def run(*args: str, timeout: float = 120, **kw: object) -> subprocess.CompletedP
     return subprocess.run([*HETNODE, *args], capture_output=True, text=True, timeout=timeout, **kw)  # type: ignore[call-overload]
 
 
-@pytest.fixture
-def testnet(tmp_path: Path) -> Iterator[dict[str, object]]:
-    state_dir = tmp_path / "tn"
+@pytest.fixture(scope="module")
+def testnet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, object]]:
+    """One testnet for the module's tests that use it: starting it costs ~20 s of CI time, and neither test needs
+    a fresh one (the plaintext dial changes nothing; the membership test's killed node leaves two up, all the
+    plaintext test asks for afterwards)."""
+    state_dir = tmp_path_factory.mktemp("testnet") / "tn"
     r = run("testnet", "up", "--nodes", "3", "--detach", "--state-dir", str(state_dir),
             "--api-key", API_KEY, "--heartbeat-deadline", "3", "--model", "none")
     assert r.returncode == 0, r.stdout + r.stderr
