@@ -9,10 +9,14 @@ them (763 tokens/s each), and many enders at one boundary (or holders of one lay
 `--mode lp` builds one linear program (valid for every placement, partial inference on or off; the proof is
 below) over fractional ranges, and solves it with the pivot region's nodes (the A100s' region1 here)
   free         every range fractional,
-  ranges       fixed to given ranges (`--pivot a100-0=32:44 ...`): a bound on every placement with those,
+  ranges       fixed to given ranges (`--pivot a100-0=32:44 ...`): a bound on every placement with those;
+               with `--start-width W` each start anywhere in [first - W/2, first + W/2], with `--length-width`
+               each length down to that many layers shorter (a box around the given ranges),
   starts       their starts fixed, lengths fractional (`--pivot a100-0=32 ...`),
   boxes        each start in a block of layers, best-first halving of the widest block, `--max-lps` LPs: the
                bound a shipped version would report (the largest value over the open boxes),
+  bnb          best-first branch and bound over boxes of starts and lengths, twins' starts ordered
+               (`branch_and_bound`), to `--seconds` CPU or `--max-lps`, the bound at 10, 30, 60, ... s,
   integer      their ranges integer (HiGHS's branch-and-bound on the same LP, `--seconds`).
 `--mode cuts` is the first attempt: a MILP over integer counts of ranges per class of identical nodes, whose
 flow is at most every layer boundary's cut (the throughput of the nodes holding or ending at it) and the cut
@@ -31,6 +35,7 @@ region sizes. An integral placement satisfies all of it (P_{i,b} = n_{h,b} [i ho
     .venv/bin/python scripts/probe_geo_bound.py --mode lp --pivot-mode ranges \
         --pivot a100-0=32:44 a100-1=44:56 a100-2=56:68 a100-3=68:80
     .venv/bin/python scripts/probe_geo_bound.py --mode lp --pivot-mode boxes --max-lps 35
+    .venv/bin/python scripts/probe_geo_bound.py --mode lp --pivot-mode bnb --seconds 60 --max-lps 100000
     .venv/bin/python scripts/probe_geo_bound.py --mode lp --pivot-mode integer --seconds 90
     .venv/bin/python scripts/probe_geo_bound.py --mode cuts --seconds 60
 """
@@ -87,6 +92,7 @@ class PivotLp:
         groups = region_groups(infos)
         self.scale = scale = max(1.0, sum(i.best_layer_rate for i in infos) / L)
         self.pivot_nodes = [i.name for i in groups[pivot]]
+        self.pivot_kinds = [cap.kind(i) for i in groups[pivot]]  # what a pivot node's columns depend on
         m = ModelBuilder()
         self.flow = m.col(0, math.inf, cost=1.0)
         cols: dict[str, list[Column]] = {g: [] for g in groups}
@@ -217,6 +223,75 @@ def boxes(lp: PivotLp, L: int, blocks: int, max_lps: int) -> tuple[float, int, i
     return (-heap[0][0] if heap else 0.0), lps, len(heap)
 
 
+Box = tuple[tuple[int, int, int, int], ...]  # per pivot node: (first start, last start, fewest, most layers)
+
+
+def branch_and_bound(lp: PivotLp, L: int, incumbent: float, seconds: float, max_lps: int,
+                     marks: Sequence[float]) -> list[tuple[float, float, int, int]]:
+    """Best-first over boxes of the pivot nodes' ranges (each: an interval of starts and one of lengths).
+
+    Valid when stopped at any point: every placement's pivot ranges (sorted, below) lie in an open box, since
+    children partition their parent, and a box's value, min(its LP, its parent's), is at least the max flow of
+    every placement in it (module docstring; a box only sets column bounds, so its LP relaxes each of them).
+    Symmetry: neighbouring pivot nodes of the same kind (T_j, layer limit, coordinator links: all that their
+    columns depend on; the LP sees a region's largest link, not a node's) are interchangeable in the LP, so the
+    placement with their ranges sorted by start has the same LP value; the search keeps only what sorted
+    ranges can be: a twin's first start at least its predecessor's, its last start at most its successor's
+    (every sorted point of a box stays in it). Split: the widest start interval at its middle, else the widest
+    length interval. Returns (seconds CPU, bound, LPs, open boxes) at each mark and at the end.
+    """
+    n = len(lp.pivot_cols)
+    twins = [(a, a + 1) for a in range(n - 1) if lp.pivot_kinds[a] == lp.pivot_kinds[a + 1]]
+
+    def tighten(box: Box) -> Box | None:
+        b = [list(x) for x in box]
+        for a, c in twins:
+            b[c][0] = max(b[c][0], b[a][0])
+        for a, c in reversed(twins):
+            b[a][1] = min(b[a][1], b[c][1])
+        if any(x[0] > x[1] or x[2] > x[3] for x in b):
+            return None
+        return tuple((x[0], x[1], x[2], x[3]) for x in b)
+
+    def value(box: Box) -> float:
+        return lp.solve([{(s, j): s0 <= s <= s1 and j0 <= j <= j1 for _, s, j in node}
+                         for node, (s0, s1, j0, j1) in zip(lp.pivot_cols, box, strict=True)])
+
+    began = time.process_time()
+    root = tighten(tuple((0, L - 1, 1, max(j for _, _, j in node)) for node in lp.pivot_cols))
+    assert root is not None
+    first = value(root)
+    heap: list[tuple[float, int, Box]] = [(-first, 0, root)]
+    order = itertools.count(1)
+    lps, log, marks_left = 1, [], list(marks)
+    while heap:
+        top, elapsed = -heap[0][0], time.process_time() - began
+        while marks_left and elapsed >= marks_left[0]:
+            log.append((marks_left.pop(0), top, lps, len(heap)))
+            print(f"  {log[-1][0]:.0f} s: bound {top:.1f}, {lps} LPs, {len(heap)} open", flush=True)
+        if top <= incumbent * 1.001 or elapsed >= seconds or lps >= max_lps:
+            break
+        _, _, box = heapq.heappop(heap)
+        i = max(range(n), key=lambda k: (box[k][1] - box[k][0], -k))
+        if box[i][1] == box[i][0]:
+            i = max(range(n), key=lambda k: (box[k][3] - box[k][2], -k))
+        s0, s1, j0, j1 = box[i]
+        if (s0, j0) == (s1, j1):
+            heapq.heappush(heap, (-top, next(order), box))  # the pivot's ranges fixed: nothing left to split
+            break
+        kids = ([(s0, (s0 + s1) // 2, j0, j1), ((s0 + s1) // 2 + 1, s1, j0, j1)] if s1 > s0
+                else [(s0, s1, j0, (j0 + j1) // 2), (s0, s1, (j0 + j1) // 2 + 1, j1)])
+        for kid in kids:
+            child = tighten(tuple(kid if k == i else box[k] for k in range(n)))
+            if child is not None:
+                heapq.heappush(heap, (-min(top, value(child)), next(order), child))
+                lps += 1
+    log.append((time.process_time() - began, -heap[0][0] if heap else 0.0, lps, len(heap)))
+    print(f"  open boxes below the root's bound ({first:.1f}): {sum(-v < first - 0.5 for v, _, _ in heap)}; "
+          f"smallest open: {-max(v for v, _, _ in heap) if heap else 0.0:.1f}")
+    return log
+
+
 def cut_milp(cluster: ClusterSpec, model: ModelSpec, infos: Sequence[NodeInfo], seconds: float) -> str:
     """The first attempt (module docstring, --mode cuts): its dual bound after `seconds`."""
     L = model.num_layers
@@ -285,11 +360,14 @@ def main() -> None:
     ap.add_argument("--cluster", default="helix-geo-pruned")
     ap.add_argument("--model", default="llama-70b")
     ap.add_argument("--mode", choices=("lp", "cuts"), default="lp")
-    ap.add_argument("--pivot-mode", choices=("free", "ranges", "starts", "boxes", "integer"), default="free")
+    ap.add_argument("--pivot-mode", choices=("free", "ranges", "starts", "boxes", "bnb", "integer"), default="free")
     ap.add_argument("--pivot", nargs="*", default=[], help="node=first:last (ranges) or node=first (starts)")
     ap.add_argument("--blocks", type=int, default=4)
     ap.add_argument("--max-lps", type=int, default=35)
     ap.add_argument("--seconds", type=float, default=60.0)
+    ap.add_argument("--start-width", type=int, default=0, help="ranges: each start within this many layers")
+    ap.add_argument("--length-width", type=int, default=0, help="ranges: each length up to this many shorter")
+    ap.add_argument("--incumbent", type=float, default=6838.0, help="bnb stops below it x 1.001")
     args = ap.parse_args()
     path = Path(args.cluster)
     cluster = load_cluster(path if path.suffix == ".toml" else CLUSTERS_DIR / f"{args.cluster}.toml")
@@ -312,6 +390,12 @@ def main() -> None:
         value, lps, left = boxes(lp, model.num_layers, args.blocks, args.max_lps)
         print(f"boxes: bound {value:.1f} after {lps} LPs, {left} boxes open, {time.process_time() - began:.1f} s CPU")
         return
+    if args.pivot_mode == "bnb":
+        log = branch_and_bound(lp, model.num_layers, args.incumbent, args.seconds, args.max_lps,
+                               (10, 30, 60, 120, 240, 480))
+        at, value, lps, left = log[-1]
+        print(f"bnb: bound {value:.1f} after {lps} LPs, {left} boxes open, {at:.1f} s CPU")
+        return
     if args.pivot_mode == "integer":
         for c in lp.columns:
             lp.highs.changeColIntegrality(int(c), highspy.HighsVarType.kInteger)
@@ -323,6 +407,11 @@ def main() -> None:
     for i, name in enumerate(lp.pivot_nodes):
         if args.pivot_mode == "free":
             rules.append(None)
+        elif args.pivot_mode == "ranges" and (args.start_width or args.length_width):
+            first, last = (int(v) for v in given[name].split(":"))
+            lo, hi = first - args.start_width // 2, first + args.start_width - args.start_width // 2
+            few = last - first - args.length_width
+            rules.append({(s, j): lo <= s <= hi and few <= j <= last - first for _, s, j in lp.pivot_cols[i]})
         elif args.pivot_mode == "ranges":
             first, last = (int(v) for v in given[name].split(":"))
             rules.append((first, last))
