@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from gguf.quants import dequantize
+from gguf import quants
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from hetnode.errors import ConfigError
 from hetnode.models.config import ModelConfig, RopeConfig
@@ -137,13 +138,34 @@ class GGUFTensors:
         import torch  # here, not at the top: the coordinator reads GGUF configs and must not load torch
 
         tensor = self._tensors[gguf_name(hf_name)]
-        weights = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+        weights = dequantize(tensor.data, tensor.tensor_type)
         if self._arch == "llama" and (".attn_q." in tensor.name or ".attn_k." in tensor.name):
             heads = self.config.num_heads if ".attn_q." in tensor.name else self.config.num_kv_heads
             weights = unpermute_qk(weights, heads)
         # dequantize returns a fresh array for quantized types but a view of the memory map for F32 ones;
         # copy so that the tensor owns writable memory and the file can be closed.
         return torch.from_numpy(np.array(weights, copy=True))
+
+
+# Rows dequantized per call: gguf.quants.dequantize takes 16 rows at a time, so a shard's thousands of small
+# numpy calls cost more than their arithmetic (2-3 s of a SmolLM2 node's start); a few million elements at a time
+# do the same arithmetic (its own dequantize_rows, so the values are identical) with the temporaries bounded.
+_CHUNK_ELEMENTS = 1 << 21
+
+
+def dequantize(data: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
+    """A GGUF tensor's values as float32, the same values as `gguf.quants.dequantize`."""
+    codec = getattr(quants, qtype.name, None)
+    if qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16) or codec is None or data.ndim == 0:
+        return np.asarray(quants.dequantize(data, qtype), dtype=np.float32)
+    block, type_size = GGML_QUANT_SIZES[qtype]
+    rows = data.reshape(-1, data.shape[-1])
+    width = rows.shape[1] // type_size * block  # values per row
+    out = np.empty((rows.shape[0], width), dtype=np.float32)
+    step = max(1, _CHUNK_ELEMENTS // max(1, width))
+    for start in range(0, rows.shape[0], step):
+        out[start:start + step] = codec.dequantize_rows(rows[start:start + step])
+    return out.reshape(*data.shape[:-1], width)
 
 
 def unpermute_qk(weights: np.ndarray, heads: int) -> np.ndarray:
