@@ -474,7 +474,7 @@ def _run_plan(args: argparse.Namespace) -> int:
 
     from hetnode.planner.cluster import load_cluster
     from hetnode.planner.model import model_spec
-    from hetnode.planner.profile_sources import profile_table_for
+    from hetnode.planner.profile_sources import kv_share_for, profile_table_for
     from hetnode.planner.report import format_plan
     from hetnode.planner.validate import validate_plan
 
@@ -488,9 +488,7 @@ def _run_plan(args: argparse.Namespace) -> int:
         path = _clusters_dir() / f"{args.cluster}.toml"
     cluster = load_cluster(path)
     model = model_spec(args.model)
-    # ThunderServe's layouts keep its own share for KV (ThunderServeOptions.kv_reserve) unless one is given:
-    # the profile table that validates the plan must assume the same.
-    kv_share = args.kv_share if args.kv_share is not None else 0.1 if args.method == "thunderserve" else 0.5
+    kv_share = kv_share_for(args.method, args.kv_share)
     profiles = profile_table_for(cluster, model, args.profile, kv_share=kv_share)
 
     if args.check is not None:

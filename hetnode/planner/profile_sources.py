@@ -203,6 +203,19 @@ def in_pipelines(table: ProfileTable, cluster: ClusterSpec, model: ModelSpec,
     return ProfileTable(model=table.model, profiles=profiles, source=table.source)
 
 
+def kv_share_for(method: str, given: float | None = None) -> float:
+    """The share of device memory a profile table keeps for KV when planning with `method`: `given`, else
+    ThunderServe's own (`ThunderServeOptions.kv_reserve`: the table that prices its plan must assume what its
+    layouts leave), else Helix's half (Table 1's rule)."""
+    if given is not None:
+        return given
+    if method == "thunderserve":
+        from hetnode.planner.thunderserve.settings import ThunderServeOptions
+
+        return ThunderServeOptions().kv_reserve
+    return 0.5
+
+
 def profile_table_for(cluster: ClusterSpec, model: ModelSpec, source: str = "auto", *, kv_share: float = 0.5,
                       workload: Workload | None = None, in_pipeline: bool = False) -> ProfileTable:
     """The profile table `source` names: "roofline", "helix", "splitwise", a file path, or "auto".

@@ -160,10 +160,11 @@ def run(args: argparse.Namespace, *, clusters_dir: Path) -> int:
     from hetnode.planner.cronus_plan import CHUNK as CRONUS_CHUNK
     from hetnode.planner.model import model_spec
     from hetnode.planner.plan import PlacementPlan
-    from hetnode.planner.profile_sources import profile_table_for
+    from hetnode.planner.profile_sources import kv_share_for, profile_table_for
     from hetnode.testnet.sim import workload as wl
     from hetnode.testnet.sim.runner import measured_peak, simulate
     from hetnode.testnet.sim.settings import options_like
+    from hetnode.testnet.sim.tp_stages import merge_tensor_parallel
 
     cluster = load_cluster(resolve_cluster(args.cluster, clusters_dir))
     model = model_spec(args.model)
@@ -178,19 +179,16 @@ def run(args: argparse.Namespace, *, clusters_dir: Path) -> int:
         from hetnode.testnet.sim.padg_cli import run as run_padg
 
         return run_padg(args, cluster, model)
+    kv_share = kv_share_for(args.method, args.kv_share)
+    profiles = profile_table_for(cluster, model, args.profile, kv_share=kv_share)
     trace = wl.load_trace(args.trace, length_filter=not args.no_length_filter)
-    if args.method == "thunderserve" and args.plan is None:
-        plan, profiles = _thunderserve(args, cluster, model, trace)
-    else:
-        profiles = profile_table_for(cluster, model, args.profile,
-                                     kv_share=0.5 if args.kv_share is None else args.kv_share)
     if args.plan is not None:
         try:
             plan = PlacementPlan.from_json(json.loads(Path(args.plan).read_text()))
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise ConfigError(f"cannot read the plan: {exc}", file=args.plan, key="--plan") from exc
     elif args.method == "thunderserve":
-        pass  # planned above, with the profiles of its tensor-parallel stages
+        plan = _thunderserve(args, cluster, model, trace, kv_share)
     elif args.method == "split":
         from hetnode.planner.profile import Workload
         from hetnode.planner.split import split_placement
@@ -214,6 +212,9 @@ def run(args: argparse.Namespace, *, clusters_dir: Path) -> int:
                                   **({"time_limit_s": args.time_limit} if args.time_limit else {}))
         _say(args, f"planning {model.name} on {cluster.name} ({args.method}) ...")
         plan = plan_placement(cluster, model, profiles, method=args.method, options=planning)
+    merged = merge_tensor_parallel(plan, cluster)[1]
+    if merged is not cluster:  # a tensor-parallel stage runs as one node (tp_stages.py): its profile is the cell's
+        profiles = profile_table_for(merged, model, args.profile, kv_share=kv_share)
     _say(args, f"plan: {plan.method}, {len(plan.placements)} nodes, {plan.size}")
 
     _say(args, f"trace: {len(trace)} requests from {trace.source}")
@@ -274,26 +275,20 @@ def run(args: argparse.Namespace, *, clusters_dir: Path) -> int:
     return 0
 
 
-def _thunderserve(args: argparse.Namespace, cluster: Any, model: Any, trace: Any) -> tuple[Any, Any]:
-    """ThunderServe's plan for the trace's mean lengths (at --rate, else its default rate), and the profiles of
-    the plan's stages, a tensor-parallel one as one node (as scripts/reproduce_thunderserve.py runs it)."""
+def _thunderserve(args: argparse.Namespace, cluster: Any, model: Any, trace: Any, kv_share: float) -> Any:
+    """ThunderServe's plan for the trace's mean lengths, at --rate (else its default rate)."""
     import dataclasses
 
-    from hetnode.planner.profile_sources import profile_table_for
     from hetnode.planner.thunderserve.deploy import thunderserve_placement
     from hetnode.planner.thunderserve.settings import ThunderServeOptions, Traffic
-    from hetnode.testnet.sim.tp_stages import merge_tensor_parallel
 
     defaults = ThunderServeOptions()
     traffic = Traffic(input_len=max(1.0, trace.mean_input), output_len=max(1.0, trace.mean_output),
                       rate=args.rate or defaults.traffic.rate)
-    options = dataclasses.replace(defaults, traffic=traffic, seed=args.seed,
-                                  **({} if args.kv_share is None else {"kv_reserve": args.kv_share}))
+    options = dataclasses.replace(defaults, traffic=traffic, seed=args.seed, kv_reserve=kv_share)
     _say(args, f"planning {model.name} on {cluster.name} (thunderserve, for {traffic.input_len:.0f} prompt and "
                f"{traffic.output_len:.0f} output tokens at {traffic.rate:g} requests/s) ...")
-    plan = thunderserve_placement(cluster, model, options)
-    merged = merge_tensor_parallel(plan, cluster)[1]
-    return plan, profile_table_for(merged, model, args.profile, kv_share=options.kv_reserve)
+    return thunderserve_placement(cluster, model, options)
 
 
 def _say(args: argparse.Namespace, text: str) -> None:
