@@ -11,7 +11,8 @@ the orchestration's shares) divided by the busy share of
 its busiest stage (a replica whose busiest stage is busy b of the time while serving r requests/s sustains
 r / b), the decode stages' mean and largest batch, and how long a decode replica's KV holds a request (the
 planner: prefill, hand-off and output_len x TPOT, `slo.decode_residency`; the simulator: admission to last
-token, as the scheduler books it), each node's
+token, as the scheduler books it at admission; with --decode-booking handoff, from its hand-off's start), each
+node's
 busy share and KV use, and the busiest links.
 
     .venv/bin/python scripts/diagnose_thunderserve_phases.py [--duration 120] [--traffic code conv]
@@ -29,7 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from reproduce_thunderserve import Lab, add_prefill_tokens, cluster
+from reproduce_thunderserve import Lab, add_decode_booking, add_prefill_tokens, cluster
 
 from hetnode.planner.placement import PlannerOptions, plan_placement
 from hetnode.planner.profile_sources import profile_table_for
@@ -44,8 +45,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--traffic", nargs="+", default=["code", "conv"], choices=["code", "conv"])
     parser.add_argument("--seed", type=int, default=0)
     add_prefill_tokens(parser)
+    add_decode_booking(parser)
     args = parser.parse_args(argv)
-    lab = Lab(args.duration, min(60.0, args.duration / 5), args.seed, prefill_tokens=args.prefill_tokens or None)
+    lab = Lab(args.duration, min(60.0, args.duration / 5), args.seed, prefill_tokens=args.prefill_tokens or None,
+              decode_booking=args.decode_booking)
     cloud = cluster("thunderserve-cloud-gpus")
     pool = gpu_pool(cloud)
     index = {g.name: i for i, g in enumerate(pool.gpus)}
@@ -66,9 +69,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{traffic}: {result.summary['request_throughput']:.2f} requests/s offline "
               f"({args.duration:.0f} s, warm-up {lab.warmup_s:.0f} s)")
         done = [q for q in result.requests if q.measured and q.finished and math.isfinite(q.admitted)]
-        # A decode replica's KV holds a request from its admission (the scheduler books both replicas then) to
-        # its last token; so does the planner's (the prefill, the hand-off and output_len x TPOT at its batch).
-        held = statistics.fmean(q.finish - q.admitted for q in done) if done else math.nan
+        # A decode replica's KV holds a request from its booking (admission, or the hand-off's start with
+        # --decode-booking handoff) to its last token; the planner's from admission (the prefill, the hand-off
+        # and output_len x TPOT at its batch).
+        held = statistics.fmean(q.finish - q.decode_booked for q in done) if done else math.nan
         print(f"{'replica':10} {'stages':>6} {'planner /s':>10} {'batch':>6}   {'sim served /s':>13} "
               f"{'busiest':>8} {'sim sustains /s':>15} {'sim/planner':>11} {'sim batch mean/max':>18} "
               f"{'KV held s planner/sim':>22}")
@@ -118,8 +122,8 @@ def main(argv: list[str] | None = None) -> int:
         planned_prefill = (sum(x * p.prefill_s for x, (_, p) in zip(shares, layouts["prefill"], strict=True))
                            / sum(shares))
         handoffs = [q.handoff for q in done if math.isfinite(q.handoff)]
-        starts = [(q.admitted, q.first_token + (q.handoff if math.isfinite(q.handoff) else 0.0), q.finish)
-                  for q in result.requests if q.finished and math.isfinite(q.admitted)]
+        starts = [(q.decode_booked, q.first_token + (q.handoff if math.isfinite(q.handoff) else 0.0), q.finish)
+                  for q in result.requests if q.finished and math.isfinite(q.decode_booked)]
         if done:
             handoff = statistics.fmean(handoffs) if handoffs else 0.0
             prefill_phase = statistics.fmean(q.first_token - q.admitted for q in done)
@@ -127,9 +131,10 @@ def main(argv: list[str] | None = None) -> int:
             window = (lab.warmup_s, args.duration)
             booked = mean_count([(a, f) for a, _, f in starts], window)
             decoding = mean_count([(d, f) for _, d, f in starts], window)
-            print(f"{traffic}: decode KV held {held:.2f} s = prefill phase {prefill_phase:.2f} s (planner "
-                  f"{planned_prefill:.2f} s, one prompt alone) + hand-off {handoff:.3f} s + decode "
-                  f"{decode_phase:.2f} s; "
+            waits = statistics.fmean(q.decode_booked - q.first_token for q in done)  # < 0: booked before
+            print(f"{traffic}: decode KV held {held:.2f} s; prefill phase {prefill_phase:.2f} s (planner "
+                  f"{planned_prefill:.2f} s, one prompt alone), booked {waits:+.2f} s after the first token, "
+                  f"hand-off {handoff:.3f} s, decode {decode_phase:.2f} s; "
                   f"requests holding it {booked:.1f}, decoding {decoding:.1f} (time means)")
             tpots = [q.tpot for q in done if math.isfinite(q.tpot)]
             if len(layouts["decode"]) == 1 and tpots:  # per replica would need each request's replica

@@ -144,12 +144,16 @@ class Lab:
     """Plans, profiles and simulations, each made once."""
 
     def __init__(self, duration_s: float, warmup_s: float, seed: int, busy: bool = False,
-                 prefill_tokens: int | None = PREFILL_TOKENS) -> None:
+                 prefill_tokens: int | None = PREFILL_TOKENS, decode_booking: str = "admission") -> None:
         self.model: ModelSpec = model_spec(MODEL)
         self.duration_s, self.warmup_s, self.seed, self.busy = duration_s, warmup_s, seed, busy
         # The phase-split plans' prefill replicas batch at most this many prompt tokens a step (ThunderServe's
         # and DistServe's prefill batching, `hetnode/policy/role_batching.py`); None: the shared setting.
         self.prefill_tokens = prefill_tokens
+        # When the phase-split plans' schedulers book the decode replica's KV (SimOptions.decode_booking):
+        # "admission" (Splitwise's rule, the runtime's) or "handoff" (ThunderServe's KV queues on the prefill
+        # replicas; DistServe-like gets the same in the same run).
+        self.decode_booking = decode_booking
         # The whole traces, as ThunderServe serves them: Helix's length filter (input <= 2048) would leave the
         # coding trace's prompts at a mean of 844 tokens where the paper's is 2048 (issue 14).
         self.traces = {k: load_trace(v, length_filter=False) for k, v in TRACES.items()}
@@ -190,7 +194,8 @@ class Lab:
         # A plan with an orchestration is routed by it (ThunderServe's TSTP); the others by IWRR
         scheduler = scheduler or ("tstp" if plan.orchestration is not None else "iwrr")
         if plan.replicas:
-            options = replace(options or SimOptions(), prefill_tokens=self.prefill_tokens)
+            options = replace(options or SimOptions(), prefill_tokens=self.prefill_tokens,
+                              decode_booking=self.decode_booking)
         result = simulate(c, self.model, self.profiles(c, plan, kv_share), plan, workload=workload,
                           scheduler=scheduler, duration_s=self.duration_s, warmup_s=self.warmup_s, seed=self.seed,
                           options=options)
@@ -378,6 +383,14 @@ def add_prefill_tokens(parser: argparse.ArgumentParser) -> None:
                              "no such cap, every node the shared setting (up to 8,192 tokens a step)")
 
 
+def add_decode_booking(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--decode-booking", default="admission", choices=["admission", "handoff"],
+                        help="when the phase-split plans' schedulers (ThunderServe's and DistServe-like) book the "
+                             "decode replica's KV: at admission (default, Splitwise's rule), or when the request's "
+                             "hand-off starts, its KV waiting on the prefill replica (ThunderServe's KV queues; "
+                             "docs/reproducing-thunderserve.md)")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="smoke run: 40 s of simulated time per run")
@@ -386,9 +399,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, default=None, help="also write the results as JSON here")
     parser.add_argument("--busy", action="store_true", help="print each node's busy share after each offline run")
     add_prefill_tokens(parser)
+    add_decode_booking(parser)
     args = parser.parse_args(argv)
     duration = 40.0 if args.quick else args.duration
-    lab = Lab(duration, min(60.0, duration / 5), args.seed, args.busy, prefill_tokens=args.prefill_tokens or None)
+    lab = Lab(duration, min(60.0, duration / 5), args.seed, args.busy, prefill_tokens=args.prefill_tokens or None,
+              decode_booking=args.decode_booking)
     claims, facts = reproduce(lab)
     print(format_table(claims, facts, lab.log), end="")
     if args.json is not None:

@@ -8,7 +8,9 @@
   Fig. 12's "random dispatching" without the orchestration.
 
 Both keep everything else of CLS (`SplitScheduler`): the KV accounting, the high-water masks, the queue, node
-failures. Pure: no I/O, no clock.
+failures, and its `decode_booking` ("handoff": the pair is picked at admission among those whose prefill replica
+has room and whose decode replica could hold the request; the decode KV is charged at the hand-off). Pure: no
+I/O, no clock.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ class _PairScheduler(SplitScheduler):
     def _assign(self, request_id: str, input_len: int, waited: float) -> Decision | None:
         avg = self._output.mean
         fits = [(i, j) for i, p in enumerate(self._prefill) for j, d in enumerate(self._decode)
-                if self._open(p, input_len, avg) and self._open(d, input_len + avg, avg)]
+                if self._open(p, input_len, avg) and self._decode_open(self._replicas[d], input_len + avg, avg)]
         if not fits:
             return None
         i, j = self._pick(fits)

@@ -12,21 +12,46 @@ installed). A replica is masked while adding the request would take one of its n
 of its KV: prefill nodes are charged the prompt until it is prefilled (`prefilled`), decode nodes the prompt
 plus the average output until the request ends. A request that finds no pair waits in a bounded FIFO queue.
 
+Where the decode side's KV is booked is a setting, `decode_booking`:
+
+- "admission" (the default, Splitwise's rule, above): both replicas are charged when the request is admitted.
+- "handoff" (ThunderServe's KV cache queues, its Appendix on the implementation: "KV cache queues are maintained
+  on the prefill replicas, and upon completion of a decoding round, the decode replicas retrieve KV caches from
+  these queues, utilizing the GPU memory of the prefill replicas as queuing buffers"): admission is limited by the
+  prefill side only. The decode replica is still picked at admission, by the same rule (JSQ here, the
+  orchestration's pairs in TSTP), among those whose KV could hold the request at all, so the route is one
+  `Decision` as before; what moves is the booking. The prefill replica's nodes are charged the prompt until its
+  KV has been handed over (`partial_done`), not just until it is prefilled: they are the queue's buffer. At
+  `prefilled` the request joins its decode replica's FIFO; the head of each FIFO is charged on the decode nodes
+  (prompt plus the average output, under the high-water mark, as at admission) as soon as they have room, and
+  `take_handoffs` gives the executor the requests whose hand-off may start now, in that order.
+  Why picked at admission and not at the hand-off (the true pull): the route's two phases are installed and
+  routed as one today (both executors, the hops' Install), and the pick by X/Y is the plan's orchestration per
+  request; re-picking at the hand-off would need a route in two parts. The decode side's queue is per replica and
+  strictly FIFO, so a large request is not starved by small ones behind it.
+
 The public API is `PipelineScheduler`'s (submit, prefilled, finish, cancel, node_down, set_capacity, largest_kv,
-queue_len, running, down, kv_estimate, pipeline_of), so the coordinator and the simulator drive it unchanged.
+queue_len, running, down, kv_estimate, pipeline_of), so the coordinator and the simulator drive it unchanged;
+with "handoff" the executor also calls `partial_done` and `take_handoffs` (only the simulator does, so far).
 Pure: no I/O, no clock (every call passes `now`).
 """
 
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 from hetnode.coordinator.scheduler import Decision, NodeDown, NodeKV, PipelineHop, QueuedScheduler
 from hetnode.errors import ConfigError
 from hetnode.planner.plan import PlacementPlan
+
+DecodeBooking = Literal["admission", "handoff"]
+ADMISSION: DecodeBooking = "admission"
+HANDOFF: DecodeBooking = "handoff"
+DECODE_BOOKINGS: tuple[DecodeBooking, ...] = (ADMISSION, HANDOFF)
 
 
 @dataclass(slots=True)
@@ -45,6 +70,10 @@ class _Running:
     decode: int
     input_len: int
     prefilling: bool = True
+    # The charges it holds: the prefill nodes' (until prefilled, or handed over with "handoff") and the decode
+    # nodes' (from admission, or from its hand-off's start with "handoff").
+    held: bool = True
+    booked: bool = True
 
 
 class SplitScheduler(QueuedScheduler):
@@ -52,7 +81,8 @@ class SplitScheduler(QueuedScheduler):
 
     regions: each node's region (a node missing from it is in region ""). The other options are those of every
     `PipelineScheduler`: kv_capacity (tokens per node; missing: not limited), high_water, avg_output_len,
-    queue_limit, seed (unused: the policy draws nothing at random).
+    queue_limit, seed (unused: the policy draws nothing at random). decode_booking: when the decode side's KV is
+    charged, "admission" or "handoff" (module docstring).
     """
 
     name: ClassVar[str] = "cls"
@@ -62,7 +92,9 @@ class SplitScheduler(QueuedScheduler):
     def __init__(self, plan: PlacementPlan, *, kv_capacity: Mapping[str, int] | None = None,
                  high_water: float = 0.9, avg_output_len: float = 240.0, queue_limit: int = 1024, seed: int = 0,
                  regions: Mapping[str, str] | None = None, output_ratio: float = 1.0,
-                 learn_output: bool = True) -> None:
+                 learn_output: bool = True, decode_booking: str = ADMISSION) -> None:
+        if decode_booking not in DECODE_BOOKINGS:
+            raise ConfigError(f"decode_booking must be one of {', '.join(DECODE_BOOKINGS)}, not {decode_booking!r}")
         super().__init__(high_water=high_water, avg_output_len=avg_output_len, queue_limit=queue_limit,
                          output_ratio=output_ratio, learn_output=learn_output)
         roles = {r.role for r in plan.replicas}
@@ -95,6 +127,12 @@ class SplitScheduler(QueuedScheduler):
             self._replicas.append(_Replica(r.role, tuple(hops), tuple(index[n] for n in r.nodes),
                                            (regions or {}).get(r.nodes[0], "")))
         self._running: dict[str, _Running] = {}
+        self.decode_booking = decode_booking
+        self._pull = decode_booking == HANDOFF
+        # "handoff": per decode replica, the prefilled requests waiting for its KV room (FIFO), and the requests
+        # whose hand-off may start, not yet taken by the executor.
+        self._waiting: dict[int, deque[tuple[str, _Running]]] = {}
+        self._handoffs: list[str] = []
 
     # -- public API (PipelineScheduler's) -------------------------------------------------------------------------
 
@@ -104,8 +142,31 @@ class SplitScheduler(QueuedScheduler):
         if running is None or not running.prefilling:
             return []
         self._now = max(self._now, now)
-        self._release_prefill(running)
+        if not self._pull:
+            self._release_prefill(running)
+            return self._drain(self._now)
+        self._release_prefill(running)  # its KV stays on the prefill nodes (charged) until it is handed over
+        self._waiting.setdefault(running.decode, deque()).append((request_id, running))
         return self._drain(self._now)
+
+    def partial_done(self, request_id: str, now: float) -> list[Decision]:
+        """Every prefill hop has handed the request's KV over: with "handoff", the prefill nodes are free of it."""
+        running = self._running.get(request_id)
+        if running is None or not self._pull or running.prefilling or not running.held:
+            return []
+        self._now = max(self._now, now)
+        self._release_held(running)
+        return self._drain(self._now)
+
+    def take_handoffs(self) -> list[str]:
+        """With "handoff": the requests whose decode KV has been charged since the last call, whose hand-off may
+        start now (in the order they were charged); always empty with "admission"."""
+        out, self._handoffs = self._handoffs, []
+        return out
+
+    def waiting_handoffs(self) -> int:
+        """Prefilled requests waiting for their decode replica's KV room ("handoff"; 0 with "admission")."""
+        return sum(len(q) for q in self._waiting.values())
 
     def node_down(self, node: str, now: float | None = None) -> NodeDown:
         """Mask every replica the node is part of; requests whose remaining phases pass through it are affected."""
@@ -182,6 +243,15 @@ class SplitScheduler(QueuedScheduler):
             return None
         return self._book(request_id, prefill, decode, input_len, waited)
 
+    def _decode_open(self, replica: _Replica, need: float, avg: float) -> bool:
+        """May the decode replica be picked now: room under its high-water mark with "admission"; with "handoff",
+        room were it idle (its KV is charged later, when it has room)."""
+        if replica.down:
+            return False
+        if not self._pull:
+            return self._fits(replica, need, avg)
+        return all(need <= self._limit(v) for v in replica.nodes)
+
     def _book(self, request_id: str, prefill: int, decode: int, input_len: int, waited: float) -> Decision:
         """Route a request through the pair (prefill, decode): its prompt's tokens count on both replicas."""
         p, d = self._replicas[prefill], self._replicas[decode]
@@ -189,18 +259,42 @@ class SplitScheduler(QueuedScheduler):
         d.pending += input_len
         for v in p.nodes:
             self._load[v] += input_len
+        if not self._pull:
+            self._charge_decode(d, input_len)
+        self._running[request_id] = _Running(prefill, decode, input_len, booked=not self._pull)
+        return Decision(request_id, p.hops, decode=d.hops, waited_s=waited)
+
+    def _charge_decode(self, d: _Replica, input_len: int) -> None:
         for v in d.nodes:
             self._load[v] += input_len
             self._requests[v] += 1
-        self._running[request_id] = _Running(prefill, decode, input_len)
-        return Decision(request_id, p.hops, decode=d.hops, waited_s=waited)
+
+    def _start_handoffs(self) -> None:
+        """Charge the head of each decode replica's FIFO while its nodes have room ("handoff")."""
+        avg = self._output.mean
+        for i, queue in self._waiting.items():
+            d = self._replicas[i]
+            while queue and not d.down:
+                rid, running = queue[0]
+                if not self._fits(d, running.input_len + avg, avg):
+                    break
+                self._charge_decode(d, running.input_len)
+                running.booked = True
+                self._handoffs.append(rid)
+                queue.popleft()
+
+    def _drain(self, now: float) -> list[Decision]:
+        if self._pull:
+            self._start_handoffs()  # before admissions: they never compete for decode KV, but keep one order
+        return super()._drain(now)
 
     def _shortest(self, role: str, need: float, avg: float, region: str) -> int | None:
         """The replica of `role` with room for `need` tokens and the fewest pending tokens; one in `region`
         first when a region is given. Ties go to the first replica of the plan."""
         best: tuple[bool, float, int] | None = None
         for i, r in enumerate(self._replicas):
-            if r.role != role or r.down or not self._fits(r, need, avg):
+            if r.role != role or (not self._decode_open(r, need, avg) if role == "decode"
+                                  else r.down or not self._fits(r, need, avg)):
                 continue
             pending = r.pending + (avg * self._decoding(r) if role == "decode" else 0.0)
             key = (bool(region) and r.region != region, pending, i)
@@ -209,20 +303,32 @@ class SplitScheduler(QueuedScheduler):
         return None if best is None else best[2]
 
     def _release_prefill(self, running: _Running) -> None:
+        """The prompt is prefilled: off the replica's queue; with "admission", its KV charge there too."""
         running.prefilling = False
-        p = self._replicas[running.prefill]
-        p.pending -= running.input_len
-        for v in p.nodes:
+        self._replicas[running.prefill].pending -= running.input_len
+        if not self._pull:
+            self._release_held(running)
+
+    def _release_held(self, running: _Running) -> None:
+        running.held = False
+        for v in self._replicas[running.prefill].nodes:
             self._load[v] -= running.input_len
 
     def _release(self, running: _Running) -> None:
         if running.prefilling:
             self._release_prefill(running)
+        if self._pull and running.held:
+            self._release_held(running)
         d = self._replicas[running.decode]
         d.pending -= running.input_len
-        for v in d.nodes:
-            self._load[v] -= running.input_len
-            self._requests[v] -= 1
+        if running.booked:
+            for v in d.nodes:
+                self._load[v] -= running.input_len
+                self._requests[v] -= 1
+        elif self._pull and not running.prefilling:  # it waited for the decode replica's room: it leaves the FIFO
+            queue = self._waiting.get(running.decode)
+            if queue is not None:
+                self._waiting[running.decode] = deque(x for x in queue if x[1] is not running)
 
     def _largest(self, role: str) -> float:
         """The most KV tokens one up replica of `role` holds (its smallest node's pool)."""

@@ -54,6 +54,21 @@ def test_tstp_bends_under_kv_pressure_instead_of_blocking() -> None:
     assert pair(s.submit("r2", 100, 1.0))[1] == "d0"
 
 
+def test_tstp_booked_at_the_handoff_keeps_the_orchestrations_pair_when_the_decode_replica_is_full() -> None:
+    """decode_booking "handoff": d0's KV is charged only when a request's hand-off starts, so a full d0 does not
+    bend the shares at admission; the second request waits for d0's room after its prefill instead."""
+    s = make_scheduler("tstp", plan(), avg_output_len=10, kv_capacity={"d0": 150, "d1": 10_000}, high_water=1.0,
+                       decode_booking="handoff")
+    assert isinstance(s, TstpScheduler)
+    assert pair(s.submit("r0", 100, 0.0)) == ("p0", "d0")
+    assert pair(s.submit("r1", 100, 0.0)) == ("p0", "d0")
+    s.prefilled("r0", 1.0)
+    s.prefilled("r1", 1.0)
+    assert s.take_handoffs() == ["r0"] and s.waiting_handoffs() == 1
+    s.finish("r0", 10, 2.0)
+    assert s.take_handoffs() == ["r1"]
+
+
 def test_random_pairs_are_seeded_and_cover_every_pair() -> None:
     def run(seed: int) -> list[tuple[str, str]]:
         s = make_scheduler("random-pairs", plan(), avg_output_len=10, seed=seed)

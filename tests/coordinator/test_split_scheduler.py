@@ -103,13 +103,14 @@ def test_make_scheduler_routes_split_plans_by_cls_only() -> None:
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(["submit", "prefilled", "finish", "cancel"]), st.integers(0, 7),
-                          st.integers(1, 900)), max_size=40))
-def test_the_estimate_returns_to_zero_and_limits_hold(ops: list[tuple[str, int, int]]) -> None:
+@given(st.lists(st.tuples(st.sampled_from(["submit", "prefilled", "handed", "finish", "cancel"]), st.integers(0, 7),
+                          st.integers(1, 900)), max_size=40), st.sampled_from(["admission", "handoff"]))
+def test_the_estimate_returns_to_zero_and_limits_hold(ops: list[tuple[str, int, int]], booking: str) -> None:
     kv = {"pa": 2000, "pb": 1500, "da1": 3000, "da2": 2500, "db": 2000}
-    s = sched(kv, high_water=0.9, queue_limit=4)
+    s = sched(kv, high_water=0.9, queue_limit=4, decode_booking=booking)
     now = 0.0
     running: set[str] = set()
+    prefilled: set[str] = set()
     for op, i, n in ops:
         now += 1
         rid = f"r{i}"
@@ -122,6 +123,9 @@ def test_the_estimate_returns_to_zero_and_limits_hold(ops: list[tuple[str, int, 
             decisions = [d]
         elif op == "prefilled":
             decisions = s.prefilled(rid, now)
+            prefilled |= {rid} & running
+        elif op == "handed":
+            decisions = s.partial_done(rid, now)
         elif op == "finish" and rid in running:
             decisions = s.finish(rid, 100, now)  # the mean output stays put: the mask's bound is exact
             running.discard(rid)
@@ -129,12 +133,90 @@ def test_the_estimate_returns_to_zero_and_limits_hold(ops: list[tuple[str, int, 
             decisions = s.cancel(rid, now)
             running.discard(rid)
         running |= {d.request_id for d in decisions if d.assigned}
+        prefilled &= running
+        handoffs = s.take_handoffs()
+        assert set(handoffs) <= prefilled and len(set(handoffs)) == len(handoffs)
+        if booking == "admission":
+            assert handoffs == []
         for node, est in s.kv_estimate().items():
             assert est.capacity is not None and est.tokens <= 0.9 * est.capacity + 1e-6, (node, est)
     for rid in sorted(running):
         s.finish(rid, 10, now + 1)
     for rid in [f"r{i}" for i in range(8)]:
         s.cancel(rid, now + 2)
-    assert s.running == 0 and s.queue_len == 0
+    assert s.running == 0 and s.queue_len == 0 and s.waiting_handoffs() == 0
     assert all(abs(e.tokens) < 1e-6 and e.requests == 0 for e in s.kv_estimate().values())
     assert all(p == 0 for _, _, p in s.pending())
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["submit", "prefilled", "handed", "finish", "cancel"]), st.integers(0, 7),
+                          st.integers(1, 900)), max_size=40))
+def test_booking_at_admission_is_the_default_and_decides_as_before(ops: list[tuple[str, int, int]]) -> None:
+    """decode_booking "admission" named or not: the same decisions, step by step (partial_done changes nothing)."""
+    kv = {"pa": 2000, "pb": 1500, "da1": 3000, "da2": 2500, "db": 2000}
+    a, b = sched(kv, queue_limit=4), sched(kv, queue_limit=4, decode_booking="admission")
+    assert a.decode_booking == "admission"
+    for k, (op, i, n) in enumerate(ops):
+        rid, now = f"r{i}", float(k)
+        out = []
+        for s in (a, b):
+            try:
+                if op == "submit":
+                    out.append([s.submit(rid, n, now)])
+                elif op == "prefilled":
+                    out.append(s.prefilled(rid, now))
+                elif op == "handed":
+                    out.append(s.partial_done(rid, now))
+                elif op == "finish":
+                    out.append(s.finish(rid, 100, now))
+                else:
+                    out.append(s.cancel(rid, now))
+            except (KeyError, ValueError) as exc:
+                out.append([type(exc).__name__])
+        assert out[0] == out[1]
+        assert a.kv_estimate() == b.kv_estimate()
+        if op == "handed":
+            assert out[0] == []
+        assert b.take_handoffs() == []
+
+
+def test_booked_at_the_handoff_admission_is_the_prefill_sides_and_handoffs_wait_in_fifo_order() -> None:
+    kv = {"pa": 10_000, "pb": 10_000, "da1": 1000, "da2": 1000, "db": 1000}
+    s = sched(kv, high_water=1.0, decode_booking="handoff")
+    assert picks(s.submit("r1", 800, 0)) == ("pa", "da1")
+    assert picks(s.submit("r2", 800, 0)) == ("pb", "db")
+    # Both decode replicas are spoken for; booked at admission r3 would queue. Here the prefill side has room.
+    assert picks(s.submit("r3", 800, 0)) == ("pa", "da1")
+    assert s.queue_len == 0 and s.take_handoffs() == []
+    assert s.kv_estimate()["da1"].tokens == 0  # nothing charged on the decode side before a hand-off
+    s.prefilled("r1", 1)
+    assert s.take_handoffs() == ["r1"]  # da1 has room: its hand-off may start
+    assert s.kv_estimate()["da1"].tokens == 900 and s.kv_estimate()["pa"].tokens == 1600
+    s.prefilled("r3", 2)
+    assert s.take_handoffs() == [] and s.waiting_handoffs() == 1  # da1 is full: r3's KV waits on pa
+    assert s.pipeline_of("r3") is not None
+    s.partial_done("r1", 3)  # r1's KV has left pa
+    assert s.kv_estimate()["pa"].tokens == 800
+    assert s.finish("r1", 100, 4) == [] and s.take_handoffs() == ["r3"]  # room again: r3's turn
+    s.partial_done("r3", 5)
+    assert s.kv_estimate()["pa"].tokens == 0 and s.kv_estimate()["da1"].tokens == 900
+    # A request waiting for its hand-off leaves the FIFO when it is cancelled.
+    s.prefilled("r2", 6)
+    assert s.take_handoffs() == ["r2"]
+    assert picks(s.submit("r4", 800, 7)) == ("pa", "da1")  # pa's and pb's prompts are all prefilled: a tie
+    s.prefilled("r4", 8)
+    assert s.take_handoffs() == [] and s.waiting_handoffs() == 1  # behind r3 on da1
+    s.cancel("r4", 9)
+    assert s.waiting_handoffs() == 0 and s.finish("r3", 100, 10) == [] and s.take_handoffs() == []
+    s.finish("r2", 100, 11)
+    assert s.running == 0
+    assert all(e.tokens == 0 and e.requests == 0 for e in s.kv_estimate().values())
+
+
+def test_booked_at_the_handoff_a_decode_replica_too_small_for_the_request_is_never_picked() -> None:
+    kv = {"pa": 10_000, "pb": 10_000, "da1": 500, "da2": 500, "db": 2000}
+    s = sched(kv, high_water=1.0, decode_booking="handoff")
+    assert picks(s.submit("r1", 800, 0)) == ("pa", "db")  # da1 could never hold 900 tokens
+    with pytest.raises(ConfigError, match="decode_booking"):
+        sched(kv, decode_booking="later")

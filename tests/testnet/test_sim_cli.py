@@ -173,6 +173,24 @@ def test_sim_split_plans_routes_by_cls_and_reports_the_hand_offs(flag: str, tmp_
     assert "prefill end -> first decode step: mean" in text
 
 
+def test_sim_books_the_decode_kv_at_the_handoff_when_asked(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cluster = tmp_path / "quad.toml"
+    cluster.write_text(SPLIT_CLUSTER)
+    args = ["sim", "--cluster", str(cluster), "--model", "llama3-8b", "--profile", "roofline", "--placement", "split",
+            "--trace", "conv", "--rate", "0.5", "--duration", "30", "--warmup", "5", "--progress", "off", "--json"]
+    assert main(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["config"]["option_decode_booking"] == "admission"  # the default: the runtime's
+    assert out["summary"]["kv_handoff"]["handoffs_booked"] == 0
+    assert main([*args, "--decode-booking", "handoff"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["config"]["option_decode_booking"] == "handoff"
+    kv = out["summary"]["kv_handoff"]
+    assert kv["handoffs_booked"] >= out["summary"]["requests"]["finished"] > 0 and kv["refused_full"] == 0
+    assert main([*args, "--decode-booking", "handoff", "--scheduler", "splitwise"]) == 2  # Splitwise books at admission
+    assert "decode_booking" in capsys.readouterr().err
+
+
 def test_sim_routes_a_split_plan_by_splitwise_pools_when_asked(tmp_path: Path,
                                                                 capsys: pytest.CaptureFixture[str]) -> None:
     cluster = tmp_path / "quad.toml"

@@ -79,6 +79,10 @@ def add_arguments(p: argparse.ArgumentParser, *, clusters: Sequence[str] = ()) -
                    help="split plans: as the runtime's hops choose per link (default: KVTransferPolicy, layer by "
                         "layer during the prefill step when the transfer is long enough), or always layer-wise, or "
                         "always whole after the step")
+    p.add_argument("--decode-booking", default="admission", choices=["admission", "handoff"],
+                   help="split plans routed by cls, tstp or random-pairs: book the decode replica's KV at admission "
+                        "(default, Splitwise's rule and the runtime's), or when the request's hand-off starts, its KV "
+                        "waiting on the prefill replica until the decode replica has room (ThunderServe's KV queues)")
     p.add_argument("--trace", default="conv", metavar="conv|code|FILE",
                    help="Azure trace: conv, code (the full trace from ../shared/data or $HETNODE_TRACE_DIR when "
                         "found, else the shipped sample) or a CSV file (default: conv)")
@@ -230,7 +234,8 @@ def run(args: argparse.Namespace, *, clusters_dir: Path) -> int:
         options = options_like(args.like, offline=args.offline, max_batch_tokens=budget,
                                high_water=args.high_water, link_messages=args.link_messages,
                                kv_codec=args.kv_codec, kv_transfer=args.kv_transfer,
-                               prefill_tokens=prefill_tokens_of(plan.method, args.prefill_tokens))
+                               prefill_tokens=prefill_tokens_of(plan.method, args.prefill_tokens),
+                               decode_booking=args.decode_booking)
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
     if args.like != "hetnode":

@@ -22,6 +22,12 @@ whose hops hold it until the KV of [0, k) has come, prefill it in chunks under t
 decodes, sample the first token and decode. When every hop of the first phase has handed its KV on (its
 HandedOver), the scheduler hears `partial_done` (Cronus frees the PPI's place then), as the coordinator tells it.
 
+With a phase-split scheduler that books the decode KV at the hand-off (`decode_booking` "handoff", ThunderServe's
+KV queues on the prefill replicas), the context goes out at admission and the prefill hops keep the KV they
+compute; after the scheduler hears `prefilled`, it names the requests whose decode replica has room
+(`take_handoffs`), and only then do the decode hops reserve (Install, Ready; a hop without room waits for it) and
+the prefill hops send the KV they kept (`handoff.py`).
+
 Token ids travel as 4 bytes per token (`TOKEN_BYTES`), on the links from the coordinator to the first hop, from
 the last hop to the first, and from the last hop to the coordinator. By default the coordinator itself
 takes no time. With `request_s` or `token_s` it is one server working in arrival order (the runtime's
@@ -70,11 +76,11 @@ class SimRequest:
     """A request, and the item of it in flight (the fields the batch policy reads: session, start, num_tokens,
     prefill_end). A piece split off a prompt chunk by a node's policy is a clone whose `origin` is the request."""
 
-    __slots__ = ("admitted", "arrival", "decode_at", "depth", "done", "entry", "first", "first_token", "gen",
-                 "handed", "handoff", "handoff_end", "hops", "idx", "input_len", "kind", "kv_out", "kv_since",
+    __slots__ = ("admitted", "arrival", "booked_at", "decode_at", "depth", "done", "entry", "first", "first_token",
+                 "gen", "handed", "handoff", "handoff_end", "hops", "idx", "input_len", "kind", "kv_out", "kv_since",
                  "kv_wait", "last_token", "max_tbt", "num_tokens", "nxt", "origin", "output_len", "path", "pf",
-                 "prefill_end", "prefilled_at", "ready", "received", "rejected", "restarts", "rid", "seg", "session",
-                 "start", "told")
+                 "prefill_end", "prefilled_at", "pull", "ready", "received", "rejected", "restarts", "rid", "seg",
+                 "session", "start", "told")
 
     def __init__(self, idx: int, arrival: float, input_len: int, output_len: int) -> None:
         self.idx = idx
@@ -122,6 +128,10 @@ class SimRequest:
         self.handed = 0
         self.prefilled_at = -1.0
         self.decode_at = -1.0
+        # When its decode hops' KV was booked (admission, or its hand-off's start with the scheduler's
+        # decode_booking "handoff"), and whether this session's KV waits on its prefill hops for that ("handoff").
+        self.booked_at = -1.0
+        self.pull = False
 
     def piece(self, k: int) -> SimRequest:
         """Split the item: a clone runs its first `k` tokens now; this request keeps the rest, at its place."""
@@ -179,6 +189,12 @@ class Installer(Protocol):
 
     def install(self, r: SimRequest, now: float) -> None: ...
 
+    def queue(self, r: SimRequest, now: float) -> None: ...
+
+    def pull(self, r: SimRequest, now: float) -> None: ...
+
+    def push(self, r: SimRequest, now: float) -> None: ...
+
     def reprefills(self, route: Route, tokens: int) -> bool: ...
 
 
@@ -193,6 +209,12 @@ class SimCoordinator:
         self.scheduler = scheduler
         self.prefilled: Callable[[str, float], Sequence[Any]] | None = getattr(scheduler, "prefilled", None)
         self.partial_done: Callable[[str, float], Sequence[Any]] | None = getattr(scheduler, "partial_done", None)
+        # A phase-split scheduler that books the decode KV at the hand-off (decode_booking "handoff"): the prefill
+        # hops keep a session's KV until the scheduler lets its hand-off start (take_handoffs).
+        self.take_handoffs: Callable[[], list[str]] | None = (
+            getattr(scheduler, "take_handoffs", None) if getattr(scheduler, "decode_booking", "") == "handoff"
+            else None)
+        self.pulling: dict[str, SimRequest] = {}  # prefilling or waiting for their hand-off to start
         self.handoff = handoff
         self.nodes = nodes
         self.by_name = {n.name: n for n in nodes}
@@ -294,6 +316,15 @@ class SimCoordinator:
         # Phase-split: the decode hops reserve the KV first; the context goes out when all are ready.
         if self.handoff is None:
             raise SimulationError("a phase-split route, but the simulation models no KV hand-offs")
+        r.pull = False
+        if self.take_handoffs is not None and r.handoff_end == r.prefill_end:
+            # Booked at the hand-off: the context goes out now; the KV waits on the prefill hops (`handoff.queue`).
+            r.booked_at = -1.0
+            self.pulling[r.rid] = r
+            self.handoff.queue(r, now)
+            self.send(self.index, r.entry, [r], now)
+            return
+        r.booked_at = now
         self.handoff.install(r, now)
 
     def on_ready(self, r: SimRequest, session: int, now: float) -> None:
@@ -301,7 +332,12 @@ class SimCoordinator:
         if r.session != session or r.done >= 0 or r.rejected:
             return
         r.ready -= 1
-        if not r.ready:
+        if r.ready:
+            return
+        if r.pull:
+            assert self.handoff is not None
+            self.handoff.push(r, now)  # the prefill hops send the KV they kept
+        else:
             self._send_context(r, now)
 
     def _send_context(self, r: SimRequest, now: float) -> None:
@@ -498,6 +534,13 @@ class SimCoordinator:
             queued = self.waiting.pop(decision.request_id, None)
             if queued is not None:
                 self._decided(queued, decision, now)
+        if self.take_handoffs is not None:
+            for rid in self.take_handoffs():
+                r = self.pulling.pop(rid, None)
+                if r is not None and r.pull and r.done < 0 and not r.rejected:
+                    assert self.handoff is not None
+                    r.booked_at = now
+                    self.handoff.pull(r, now)
 
     # -- failures at nodes ------------------------------------------------------------------------------
 

@@ -205,6 +205,8 @@ class Simulation:
     def _release(self, now: float, index: int, session: int) -> None:
         node = self.nodes[index]
         node.release(session, now)
+        if self.handoff is not None and self.handoff.waiting.get(index):
+            self.handoff.freed(index, now)  # hand-offs booked at their start wait here for KV room
         if node.batch is None and node.queue:
             self._step(node, now)
 

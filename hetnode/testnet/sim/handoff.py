@@ -38,6 +38,16 @@ runtime's own decisions:
   of it has left, and tells the coordinator (HandedOver, one link latency), which tells the scheduler
   (`partial_done`) once every hop of the prefill phase has.
 
+- Booked at the hand-off (the scheduler's decode_booking "handoff": ThunderServe's KV queues, the prefill
+  replicas' memory their buffer). The context goes out at once (`queue`: the decode hops only learn to hold the
+  session's items until its KV comes); the prefill hops compute the KV and keep it. When the scheduler lets the
+  hand-off start (`pull`, after the prefill), each decode hop reserves; one without room waits, in arrival
+  order per hop, until a release frees enough (never a failure), and answers Ready then. When every decode
+  hop is ready the coordinator tells the prefill hops (`push`, one link latency); each packs the session's KV from
+  its cache layer after layer, on the packer beside its compute, every link alike (the KV is all there: there
+  is nothing left to overlap with the prefill, and the hop's worker is not held), and frees it once the last
+  layer has left (HandedOver, as above).
+
 What the model leaves out: a layer-wise message that left before the end of its step is put on its link when the
 step ends, so it queues behind messages sent on that link during the step; the unpacker takes messages in the
 order their last byte arrives.
@@ -47,6 +57,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, get_args
@@ -185,6 +196,11 @@ class SimHandoff:
         self.messages = 0
         self.installs = 0
         self.full = 0  # installs refused for want of KV memory
+        # Booked at the hand-off: per decode hop, the sessions waiting for KV room to reserve (FIFO), and how
+        # many reservations had to wait.
+        self.waiting: dict[int, deque[tuple[Any, int]]] = {}
+        self.waited = 0
+        self.pulls = 0
         self.INSTALL = sim.register(self._install)
         self.READY = sim.register(self._ready)
         self.FULL = sim.register(self._full)
@@ -192,6 +208,7 @@ class SimHandoff:
         self.KV_DONE = sim.register(self._kv_done)
         self.UNBLOCK = sim.register(self._unblock)
         self.HANDED = sim.register(self._handed)
+        self.PUSH = sim.register(self._push)
 
     # -- what the runtime's coordinator decides when a session starts -------------------------------------------
 
@@ -283,7 +300,11 @@ class SimHandoff:
         heap, seq = self.sim.events.heap, self.sim.events.seq
         self.installs += 1
         tokens = r.handoff_end  # the next phase's start: what the hop reserves before the prefill starts
-        if not node.ledger.reserve(session, tokens):
+        if r.pull and (self.waiting.get(index) or not node.ledger.reserve(session, tokens)):
+            self.waited += 1  # booked at the hand-off: it waits for room, behind any that wait already
+            self.waiting.setdefault(index, deque()).append((r, session))
+            return
+        if not r.pull and not node.ledger.reserve(session, tokens):
             self.full += 1
             why = f"no KV memory free on {node.name} for the {tokens} tokens handed over"
             heapq.heappush(heap, (back, next(seq), self.FULL, None, (r, session, why)))
@@ -293,6 +314,69 @@ class SimHandoff:
         if index == r.first:
             node.kv_first.add(session)
         heapq.heappush(heap, (back, next(seq), self.READY, None, (r, session)))
+
+    # -- booked at the hand-off: the KV waits on the prefill hops --------------------------------------------
+
+    def queue(self, r: Any, now: float) -> None:
+        """A session whose decode KV is booked at the hand-off starts: its codecs are chosen, and its decode hops
+        hold its items until its KV comes (they reserve nothing yet)."""
+        h = r.handoff
+        r.kv_out = self.plan(h, r.prefill_end)
+        r.prefilled_at = r.decode_at = -1.0
+        r.pull = True
+        tokens = r.handoff_end
+        for index, layers in h.receivers.items():
+            node = self.nodes[index]
+            node.kv_coming[r.session] = layers * tokens
+            if index == r.first:
+                node.kv_first.add(r.session)
+
+    def pull(self, r: Any, now: float) -> None:
+        """The scheduler booked the session's decode KV: Install reaches each decode hop, which reserves."""
+        self.pulls += 1
+        r.ready = len(r.handoff.receivers)
+        heap, seq = self.sim.events.heap, self.sim.events.seq
+        coordinator = self.sim.network.coordinator
+        for index in r.handoff.receivers:
+            heapq.heappush(heap, (now + self.sim.delay(coordinator, index), next(seq), self.INSTALL, index,
+                                  (r, r.session)))
+
+    def freed(self, index: int, now: float) -> None:
+        """KV was released at a decode hop: the sessions waiting there reserve, in order, while they fit."""
+        queue = self.waiting.get(index)
+        node = self.nodes[index]
+        back = now + self.sim.delay(index, self.sim.network.coordinator)
+        while queue:
+            r, session = queue[0]
+            if r.session != session or r.done >= 0 or r.rejected:
+                queue.popleft()  # ended or moved while it waited
+                continue
+            if not node.ledger.reserve(session, r.handoff_end):
+                break
+            queue.popleft()
+            node.kv_note(now)
+            heapq.heappush(self.sim.events.heap, (back, next(self.sim.events.seq), self.READY, None, (r, session)))
+
+    def push(self, r: Any, now: float) -> None:
+        """Every decode hop reserved: the coordinator tells each prefill hop to send the KV it kept."""
+        heap, seq = self.sim.events.heap, self.sim.events.seq
+        coordinator = self.sim.network.coordinator
+        for index in r.handoff.sources:
+            heapq.heappush(heap, (now + self.sim.delay(coordinator, index), next(seq), self.PUSH, index,
+                                  (r, r.session)))
+
+    def _push(self, now: float, index: int, payload: tuple[Any, int]) -> None:
+        r, session = payload
+        if r.session != session or r.done >= 0 or r.rejected:
+            return
+        node = self.nodes[index]
+        layers, targets = r.kv_out[index]
+        kv = StepKV()
+        groups: dict[int, list[Any]] = {}
+        self._collect(groups, kv, session, r.handoff_end, tuple((t[0], t[1], t[2], t[3], LAYERWISE) for t in targets))
+        kv.finals.append((session, r))
+        self._layers(node, kv, groups, layers, now, 0.0, now)
+        self.send(node, kv, now)
 
     def _ready(self, now: float, _: None, payload: tuple[Any, int]) -> None:
         assert self.sim.coordinator is not None
@@ -311,7 +395,6 @@ class SimHandoff:
         index = node.index
         groups: dict[int, list[Any]] = {}  # target -> [lo, hi, wire, pack, unpack (each per layer), entries]
         kv = StepKV()
-        rates = self.rates
         layers = 0
         for it in batch:
             r = it.origin
@@ -327,28 +410,37 @@ class SimHandoff:
             if count <= 0:
                 continue
             layers, targets = mine
+            if r.pull:
+                continue  # booked at the hand-off: the KV stays here until the decode hops have reserved
             if end >= stop:
                 kv.finals.append((it.session, r))  # its last KV here: freed once it has left
-            fp16 = self.size("fp16", 1, count)
-            for dst, lo, hi, codec, mode in targets:
-                pack, unpack = rates.get(codec, (math.inf, math.inf))
-                if mode == WHOLE:
-                    kv.whole.append((it.session, dst, hi - lo, count, codec, fp16 * (hi - lo)))
-                    continue
-                group = groups.get(dst)
-                if group is None:
-                    group = groups[dst] = [lo, hi, 0, 0.0, 0.0, []]
-                wire = self.size(codec, 1, count)
-                group[2] += wire
-                group[3] += fp16 / pack
-                group[4] += fp16 / unpack
-                group[5].append((it.session, (hi - lo) * count))
-                self._count(codec, wire * (hi - lo), fp16 * (hi - lo))
+            self._collect(groups, kv, it.session, count, targets)
         if groups:
             self._layers(node, kv, groups, layers, now - dur, dur, now)
         if not (kv.finals or kv.whole or kv.late or kv.entries):
             return None
         return kv
+
+    def _collect(self, groups: dict[int, list[Any]], kv: StepKV, session: int, count: int,
+                 targets: tuple[tuple[int, int, int, str, str], ...]) -> None:
+        """One session's `count` tokens of KV at a prefill hop, to each target: a whole transfer, or its share of
+        the target's layer-wise messages (`groups`: target -> [lo, hi, wire, pack, unpack per layer, entries])."""
+        rates = self.rates
+        fp16 = self.size("fp16", 1, count)
+        for dst, lo, hi, codec, mode in targets:
+            pack, unpack = rates.get(codec, (math.inf, math.inf))
+            if mode == WHOLE:
+                kv.whole.append((session, dst, hi - lo, count, codec, fp16 * (hi - lo)))
+                continue
+            group = groups.get(dst)
+            if group is None:
+                group = groups[dst] = [lo, hi, 0, 0.0, 0.0, []]
+            wire = self.size(codec, 1, count)
+            group[2] += wire
+            group[3] += fp16 / pack
+            group[4] += fp16 / unpack
+            group[5].append((session, (hi - lo) * count))
+            self._count(codec, wire * (hi - lo), fp16 * (hi - lo))
 
     def _layers(self, node: SimNode, kv: StepKV, groups: dict[int, list[Any]], layers: int, t0: float, dur: float,
                 now: float) -> None:
@@ -495,6 +587,7 @@ class SimHandoff:
 
     def summary(self) -> dict[str, Any]:
         return {"installs": self.installs, "refused_full": self.full, "messages": self.messages,
+                "handoffs_booked": self.pulls, "reservations_waited": self.waited,
                 "bytes_by_codec": dict(sorted(self.wire_bytes.items())),
                 "fp16_bytes_by_codec": dict(sorted(self.fp16_bytes.items())),
                 "transfers_by_codec": dict(sorted(self.transfers.items())),

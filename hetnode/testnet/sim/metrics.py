@@ -62,6 +62,9 @@ class RequestRecord:
     # Tokens whose KV its first phase handed on: the whole context after a whole prefill, Cronus's k after a
     # partial one (the PPI's [0, k)); 0 on a one-phase route.
     kv_handed: int = 0
+    # Phase-split routes: when its decode hops' KV was booked (its admission, or its hand-off's start with the
+    # scheduler's decode_booking "handoff"); NaN otherwise.
+    decode_booked: float = math.nan
 
     @property
     def finished(self) -> bool:

@@ -23,6 +23,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from hetnode.coordinator.split_scheduler import ADMISSION, DECODE_BOOKINGS
 from hetnode.errors import ConfigError
 from hetnode.planner.cluster import ClusterSpec
 from hetnode.planner.costmodel import MEMORY_EFFICIENCY
@@ -90,6 +91,9 @@ class SimOptions:
     # A prefill replica's nodes batch at most this many prompt tokens a step (role_batching.py: ThunderServe's
     # and DistServe's prefill batching); None: every node takes the shared setting (the runtime's default).
     prefill_tokens: int | None = None
+    # When a phase-split scheduler (cls, tstp, random-pairs) books the decode replica's KV: "admission" (Splitwise's
+    # rule, the runtime's) or "handoff" (ThunderServe's KV queues on the prefill replicas; split_scheduler.py).
+    decode_booking: str = "admission"
     # Splitwise's pools: the requests a decode queue holds before the pool lends (PoolScheduler.decode_batch).
     decode_batch: int | None = None
     # The coordinator's own time, as one server in arrival order (0: it takes none): seconds to start a request
@@ -152,6 +156,9 @@ class SimOptions:
                               f"prompt_tokens >= 1 ({self.prompt_tokens})")
         if self.prefill_tokens is not None and self.prefill_tokens < 1:
             raise ConfigError(f"prefill_tokens must be >= 1 or None, not {self.prefill_tokens}")
+        if self.decode_booking not in DECODE_BOOKINGS:
+            raise ConfigError(f"decode_booking must be one of {', '.join(DECODE_BOOKINGS)}, not "
+                              f"{self.decode_booking!r}")
         if self.kv_pool not in KV_POOLS:
             raise ConfigError(f"kv_pool must be one of {', '.join(KV_POOLS)}, not {self.kv_pool!r}")
         if self.link_messages not in LINK_MESSAGES:
@@ -200,6 +207,11 @@ def make_runtime_scheduler(name: str, plan: PlacementPlan, nodes: Mapping[str, S
         kwargs["throughput"] = lambda node: float(nodes[node].rate.value)
     if name in ("cls", "splitwise", "tstp", "random-pairs"):  # the phase-split policies
         kwargs["regions"] = dict(regions or {})
+    if options.decode_booking != ADMISSION:
+        if name not in ("cls", "tstp", "random-pairs"):
+            raise ConfigError(f"decode_booking {options.decode_booking!r} is a setting of the phase-split schedulers "
+                              f"cls, tstp and random-pairs, not of {name!r}", key="--decode-booking")
+        kwargs["decode_booking"] = options.decode_booking
     if name == "splitwise" and options.decode_batch is not None:
         kwargs["decode_batch"] = options.decode_batch
     if name == "cronus":
@@ -491,7 +503,8 @@ def _record(r: SimRequest, window: tuple[float, float]) -> RequestRecord:
         queue=admitted - r.arrival, kv_wait=r.kv_wait, max_tbt=r.max_tbt if r.gen > 1 else NAN, depth=r.depth,
         path=r.path, measured=window[0] <= r.arrival < window[1], rejected=r.rejected,
         handoff=r.decode_at - r.prefilled_at if r.decode_at >= 0 and r.prefilled_at >= 0 else NAN,
-        kv_handed=r.handoff_end if r.handoff is not None else 0)
+        kv_handed=r.handoff_end if r.handoff is not None else 0,
+        decode_booked=r.booked_at if r.booked_at >= 0 and r.handoff is not None else NAN)
 
 
 def _node_stats(n: SimNode, end: float, window: tuple[float, float]) -> NodeStats:
