@@ -329,15 +329,22 @@ class Lost:
     def claims(self, traffic: str, label: str = "") -> list[Claim]:
         att = self.attainment
         return [Claim("5.4", f"lost 4 GPUs: lightweight / full attainment, {traffic}{label}", 1.0,
-                      att["lightweight"] / att["full"] if att["full"] > 0 else math.nan,
-                      "the paper: similar (read as 1.0)"),
+                      _ratio(att["lightweight"], att["full"]), "the paper: similar (read as 1.0)"),
                 Claim("5.4", f"lost 4 GPUs: lightweight / none attainment, {traffic}{label}", 1.1,
-                      att["lightweight"] / att["none"] if att["none"] > 0 else math.inf,
+                      _ratio(att["lightweight"], att["none"]),
                       "the paper: lightweight better; Fig. 11 read as about 1.1")]
 
     def facts(self) -> dict[str, Any]:
         return {"gone": list(self.gone), "attainment_after_loss": self.attainment, "attainment_before": self.before,
                 "fig11_rate": self.rate, "e2e_slo_s": self.bound, "light_notes": self.light_notes[0]}
+
+
+def _ratio(ours: float, other: float) -> float:
+    """ours / other for two attainments: inf where only `other` attains nothing, nan where neither attains anything
+    (no winner: lightweight at 0% is not better than none at 0%)."""
+    if other > 0:
+        return ours / other
+    return math.inf if ours > 0 else math.nan
 
 
 def fig11(lab: Lab, traffic: str, cloud: ClusterSpec, plan: PlacementPlan, opts: ThunderServeOptions,

@@ -4,6 +4,7 @@ Appendix G's loss of one 4xA6000 instance taking two of their decode replicas, n
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +13,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
-from reproduce_thunderserve import APPENDIX_F, APPENDIX_G_GONE, Lab, appendix_f_plan, cluster, pattern
+from reproduce_thunderserve import APPENDIX_F, APPENDIX_G_GONE, Lab, Lost, appendix_f_plan, cluster, pattern
 
 from hetnode.planner.model import model_spec
 from hetnode.planner.profile_sources import profile_table_for
@@ -73,3 +74,20 @@ def test_only_fig11_reports_our_plan_and_the_papers(tmp_path: Path) -> None:
         assert set(facts["attainment_after_loss"]) == {"lightweight", "full", "none"}
         assert 0 <= facts["attainment_before"] <= 1 and facts["fig11_rate"] > 0
     assert result["facts"]["code (Appendix F's plan)"]["gone"] == list(APPENDIX_G_GONE)
+
+
+def test_a_lightweight_plan_that_attains_nothing_beats_no_one() -> None:
+    """0% against 0% names no winner (it was inf, 'lightweight better', in the Results table of issue 14's earlier
+    rounds); only a plan that attains something beats one that attains nothing."""
+    def verdicts(light: float, full: float, none: float) -> list[dict[str, object]]:
+        lost = Lost(gone=(), bound=5.5, rate=4.0, before=0.5,
+                    attainment={"lightweight": light, "full": full, "none": none}, light_notes=("",))
+        return [c.verdict() for c in lost.claims("code")]
+
+    vs_full, vs_none = verdicts(0.0, 0.0, 0.0)
+    assert math.isnan(float(str(vs_full["ours"]))) and math.isnan(float(str(vs_none["ours"])))
+    assert vs_none["same_winner"] is False
+    vs_full, vs_none = verdicts(0.3, 0.6, 0.0)
+    assert vs_full["ours"] == pytest.approx(0.5)
+    assert vs_none["ours"] == math.inf and vs_none["same_winner"] is True
+    assert verdicts(0.6, 0.6, 0.5)[1]["ours"] == pytest.approx(1.2)
