@@ -26,8 +26,10 @@ multi-GPU roofline profile pays them, `profile.roofline_profile`).
 - Table 3's pattern: from the plans (replicas per phase, each GPU type's GPUs per phase).
 - Fig. 11: the code and conversation plans lose four decoding GPUs (bench_planner.lost_host), then
   lightweight rescheduling (§3.4, `thunderserve.reschedule`), a full search on what is left, and none (the
-  surviving groups, phases kept), each at Poisson arrivals of FIG11_LOAD times the full plan's throughput;
-  the share of requests within the planner's E2E SLO (5x the latency on two A100s).
+  surviving groups, phases kept), each at Poisson arrivals of FIG11_LOAD times the full plan's throughput, as is
+  the plan before the loss (the paper's solid line); the share of requests within the planner's E2E SLO (5x the
+  latency on two A100s). `--only fig11` runs this alone, and also for Appendix F's own deployments (their groups,
+  TP degrees and phases as the paper lists them) losing Appendix G's 4xA6000 instance, two decode replicas.
 - Fig. 12: mean end-to-end latency with the KV hand-off at fp16 against the codec the links pick
   (ThunderServe's 4-bit compression), at Poisson arrivals of KV_LOAD times ThunderServe's throughput; the
   fp16 arm's orchestration re-solved for fp16 hand-offs (phases and layouts kept), and random pairs against it.
