@@ -26,8 +26,10 @@ multi-GPU roofline profile pays them, `profile.roofline_profile`).
 - Table 3's pattern: from the plans (replicas per phase, each GPU type's GPUs per phase).
 - Fig. 11: the code and conversation plans lose four decoding GPUs (bench_planner.lost_host), then
   lightweight rescheduling (§3.4, `thunderserve.reschedule`), a full search on what is left, and none (the
-  surviving groups, phases kept), each at Poisson arrivals of FIG11_LOAD times the full plan's throughput;
-  the share of requests within the planner's E2E SLO (5x the latency on two A100s).
+  surviving groups, phases kept), each at Poisson arrivals of FIG11_LOAD times the full plan's throughput, as is
+  the plan before the loss (the paper's solid line); the share of requests within the planner's E2E SLO (5x the
+  latency on two A100s). `--only fig11` runs this alone, and also for Appendix F's own deployments (their groups,
+  TP degrees and phases as the paper lists them) losing Appendix G's 4xA6000 instance, two decode replicas.
 - Fig. 12: mean end-to-end latency with the KV hand-off at fp16 against the codec the links pick
   (ThunderServe's 4-bit compression), at Poisson arrivals of KV_LOAD times ThunderServe's throughput; the
   fp16 arm's orchestration re-solved for fp16 hand-offs (phases and layouts kept), and random pairs against it.
@@ -80,12 +82,18 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from hetnode.errors import ConfigError
 from hetnode.planner.cluster import ClusterSpec, NodeSpec, load_cluster
 from hetnode.planner.model import ModelSpec, model_spec
 from hetnode.planner.placement import PlannerOptions, plan_placement
 from hetnode.planner.plan import PlacementPlan
 from hetnode.planner.profile import ProfileTable
 from hetnode.planner.profile_sources import profile_table_for
+from hetnode.planner.thunderserve.deploy import plan_of
+from hetnode.planner.thunderserve.deployment import Deployment, Group
+from hetnode.planner.thunderserve.gpus import gpu_pool
+from hetnode.planner.thunderserve.lower import LowerLevel
+from hetnode.planner.thunderserve.parallel import Configured, lay_out, performance
 from hetnode.planner.thunderserve.reschedule import reschedule, sustained_rate
 from hetnode.planner.thunderserve.settings import ThunderServeOptions, Traffic
 from hetnode.planner.thunderserve.slo import slo_for
@@ -303,37 +311,150 @@ def reproduce(lab: Lab) -> tuple[list[Claim], dict[str, Any]]:
         thr["ts_whole_instances"] = lab.run(f"thunderserve on whole instances {traffic}", hosts, whole, traffic,
                                             None, opts.kv_reserve, tstp=opts).summary["request_throughput"]
         # Fig. 11: four decoding GPUs lost
-        gone = lost_gpus(ts, cloud)
-        light = reschedule(ts, cloud, model, opts, gone=gone)
-        none = reschedule(ts, cloud, model, opts, gone=gone, steps=0)
-        left = replace(cloud, nodes=tuple(n for n in cloud.nodes if n.name not in set(gone)))
-        full = plan_placement(left, model, profile_table_for(left, model, "roofline", kv_share=opts.kv_reserve),
-                              method="thunderserve", options=PlannerOptions(seed=lab.seed, thunderserve=opts))
-        bound = slo_for(model, opts).e2e_s
-        rate11 = FIG11_LOAD * thr["ts"]
-        att = {}
-        for name, p in (("lightweight", light), ("full", full), ("none", none)):
-            if {r.role for r in p.replicas} != {"prefill", "decode"}:
-                att[name] = 0.0  # one phase left: it serves nothing
-                lab.log.append(f"after 4 GPUs lost: {name} {traffic}: only {p.replicas[0].role} replicas, serves "
-                               "nothing")
-                continue
-            att[name] = e2e_attainment(lab.run(f"after 4 GPUs lost: {name} {traffic}", left, p, traffic, rate11,
-                                               opts.kv_reserve, tstp=opts), bound)
-        claims.append(Claim("5.4", f"lost 4 GPUs: lightweight / full attainment, {traffic}", 1.0,
-                            att["lightweight"] / att["full"] if att["full"] > 0 else math.nan,
-                            "the paper: similar (read as 1.0)"))
-        claims.append(Claim("5.4", f"lost 4 GPUs: lightweight / none attainment, {traffic}", 1.1,
-                            att["lightweight"] / att["none"] if att["none"] > 0 else math.inf,
-                            "the paper: lightweight better; Fig. 11 read as about 1.1"))
-        facts[traffic] = {"plan": pattern(ts, cloud), "gone": list(gone), "attainment_after_loss": att,
-                          "e2e_slo_s": bound, "throughput_req_s": thr,
-                          "light_notes": light.notes[0]}
+        lost = fig11(lab, traffic, cloud, ts, opts, thr["ts"], lost_gpus(ts, cloud))
+        claims += lost.claims(traffic)
+        facts[traffic] = {"plan": pattern(ts, cloud), "throughput_req_s": thr, **lost.facts()}
     prefill = {t: facts[t]["plan"]["prefill_replicas"] for t in ("code", "conv")}
     decode = {t: facts[t]["plan"]["decode_replicas"] for t in ("code", "conv")}
     ratio = {t: prefill[t] / max(1, decode[t]) for t in prefill}
     claims.append(Claim("5.3", "prefill:decode replicas, code over conversation", (8 / 4) / (4 / 8),
                         ratio["code"] / ratio["conv"], "Table 3: 8:4 coding, 4:8 conversation"))
+    return claims, facts
+
+
+@dataclass(frozen=True)
+class Lost:
+    """Fig. 11 for one plan and one traffic: what each way of handling the loss attains within the E2E SLO."""
+
+    gone: tuple[str, ...]
+    bound: float  # the E2E SLO, seconds
+    rate: float  # requests/s offered before and after
+    before: float  # the plan before the loss (the paper's solid line)
+    attainment: dict[str, float]  # lightweight, full, none (its dotted lines)
+    light_notes: tuple[str, ...]
+
+    def claims(self, traffic: str, label: str = "") -> list[Claim]:
+        att = self.attainment
+        return [Claim("5.4", f"lost 4 GPUs: lightweight / full attainment, {traffic}{label}", 1.0,
+                      _ratio(att["lightweight"], att["full"]), "the paper: similar (read as 1.0)"),
+                Claim("5.4", f"lost 4 GPUs: lightweight / none attainment, {traffic}{label}", 1.1,
+                      _ratio(att["lightweight"], att["none"]),
+                      "the paper: lightweight better; Fig. 11 read as about 1.1")]
+
+    def facts(self) -> dict[str, Any]:
+        return {"gone": list(self.gone), "attainment_after_loss": self.attainment, "attainment_before": self.before,
+                "fig11_rate": self.rate, "e2e_slo_s": self.bound, "light_notes": self.light_notes[0]}
+
+
+def _ratio(ours: float, other: float) -> float:
+    """ours / other for two attainments: inf where only `other` attains nothing, nan where neither attains anything
+    (no winner: lightweight at 0% is not better than none at 0%)."""
+    if other > 0:
+        return ours / other
+    return math.inf if ours > 0 else math.nan
+
+
+def fig11(lab: Lab, traffic: str, cloud: ClusterSpec, plan: PlacementPlan, opts: ThunderServeOptions,
+          throughput: float, gone: tuple[str, ...], label: str = "") -> Lost:
+    """`plan` loses `gone`: lightweight rescheduling, a full search on what is left, and none, and the plan before
+    the loss, each at FIG11_LOAD x `throughput` (the plan's own before the loss), judged by the E2E SLO. Each
+    plan's log line says what the planner expects it to sustain (`sustained_rate`), which is what says whether
+    a plan can take the rate offered at all."""
+    model = lab.model
+    light = reschedule(plan, cloud, model, opts, gone=gone)
+    none = reschedule(plan, cloud, model, opts, gone=gone, steps=0)
+    left = replace(cloud, nodes=tuple(n for n in cloud.nodes if n.name not in set(gone)))
+    full = plan_placement(left, model, profile_table_for(left, model, "roofline", kv_share=opts.kv_reserve),
+                          method="thunderserve", options=PlannerOptions(seed=lab.seed, thunderserve=opts))
+    bound = slo_for(model, opts).e2e_s
+    rate = FIG11_LOAD * throughput
+    before = e2e_attainment(lab.run(f"before the loss{label} {traffic}", cloud, plan, traffic, rate,
+                                    opts.kv_reserve, tstp=opts), bound)
+    att = {}
+    for name, p in (("lightweight", light), ("full", full), ("none", none)):
+        roles = [r.role for r in p.replicas]
+        lab.log.append(f"after 4 GPUs lost{label}: {name} {traffic}: {roles.count('prefill')} prefill / "
+                       f"{roles.count('decode')} decode replicas, the planner expects "
+                       f"{sustained_rate(p, left, model, opts):.2f} req/s sustained; {p.notes[0]}")
+        print(lab.log[-1], file=sys.stderr, flush=True)
+        if set(roles) != {"prefill", "decode"}:
+            att[name] = 0.0  # one phase left: it serves nothing
+            continue
+        att[name] = e2e_attainment(lab.run(f"after 4 GPUs lost{label}: {name} {traffic}", left, p, traffic, rate,
+                                           opts.kv_reserve, tstp=opts), bound)
+    return Lost(gone=gone, bound=bound, rate=rate, before=before, attainment=att, light_notes=light.notes)
+
+
+# Appendix F's deployments, group by group as its text gives them: the GPUs (instance and count), the tensor
+# parallel degree (the paper's strategy (tp, pp) has pp = GPUs / tp) and the phase. Where an instance is split
+# between groups the text does not say which GPUs go where; here the lower-numbered ones go first.
+def _gpus(host: str, *ks: int) -> tuple[str, ...]:
+    return tuple(f"{host}-gpu{k}" for k in ks)
+
+
+APPENDIX_F: dict[str, list[tuple[tuple[str, ...], int, str]]] = {
+    # 8 prefill / 4 decode: the 8xA40 as four (2,1) prefill; one 4xA6000 two (2,1) prefill, the other two (1,2)
+    # decode; 2xA5000 + 2x3090Ti (2,2) prefill and another such decode; 4xA5000 (4,1) prefill; 4x3090Ti (2,2)
+    # decode.
+    "code": [*((_gpus("8xa40-0", k, k + 1), 2, "prefill") for k in (0, 2, 4, 6)),
+             *((_gpus("4xa6000-0", k, k + 1), 2, "prefill") for k in (0, 2)),
+             *((_gpus("4xa6000-1", k, k + 1), 1, "decode") for k in (0, 2)),
+             (_gpus("4xa5000-1", 0, 1) + _gpus("4x3090ti-1", 0, 1), 2, "prefill"),
+             (_gpus("4xa5000-1", 2, 3) + _gpus("4x3090ti-1", 2, 3), 2, "decode"),
+             (_gpus("4xa5000-0", 0, 1, 2, 3), 4, "prefill"),
+             (_gpus("4x3090ti-0", 0, 1, 2, 3), 2, "decode")],
+    # 4 prefill / 8 decode: the 8xA40 as three (2,1) prefill and one (1,2) decode; both 4xA6000 as (1,2) decode;
+    # 2xA5000 + 2x3090Ti (2,2) prefill and another such decode; 4xA5000 (2,2) decode; 4x3090Ti (2,2) decode.
+    "conv": [*((_gpus("8xa40-0", k, k + 1), 2, "prefill") for k in (0, 2, 4)),
+             (_gpus("8xa40-0", 6, 7), 1, "decode"),
+             *((_gpus(h, k, k + 1), 1, "decode") for h in ("4xa6000-0", "4xa6000-1") for k in (0, 2)),
+             (_gpus("4xa5000-1", 0, 1) + _gpus("4x3090ti-1", 0, 1), 2, "prefill"),
+             (_gpus("4xa5000-1", 2, 3) + _gpus("4x3090ti-1", 2, 3), 2, "decode"),
+             (_gpus("4xa5000-0", 0, 1, 2, 3), 2, "decode"),
+             (_gpus("4x3090ti-0", 0, 1, 2, 3), 2, "decode")],
+}
+# Appendix G: the GPUs lost are one 4xA6000 instance that ran two decode replicas.
+APPENDIX_G_GONE = _gpus("4xa6000-1", 0, 1, 2, 3)
+
+
+def appendix_f_plan(cloud: ClusterSpec, model: ModelSpec, opts: ThunderServeOptions, traffic: str) -> PlacementPlan:
+    """The paper's own deployment for `traffic` (APPENDIX_F): its groups, tensor parallel degrees and phases, each
+    group's layers split as our planner splits them (`lay_out`: the paper gives no split), and the TSTP solved."""
+    pool = gpu_pool(cloud)
+    index = {g.name: i for i, g in enumerate(pool.gpus)}
+    fixed: dict[tuple[int, ...], Configured] = {}
+    groups = []
+    for names, tp, role in APPENDIX_F[traffic]:
+        gpus = tuple(sorted(index[n] for n in names))
+        layout = lay_out(pool, gpus, tp, role, model, opts)
+        if layout is None:
+            raise ConfigError(f"Appendix F's {traffic} group {', '.join(names)} cannot hold {model.name}")
+        fixed[gpus] = Configured(layout, performance(pool, layout, model, opts))
+        groups.append(Group(gpus, role))
+    solved = LowerLevel(pool, model, opts, fixed=fixed).solve(Deployment.of(groups))
+    if solved is None:
+        raise ConfigError(f"Appendix F's {traffic} deployment has a group without a layout")
+    return plan_of(cloud, model, pool, solved, opts, None, 0.0)
+
+
+def reproduce_fig11(lab: Lab) -> tuple[list[Claim], dict[str, Any]]:
+    """Fig. 11 alone (`--only fig11`): our plan and, as the paper ran it, Appendix F's plan losing Appendix G's
+    4xA6000 instance, each before and after, at FIG11_LOAD x that plan's own saturating throughput."""
+    cloud = cluster("thunderserve-cloud-gpus")
+    claims: list[Claim] = []
+    facts: dict[str, Any] = {}
+    for traffic in ("code", "conv"):
+        opts = lab.ts_options(traffic)
+        ts = plan_placement(cloud, lab.model, profile_table_for(cloud, lab.model, "roofline",
+                                                                kv_share=opts.kv_reserve),
+                            method="thunderserve", options=PlannerOptions(seed=lab.seed, thunderserve=opts))
+        paper = appendix_f_plan(cloud, lab.model, opts, traffic)
+        for label, plan, gone in (("", ts, lost_gpus(ts, cloud)), (" (Appendix F's plan)", paper, APPENDIX_G_GONE)):
+            thr = lab.run(f"thunderserve{label} {traffic}", cloud, plan, traffic, None, opts.kv_reserve,
+                          tstp=opts).summary["request_throughput"]
+            lost = fig11(lab, traffic, cloud, plan, opts, thr, gone, label)
+            claims += lost.claims(traffic, label)
+            facts[traffic + label] = {"plan": pattern(plan, cloud), "throughput_req_s": {"ts": thr}, **lost.facts()}
     return claims, facts
 
 
@@ -356,7 +477,8 @@ def format_table(claims: list[Claim], facts: dict[str, Any], log: list[str]) -> 
                      f"replicas; GPUs by type (prefill/decode): "
                      + ", ".join(f"{k} {v['prefill']}/{v['decode']}"
                                  for k, v in sorted(f["plan"]["gpus_by_type"].items()))
-                     + f"; after losing {', '.join(f['gone'])}: E2E SLO {f['e2e_slo_s']:.1f} s attained "
+                     + f"; at {f['fig11_rate']:.2f} req/s, E2E SLO {f['e2e_slo_s']:.1f} s attained before "
+                     + f"{f['attainment_before']:.0%}, after losing {', '.join(f['gone'])} "
                      + ", ".join(f"{k} {v:.0%}" for k, v in f["attainment_after_loss"].items()))
     lines.append("")
     verdicts = [c.verdict() for c in claims]
@@ -400,11 +522,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--busy", action="store_true", help="print each node's busy share after each offline run")
     add_prefill_tokens(parser)
     add_decode_booking(parser)
+    parser.add_argument("--only", choices=("fig11",), default=None,
+                        help="fig11: Fig. 11 alone, our plan and Appendix F's (the paper's) each losing four decoding "
+                             "GPUs")
     args = parser.parse_args(argv)
     duration = 40.0 if args.quick else args.duration
     lab = Lab(duration, min(60.0, duration / 5), args.seed, args.busy, prefill_tokens=args.prefill_tokens or None,
               decode_booking=args.decode_booking)
-    claims, facts = reproduce(lab)
+    claims, facts = reproduce_fig11(lab) if args.only == "fig11" else reproduce(lab)
     print(format_table(claims, facts, lab.log), end="")
     if args.json is not None:
         args.json.write_text(json.dumps({"claims": [c.verdict() for c in claims], "facts": facts, "log": lab.log},
