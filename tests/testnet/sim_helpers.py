@@ -4,10 +4,14 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from hetnode.planner.cluster import ClusterSpec, parse_cluster
 from hetnode.planner.model import ModelSpec
 from hetnode.planner.plan import SINK, SOURCE, NodePlacement, PlacementPlan
 from hetnode.planner.profile import DeviceProfile, ProfileTable
+from hetnode.testnet.sim import runner
+from hetnode.testnet.sim.node import SimNode
 
 # 4 layers; an activation is 64 x 2 = 128 bytes per token; KV 2 x 4 x 16 x 2 = 256 bytes per token and layer.
 TOY = ModelSpec("toy", num_layers=4, hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=4,
@@ -72,3 +76,18 @@ class Item:
 
 def sessions(batch: Any) -> list[str]:
     return [item.session for item in batch]
+
+
+def keep_nodes(monkeypatch: pytest.MonkeyPatch) -> list[SimNode]:
+    """The simulator's nodes of the runs that follow, kept for inspection after the run (their ledgers)."""
+    nodes: list[SimNode] = []
+
+    class Kept(SimNode):
+        __slots__ = ()
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            nodes.append(self)
+
+    monkeypatch.setattr(runner, "SimNode", Kept)
+    return nodes

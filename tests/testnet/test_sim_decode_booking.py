@@ -8,12 +8,12 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from sim_helpers import PROFILES, TOY
+from sim_helpers import PROFILES, TOY, keep_nodes
 from test_sim_handoff import RATES, cluster
 
 from hetnode.coordinator.split_scheduler import SplitScheduler
 from hetnode.planner.plan import NodePlacement, PlacementPlan, Replica
-from hetnode.testnet.sim import SimOptions, Workload, runner, simulate
+from hetnode.testnet.sim import SimOptions, Workload, simulate
 from hetnode.testnet.sim.node import SimNode
 
 
@@ -55,17 +55,7 @@ def decoding(result: Any) -> float:
 
 @pytest.fixture
 def kept(monkeypatch: pytest.MonkeyPatch) -> list[SimNode]:
-    nodes: list[SimNode] = []
-
-    class Kept(SimNode):
-        __slots__ = ()
-
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            super().__init__(*args, **kwargs)
-            nodes.append(self)
-
-    monkeypatch.setattr(runner, "SimNode", Kept)
-    return nodes
+    return keep_nodes(monkeypatch)
 
 
 def test_booked_at_the_handoff_every_request_is_served_and_every_block_freed(kept: list[SimNode]) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from sim_helpers import PROFILE, PROFILES, TOY
+from sim_helpers import PROFILE, PROFILES, TOY, keep_nodes
 
 from hetnode.coordinator.split_scheduler import SplitScheduler
 from hetnode.planner.cluster import ClusterSpec, parse_cluster
@@ -15,9 +15,8 @@ from hetnode.planner.model import TOKEN_BYTES
 from hetnode.planner.plan import NodePlacement, PlacementPlan, Replica
 from hetnode.policy import CodecOption, KVCodecPolicy, LinkEstimate
 from hetnode.protocol.kv_wire import packed_size
-from hetnode.testnet.sim import SimOptions, Workload, runner, simulate
+from hetnode.testnet.sim import SimOptions, Workload, simulate
 from hetnode.testnet.sim.handoff import KVTransfer
-from hetnode.testnet.sim.node import SimNode
 
 C_BPS, C_LAT = 1e6, 0.005  # coordinator links: 8 Mbit/s, 5 ms
 KV_BPS, KV_LAT = 3.2e7, 0.020  # prefill -> decode: 256 Mbit/s, 20 ms
@@ -185,16 +184,7 @@ def test_a_decode_hop_without_room_refuses_before_any_prefill_and_the_lifecycle_
 def test_split_runs_under_load_are_deterministic_and_free_every_block(monkeypatch: pytest.MonkeyPatch) -> None:
     """Many requests on two prefill and two decode replicas: the same JSON twice (the rates are given), every
     request served, and no KV left reserved or awaited anywhere once they are done."""
-    nodes: list[SimNode] = []
-
-    class Kept(SimNode):
-        __slots__ = ()
-
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            super().__init__(*args, **kwargs)
-            nodes.append(self)
-
-    monkeypatch.setattr(runner, "SimNode", Kept)
+    nodes = keep_nodes(monkeypatch)
     links = [(a, b, KV_BPS, KV_LAT) for a in ("p0", "p1") for b in ("d0", "d1")]
     spec = cluster(["p0", "p1", "d0", "d1"], links)
     placement = PlacementPlan(cluster="split", model="toy", num_layers=4, method="split",
