@@ -13,7 +13,11 @@ r / b), the decode stages' mean and largest batch, and how long a decode replica
 planner: prefill, hand-off and output_len x TPOT, `slo.decode_residency`; the simulator: admission to last
 token, as the scheduler books it at admission; with --decode-booking handoff, from its hand-off's start), each
 node's
-busy share and KV use, and the busiest links.
+busy share and KV use, and the busiest links. Before the simulation, the planner's own view at the planned rate
+(`planner_view`: each prefill replica's share within the TTFT SLO at its load, each decode replica's TPOT at its
+load against the TPOT SLO, the weights' share of its memory) and its estimated attainment of the plan at the
+planned and the sustained rate, under the SLOs planned for and twice as loose (`planner_scores`).
+--deployment appendix-f diagnoses the paper's own deployment (Appendix F) in place of our planner's.
 
     .venv/bin/python scripts/diagnose_thunderserve_phases.py [--duration 120] [--traffic code conv]
         [--deployment ours|appendix-f]
@@ -26,6 +30,7 @@ import math
 import statistics
 import sys
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -33,9 +38,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from reproduce_thunderserve import DEPLOYMENTS, Lab, add_decode_booking, add_prefill_tokens, cluster, thunderserve_plan
 
+from hetnode.planner.cluster import ClusterSpec
 from hetnode.planner.plan import PlacementPlan
 from hetnode.planner.thunderserve.gpus import GpuPool, gpu_pool
 from hetnode.planner.thunderserve.parallel import Layout, Performance, Stage, performance
+from hetnode.planner.thunderserve.reschedule import reschedule, sustained_rate
 from hetnode.planner.thunderserve.settings import ThunderServeOptions
 from hetnode.planner.thunderserve.slo import decode_residency, decode_tpot, kv_handoff, slo_for
 
@@ -59,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         opts = lab.ts_options(traffic)
         plan = thunderserve_plan(lab, cloud, opts, traffic, args.deployment)
         planner_view(pool, index, plan, lab, opts)
+        planner_scores(cloud, plan, lab, opts)
         # Routed as reproduce_thunderserve routes a saturating run: by the TSTP solved at what the plan sustains.
         plan, _ = lab.routed_for(plan, cloud, opts, None)
         result = lab.run(f"thunderserve {traffic}", cloud, plan, traffic, None, opts.kv_reserve)
@@ -194,6 +202,22 @@ def planner_view(pool: GpuPool, index: dict[str, int], plan: PlacementPlan, lab:
                   f"{perf.prefill_s:>9.2f} {perf.prefill_rate:>7.2f} {'':>7} {perf.max_batch:>5} "
                   f"{perf.tpot[0][1] * 1e3:>9.0f} {at_load * 1e3:>12.0f} {perf.tpot[-1][1] * 1e3:>11.0f} "
                   f"{perf.decode_rate:>9.2f}")
+
+
+def planner_scores(cloud: ClusterSpec, plan: PlacementPlan, lab: Lab, opts: ThunderServeOptions) -> None:
+    """The planner's estimated attainment of `plan` as it stands (groups, layouts, phases; the TSTP re-solved,
+    `reschedule(..., steps=0)`) at the planned rate and at the rate it expects the plan to sustain, under the
+    SLOs planned for and under SLOs twice as loose: whether a looser SLO would change which plan scores higher."""
+    cells = []
+    for scale in (opts.ttft_scale, 2 * opts.ttft_scale):
+        scaled = replace(opts, ttft_scale=scale, tpot_scale=scale * opts.tpot_scale / opts.ttft_scale,
+                         e2e_scale=scale * opts.e2e_scale / opts.ttft_scale)
+        for rate in (opts.traffic.rate, sustained_rate(plan, cloud, lab.model, scaled)):
+            at = replace(scaled, traffic=replace(scaled.traffic, rate=rate))
+            orch = reschedule(plan, cloud, lab.model, at, steps=0).orchestration
+            assert orch is not None
+            cells.append(f"SLO scale {scale:g}, {rate:.2f}/s: {orch.slo_attainment:.1%}")
+    print("planner's estimated attainment: " + "; ".join(cells))
 
 
 def mean_count(intervals: list[tuple[float, float]], window: tuple[float, float]) -> float:
