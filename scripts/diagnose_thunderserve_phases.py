@@ -214,9 +214,11 @@ def planner_scores(cloud: ClusterSpec, plan: PlacementPlan, lab: Lab, opts: Thun
                          e2e_scale=scale * opts.e2e_scale / opts.ttft_scale)
         for rate in (opts.traffic.rate, sustained_rate(plan, cloud, lab.model, scaled)):
             at = replace(scaled, traffic=replace(scaled.traffic, rate=rate))
-            orch = reschedule(plan, cloud, lab.model, at, steps=0).orchestration
-            assert orch is not None
-            cells.append(f"SLO scale {scale:g}, {rate:.2f}/s: {orch.slo_attainment:.1%}")
+            solved = reschedule(plan, cloud, lab.model, at, steps=0)
+            assert solved.orchestration is not None
+            # The share the TSTP can route at all (its capacity and link rows) is in the planner's note.
+            routed = next((n.split("; ")[1] for n in solved.notes if n.startswith("estimated SLO attainment")), "")
+            cells.append(f"SLO scale {scale:g}, {rate:.2f}/s: {solved.orchestration.slo_attainment:.1%} ({routed})")
     print("planner's estimated attainment: " + "; ".join(cells))
 
 
