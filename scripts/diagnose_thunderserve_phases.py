@@ -13,9 +13,14 @@ r / b), the decode stages' mean and largest batch, and how long a decode replica
 planner: prefill, hand-off and output_len x TPOT, `slo.decode_residency`; the simulator: admission to last
 token, as the scheduler books it at admission; with --decode-booking handoff, from its hand-off's start), each
 node's
-busy share and KV use, and the busiest links.
+busy share and KV use, and the busiest links. Before the simulation, the planner's own view at the planned rate
+(`planner_view`: each prefill replica's share within the TTFT SLO at its load, each decode replica's TPOT at its
+load against the TPOT SLO, the weights' share of its memory) and its estimated attainment of the plan at the
+planned and the sustained rate, under the SLOs planned for and twice as loose (`planner_scores`).
+--deployment appendix-f diagnoses the paper's own deployment (Appendix F) in place of our planner's.
 
     .venv/bin/python scripts/diagnose_thunderserve_phases.py [--duration 120] [--traffic code conv]
+        [--deployment ours|appendix-f]
 """
 
 from __future__ import annotations
@@ -25,18 +30,21 @@ import math
 import statistics
 import sys
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from reproduce_thunderserve import Lab, add_decode_booking, add_prefill_tokens, cluster
+from reproduce_thunderserve import DEPLOYMENTS, Lab, add_decode_booking, add_prefill_tokens, cluster, thunderserve_plan
 
-from hetnode.planner.placement import PlannerOptions, plan_placement
-from hetnode.planner.profile_sources import profile_table_for
-from hetnode.planner.thunderserve.gpus import gpu_pool
+from hetnode.planner.cluster import ClusterSpec
+from hetnode.planner.plan import PlacementPlan
+from hetnode.planner.thunderserve.gpus import GpuPool, gpu_pool
 from hetnode.planner.thunderserve.parallel import Layout, Performance, Stage, performance
-from hetnode.planner.thunderserve.slo import decode_residency, kv_handoff
+from hetnode.planner.thunderserve.reschedule import reschedule, sustained_rate
+from hetnode.planner.thunderserve.settings import ThunderServeOptions
+from hetnode.planner.thunderserve.slo import decode_residency, decode_tpot, kv_handoff, slo_for
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -46,6 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     add_prefill_tokens(parser)
     add_decode_booking(parser)
+    parser.add_argument("--deployment", choices=DEPLOYMENTS, default="ours",
+                        help="our planner's plan (default) or the paper's own (Appendix F's)")
     args = parser.parse_args(argv)
     lab = Lab(args.duration, min(60.0, args.duration / 5), args.seed, prefill_tokens=args.prefill_tokens or None,
               decode_booking=args.decode_booking)
@@ -54,9 +64,9 @@ def main(argv: list[str] | None = None) -> int:
     index = {g.name: i for i, g in enumerate(pool.gpus)}
     for traffic in args.traffic:
         opts = lab.ts_options(traffic)
-        plan = plan_placement(cloud, lab.model, profile_table_for(cloud, lab.model, "roofline",
-                                                                  kv_share=opts.kv_reserve),
-                              method="thunderserve", options=PlannerOptions(seed=lab.seed, thunderserve=opts))
+        plan = thunderserve_plan(lab, cloud, opts, traffic, args.deployment)
+        planner_view(pool, index, plan, lab, opts)
+        planner_scores(cloud, plan, lab, opts)
         # Routed as reproduce_thunderserve routes a saturating run: by the TSTP solved at what the plan sustains.
         plan, _ = lab.routed_for(plan, cloud, opts, None)
         result = lab.run(f"thunderserve {traffic}", cloud, plan, traffic, None, opts.kv_reserve)
@@ -149,6 +159,67 @@ def main(argv: list[str] | None = None) -> int:
                                             for x in busiest_links))
         print("planner: " + "; ".join(plan.notes[:1]))
     return 0
+
+
+def planner_view(pool: GpuPool, index: dict[str, int], plan: PlacementPlan, lab: Lab,
+                 opts: ThunderServeOptions) -> None:
+    """Each replica as the planner prices it at the planned rate, by the terms of its SLO estimate
+    (`slo.attainment`): the prefill queue against the TTFT SLO (an M/M/1 wait at the load the orchestration sends
+    it: the share of prompts within the TTFT SLO), the decode TPOT at its load against the TPOT SLO, and the
+    memory behind the decode batch (the weights' share of the replica's GPUs and the KV room left)."""
+    model, orch, ranges = lab.model, plan.orchestration, plan.ranges()
+    assert orch is not None
+    slo = slo_for(model, opts)
+    rate = opts.traffic.rate
+    print(f"\nplanner at {rate:g} requests/s: SLOs TTFT {slo.ttft_s:.2f} s, TPOT {slo.tpot_s * 1e3:.0f} ms, E2E "
+          f"{slo.e2e_s:.1f} s; estimated attainment {orch.slo_attainment:.1%}")
+    print(f"{'replica':8} {'GPUs':>22} {'tp x pp':>7} {'weights/mem':>11} {'load /s':>7} {'prefill s':>9} "
+          f"{'rate /s':>7} {'TTFT ok':>7} {'batch':>5} {'TPOT@1 ms':>9} {'TPOT@load ms':>12} {'TPOT@max ms':>11} "
+          f"{'decode /s':>9}")
+    counts = Counter[str]()
+    for r in plan.replicas:
+        k = counts[r.role]
+        counts[r.role] += 1
+        cells = [r.nodes[s:s + r.tp] for s in range(0, len(r.nodes), r.tp)]
+        layout = Layout(tp=r.tp, stages=tuple(Stage(tuple(index[n] for n in cell), *ranges[cell[0]])
+                                              for cell in cells))
+        perf = performance(pool, layout, model, opts)
+        kinds = Counter(pool.gpus[g].kind for g in layout.gpus)
+        memory = sum(pool.gpus[g].memory_bytes for g in layout.gpus)
+        weights = model.num_layers * model.layer_bytes / memory
+        name = "+".join(f"{n}x{kind}" for kind, n in sorted(kinds.items()))
+        if r.role == "prefill":
+            load = rate * orch.prefill_share[k]
+            mu, slack = perf.prefill_rate, slo.ttft_s - perf.prefill_s
+            ok = (0.0 if load >= mu or slack < 0
+                  else 1 - load / mu * math.exp(-(mu - load) * slack))
+            print(f"p{k:<7} {name:>22} {r.tp:>3} x {len(cells):<3} {weights:>11.0%} {load:>7.2f} "
+                  f"{perf.prefill_s:>9.2f} {mu:>7.2f} {ok:>7.0%}")
+        else:
+            load = rate * sum(x * y[k] for x, y in zip(orch.prefill_share, orch.decode_share, strict=True))
+            at_load = decode_tpot(perf, load, opts.traffic.output_len)
+            print(f"d{k:<7} {name:>22} {r.tp:>3} x {len(cells):<3} {weights:>11.0%} {load:>7.2f} "
+                  f"{perf.prefill_s:>9.2f} {perf.prefill_rate:>7.2f} {'':>7} {perf.max_batch:>5} "
+                  f"{perf.tpot[0][1] * 1e3:>9.0f} {at_load * 1e3:>12.0f} {perf.tpot[-1][1] * 1e3:>11.0f} "
+                  f"{perf.decode_rate:>9.2f}")
+
+
+def planner_scores(cloud: ClusterSpec, plan: PlacementPlan, lab: Lab, opts: ThunderServeOptions) -> None:
+    """The planner's estimated attainment of `plan` as it stands (groups, layouts, phases; the TSTP re-solved,
+    `reschedule(..., steps=0)`) at the planned rate and at the rate it expects the plan to sustain, under the
+    SLOs planned for and under SLOs twice as loose: whether a looser SLO would change which plan scores higher."""
+    cells = []
+    for scale in (opts.ttft_scale, 2 * opts.ttft_scale):
+        scaled = replace(opts, ttft_scale=scale, tpot_scale=scale * opts.tpot_scale / opts.ttft_scale,
+                         e2e_scale=scale * opts.e2e_scale / opts.ttft_scale)
+        for rate in (opts.traffic.rate, sustained_rate(plan, cloud, lab.model, scaled)):
+            at = replace(scaled, traffic=replace(scaled.traffic, rate=rate))
+            solved = reschedule(plan, cloud, lab.model, at, steps=0)
+            assert solved.orchestration is not None
+            # The share the TSTP can route at all (its capacity and link rows) is in the planner's note.
+            routed = next((n.split("; ")[1] for n in solved.notes if n.startswith("estimated SLO attainment")), "")
+            cells.append(f"SLO scale {scale:g}, {rate:.2f}/s: {solved.orchestration.slo_attainment:.1%} ({routed})")
+    print("planner's estimated attainment: " + "; ".join(cells))
 
 
 def mean_count(intervals: list[tuple[float, float]], window: tuple[float, float]) -> float:

@@ -62,6 +62,10 @@ Ratios are ThunderServe over the baseline for throughput and baseline over Thund
 deadlines ("1.8x lower" is 1.8). For each: "same winner" (both on the same side of 1) and "within 25%".
 
     .venv/bin/python scripts/reproduce_thunderserve.py [--quick] [--duration S] [--json OUT] [--busy]
+        [--deployment ours|appendix-f]
+
+--deployment appendix-f runs the Results rows with the paper's own deployment (Appendix F, as `--only fig11`
+builds it) in place of our planner's, and Fig. 11 losing Appendix G's 4xA6000 instance.
 
 --busy adds, after each saturating (offline) run, the share of the measured window each node was busy, which is
 what says which phase bounds a plan's throughput in the simulator.
@@ -250,7 +254,29 @@ def lost_gpus(plan: PlacementPlan, c: ClusterSpec) -> tuple[str, ...]:
     return lost_host(plan, c)
 
 
-def reproduce(lab: Lab) -> tuple[list[Claim], dict[str, Any]]:
+DEPLOYMENTS = ("ours", "appendix-f")
+
+
+def thunderserve_plan(lab: Lab, cloud: ClusterSpec, opts: ThunderServeOptions, traffic: str,
+                      deployment: str = "ours") -> PlacementPlan:
+    """ThunderServe's deployment for `traffic`: our planner's (`ours`) or the paper's own (`appendix-f`,
+    `appendix_f_plan`), with the planner's estimates of it logged: attainment at the planned rate (its notes) and
+    the rate it expects the deployment to sustain."""
+    if deployment == "appendix-f":
+        plan = appendix_f_plan(cloud, lab.model, opts, traffic)
+    else:
+        plan = plan_placement(cloud, lab.model, profile_table_for(cloud, lab.model, "roofline",
+                                                                  kv_share=opts.kv_reserve),
+                              method="thunderserve", options=PlannerOptions(seed=lab.seed, thunderserve=opts))
+    lab.log.append(f"thunderserve plan ({deployment}) {traffic}: {plan.notes[0]}; the planner expects "
+                   f"{sustained_rate(plan, cloud, lab.model, opts):.2f} req/s sustained")
+    print(lab.log[-1], file=sys.stderr, flush=True)
+    return plan
+
+
+def reproduce(lab: Lab, deployment: str = "ours") -> tuple[list[Claim], dict[str, Any]]:
+    """The Results rows, ThunderServe being `deployment`'s plan (`thunderserve_plan`); with Appendix F's, Fig. 11
+    loses Appendix G's GPUs, as the paper's run does."""
     model = lab.model
     cloud, hosts, a100 = cluster("thunderserve-cloud-gpus"), cluster("thunderserve-cloud"), cluster("thunderserve-a100")
     tp2 = vllm_server(a100)
@@ -258,8 +284,7 @@ def reproduce(lab: Lab) -> tuple[list[Claim], dict[str, Any]]:
     facts: dict[str, Any] = {}
     for traffic in ("code", "conv"):
         opts = lab.ts_options(traffic)
-        ts = plan_placement(cloud, model, profile_table_for(cloud, model, "roofline", kv_share=opts.kv_reserve),
-                            method="thunderserve", options=PlannerOptions(seed=lab.seed, thunderserve=opts))
+        ts = thunderserve_plan(lab, cloud, opts, traffic, deployment)
         hexgen = plan_placement(hosts, model, profile_table_for(hosts, model, "roofline"), method="sp",
                                 options=PlannerOptions(seed=lab.seed))
         dist = plan_placement(a100, model, profile_table_for(a100, model, "roofline", kv_share=opts.kv_reserve),
@@ -311,7 +336,8 @@ def reproduce(lab: Lab) -> tuple[list[Claim], dict[str, Any]]:
         thr["ts_whole_instances"] = lab.run(f"thunderserve on whole instances {traffic}", hosts, whole, traffic,
                                             None, opts.kv_reserve, tstp=opts).summary["request_throughput"]
         # Fig. 11: four decoding GPUs lost
-        lost = fig11(lab, traffic, cloud, ts, opts, thr["ts"], lost_gpus(ts, cloud))
+        gone = APPENDIX_G_GONE if deployment == "appendix-f" else lost_gpus(ts, cloud)
+        lost = fig11(lab, traffic, cloud, ts, opts, thr["ts"], gone)
         claims += lost.claims(traffic)
         facts[traffic] = {"plan": pattern(ts, cloud), "throughput_req_s": thr, **lost.facts()}
     prefill = {t: facts[t]["plan"]["prefill_replicas"] for t in ("code", "conv")}
@@ -445,10 +471,8 @@ def reproduce_fig11(lab: Lab) -> tuple[list[Claim], dict[str, Any]]:
     facts: dict[str, Any] = {}
     for traffic in ("code", "conv"):
         opts = lab.ts_options(traffic)
-        ts = plan_placement(cloud, lab.model, profile_table_for(cloud, lab.model, "roofline",
-                                                                kv_share=opts.kv_reserve),
-                            method="thunderserve", options=PlannerOptions(seed=lab.seed, thunderserve=opts))
-        paper = appendix_f_plan(cloud, lab.model, opts, traffic)
+        ts = thunderserve_plan(lab, cloud, opts, traffic)
+        paper = thunderserve_plan(lab, cloud, opts, traffic, "appendix-f")
         for label, plan, gone in (("", ts, lost_gpus(ts, cloud)), (" (Appendix F's plan)", paper, APPENDIX_G_GONE)):
             thr = lab.run(f"thunderserve{label} {traffic}", cloud, plan, traffic, None, opts.kv_reserve,
                           tstp=opts).summary["request_throughput"]
@@ -525,11 +549,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", choices=("fig11",), default=None,
                         help="fig11: Fig. 11 alone, our plan and Appendix F's (the paper's) each losing four decoding "
                              "GPUs")
+    parser.add_argument("--deployment", choices=DEPLOYMENTS, default="ours",
+                        help="ThunderServe's deployment in the Results rows: our planner's (default) or the paper's "
+                             "own (appendix-f: Appendix F's groups, TP degrees and phases; Fig. 11 then loses "
+                             "Appendix G's 4xA6000 instance)")
     args = parser.parse_args(argv)
     duration = 40.0 if args.quick else args.duration
     lab = Lab(duration, min(60.0, duration / 5), args.seed, args.busy, prefill_tokens=args.prefill_tokens or None,
               decode_booking=args.decode_booking)
-    claims, facts = reproduce_fig11(lab) if args.only == "fig11" else reproduce(lab)
+    claims, facts = reproduce_fig11(lab) if args.only == "fig11" else reproduce(lab, args.deployment)
     print(format_table(claims, facts, lab.log), end="")
     if args.json is not None:
         args.json.write_text(json.dumps({"claims": [c.verdict() for c in claims], "facts": facts, "log": lab.log},
