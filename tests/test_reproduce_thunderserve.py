@@ -8,6 +8,7 @@ import math
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -16,12 +17,17 @@ pytestmark = pytest.mark.slow
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "reproduce_thunderserve.py"
 
 
-def test_reproduce_thunderserve_quick(tmp_path: Path) -> None:
+def run_quick(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
+    """The script at --quick with `args`: its output, and its --json results (it must exit 0)."""
     out = tmp_path / "ts.json"
-    r = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--json", str(out)], capture_output=True, text=True,
-                       timeout=900)
+    r = subprocess.run([sys.executable, str(SCRIPT), *args, "--quick", "--json", str(out)], capture_output=True,
+                       text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    result = json.loads(out.read_text())
+    return r, json.loads(out.read_text())
+
+
+def test_reproduce_thunderserve_quick(tmp_path: Path) -> None:
+    r, result = run_quick(tmp_path)
     claims = result["claims"]
     assert {c["section"] for c in claims} == {"5.2", "5.3", "5.4"}
     assert len(claims) == 17

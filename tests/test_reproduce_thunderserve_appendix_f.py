@@ -4,8 +4,6 @@ not a deployment the search fails to reach but one our model prices lower)."""
 
 from __future__ import annotations
 
-import json
-import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -15,10 +13,10 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
 from reproduce_thunderserve import APPENDIX_F, Lab, cluster, thunderserve_plan
+from test_reproduce_thunderserve import run_quick
 
 from hetnode.planner.thunderserve.reschedule import reschedule, sustained_rate
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "reproduce_thunderserve.py"
 CLOUD = cluster("thunderserve-cloud-gpus")
 LAB = Lab(duration_s=10.0, warmup_s=1.0, seed=0)  # the options the script plans with
 
@@ -43,11 +41,7 @@ def test_the_search_scores_its_plan_at_least_as_high_as_appendix_f(traffic: str)
 
 @pytest.mark.slow
 def test_deployment_appendix_f_runs_the_results_rows_on_the_papers_plan(tmp_path: Path) -> None:
-    out = tmp_path / "appf.json"
-    r = subprocess.run([sys.executable, str(SCRIPT), "--deployment", "appendix-f", "--quick", "--json", str(out)],
-                       capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    result = json.loads(out.read_text())
+    _, result = run_quick(tmp_path, "--deployment", "appendix-f")
     claims = {c["claim"]: c for c in result["claims"]}
     for traffic in ("code", "conv"):
         assert f"throughput vs HexGen-like, {traffic}" in claims

@@ -3,9 +3,7 @@ Appendix G's loss of one 4xA6000 instance taking two of their decode replicas, n
 
 from __future__ import annotations
 
-import json
 import math
-import subprocess
 import sys
 from pathlib import Path
 
@@ -14,13 +12,13 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
 from reproduce_thunderserve import APPENDIX_F, APPENDIX_G_GONE, Lab, Lost, appendix_f_plan, cluster, pattern
+from test_reproduce_thunderserve import run_quick
 
 from hetnode.planner.model import model_spec
 from hetnode.planner.profile_sources import profile_table_for
 from hetnode.planner.thunderserve.reschedule import reschedule
 from hetnode.planner.validate import validate_plan
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "reproduce_thunderserve.py"
 CLOUD = cluster("thunderserve-cloud-gpus")
 MODEL = model_spec("llama-30b")
 # Appendix F's text, GPUs of each type per phase (prefill, decode), and its replicas per phase.
@@ -62,11 +60,7 @@ def test_appendix_g_loss_takes_two_decode_replicas_and_leaves_the_others(traffic
 
 @pytest.mark.slow
 def test_only_fig11_reports_our_plan_and_the_papers(tmp_path: Path) -> None:
-    out = tmp_path / "fig11.json"
-    r = subprocess.run([sys.executable, str(SCRIPT), "--only", "fig11", "--quick", "--json", str(out)],
-                       capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    result = json.loads(out.read_text())
+    _, result = run_quick(tmp_path, "--only", "fig11")
     assert len(result["claims"]) == 8 and {c["section"] for c in result["claims"]} == {"5.4"}
     for key in ("code", "conv", "code (Appendix F's plan)", "conv (Appendix F's plan)"):
         facts = result["facts"][key]
