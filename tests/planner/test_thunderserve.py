@@ -21,7 +21,7 @@ from hetnode.planner.thunderserve.deployment import Deployment, Group, holds_mod
 from hetnode.planner.thunderserve.gpus import gpu_pool
 from hetnode.planner.thunderserve.lower import LowerLevel, link_loads
 from hetnode.planner.thunderserve.neighbours import MOVES, neighbour
-from hetnode.planner.thunderserve.orchestration import LinkLoad, Routing, orchestrate, routable_rate
+from hetnode.planner.thunderserve.orchestration import LinkLoad, Routing, orchestrate
 from hetnode.planner.thunderserve.parallel import DECODE, PREFILL, configure, partition, tp_degrees
 from hetnode.planner.thunderserve.settings import ThunderServeOptions, Traffic
 from hetnode.planner.thunderserve.slo import decode_residency
@@ -296,41 +296,6 @@ def test_the_search_keeps_fp16_hand_offs_within_the_links() -> None:
     loads = [sum(rate * z[i, j] * b for i, j, b in link.pairs) / link.bytes_per_s for link in links]
     assert max(loads) <= u * (1 + 1e-6)
     assert max(loads) == pytest.approx(u)  # some link binds: without its row the LP would send more over it
-
-
-def test_between_equal_phase_rates_the_tie_break_prefers_the_links_that_carry_them() -> None:
-    # Two deployments, one prefill replica (10/s) and two decode replicas (5/s each): the weaker phase sustains
-    # 10/s in both. In the first, pair (0, 0)'s hand-offs cross a link that carries 1 request/s, so the
-    # orchestration routes at most 1 + 5 = 6/s; in the second every link carries 20/s.
-    mu, nu, r = [10.0], [5.0, 5.0], [[1.0, 1.0]]
-    narrow = [LinkLoad(1e9, ((0, 0, 1e9),)), LinkLoad(20e9, ((0, 1, 1e9),))]
-    wide = [LinkLoad(20e9, ((0, 0, 1e9),)), LinkLoad(20e9, ((0, 1, 1e9),))]
-    assert routable_rate(mu, nu, r, narrow) == pytest.approx(6.0)
-    assert routable_rate(mu, nu, r, wide) == pytest.approx(10.0)
-    # Held twice as long on decode replica 1 (a slow pipeline ahead of it), it takes 2.5/s.
-    assert routable_rate(mu, nu, [[1.0, 2.0]], narrow) == pytest.approx(3.5)
-    assert routable_rate(mu, nu, [[1.0, math.inf]], wide) == pytest.approx(5.0)
-    assert routable_rate([], nu, [], wide) == 0.0
-
-
-def test_the_tie_break_is_the_most_the_tstp_routes_within_its_links() -> None:
-    # At fp16 the 5 Gb/s links bind before either phase (a first deployment of the search): the tie-break is
-    # the largest rate at which the LP, with every pair worth the same, routes every request at u = 1.
-    options = replace(QUICK, kv_codec="fp16")
-    solution = LowerLevel(POOL, MODEL, options).solve(start(1))
-    assert solution is not None
-    mu = [c.performance.prefill_rate for _, c in solution.prefill]
-    nu = [c.performance.decode_rate for _, c in solution.decode]
-    r = [[decode_residency(p.performance, solution.handoffs[i][j].seconds, q.performance,
-                           options.traffic.output_len) for j, (_, q) in enumerate(solution.decode)]
-         for i, (_, p) in enumerate(solution.prefill)]
-    links = link_loads(POOL, solution.handoffs)
-    tie_break = solution.score[1]
-    assert tie_break < 0.9 * min(sum(mu), sum(solution.decode_capacity))  # not the weaker phase
-    same = [[1.0] * len(nu) for _ in mu]
-    assert orchestrate(same, mu, nu, tie_break * (1 - 1e-6), 1.0, links=links, residency=r).routed == \
-        pytest.approx(1.0)
-    assert orchestrate(same, mu, nu, tie_break * 1.02, 1.0, links=links, residency=r).routed < 0.99
 
 
 def test_the_plan_is_deterministic_under_a_seed_and_valid() -> None:

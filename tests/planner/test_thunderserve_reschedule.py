@@ -122,7 +122,7 @@ def test_bad_input_is_a_config_error() -> None:
 
 def test_what_a_plan_sustains_is_the_planners_own_estimate_whatever_rate_it_was_planned_for() -> None:
     sustains = sustained_rate(PLAN, CLOUD, MODEL, QUICK)
-    assert f"the orchestration routes at most {sustains:.2f} requests/s" in PLAN.notes[0]
+    assert f"the weaker phase sustains {sustains:.2f} requests/s" in PLAN.notes[0]
     assert sustained_rate(PLAN, CLOUD, MODEL, replace(QUICK, traffic=replace(QUICK.traffic, rate=1.0))) == sustains
     # Solved at that rate (a saturated deployment's), the orchestration leans on every prefill replica.
     full = reschedule(PLAN, CLOUD, MODEL, replace(QUICK, traffic=replace(QUICK.traffic, rate=sustains)), steps=0)

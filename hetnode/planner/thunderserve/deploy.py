@@ -66,7 +66,7 @@ def plan_of(cluster: ClusterSpec, model: ModelSpec, pool: GpuPool, best: Solutio
     notes = [f"estimated SLO attainment {routing.attainment:.1%} at {traffic.rate:g} requests/s of "
              f"{traffic.input_len:g} in, {traffic.output_len:g} out (SLOs: TTFT {slo.ttft_s:.2f} s, TPOT "
              f"{slo.tpot_s * 1000:.0f} ms, E2E {slo.e2e_s:.1f} s); the replicas take {routing.routed:.1%} of "
-             f"requests; the orchestration routes at most {best.score[1]:.2f} requests/s", *lines]
+             f"requests; the weaker phase sustains {best.score[1]:.2f} requests/s", *lines]
     if log is not None:
         notes.append(f"tabu search: {log.steps} steps, {log.proposed} neighbours, {log.evaluations} evaluations, "
                      f"{log.improvements} improvements, best at step {log.best_step}")

@@ -5,11 +5,8 @@ remembered: the search revisits the same groups often. `fixed` layouts (lightwei
 used as they are, in whichever phase the group now has.
 
 The value of a deployment is (attainment, headroom): the LP's expected SLO attainment, and, to break its
-ties (every deployment that serves a light load within the SLOs scores 1.0), the largest request rate the
-LP's rows let it route whole (`orchestration.routable_rate`): its replicas' rates and the links its KV
-hand-offs cross. The weaker phase's rate, min(sum of prefill rates, sum of decode rates), ranked plans whose
-hand-off links carry less than that above plans that route more (docs/reproducing-thunderserve.md, eleventh
-part). None: some group has no layout.
+ties (every deployment that serves a light load within the SLOs scores 1.0), the request rate the weaker
+phase sustains, min(sum of prefill rates, sum of decode rates). None: some group has no layout.
 """
 
 from __future__ import annotations
@@ -21,7 +18,7 @@ from dataclasses import dataclass, field
 from hetnode.planner.model import ModelSpec
 from hetnode.planner.thunderserve.deployment import Deployment, Group
 from hetnode.planner.thunderserve.gpus import GpuPool
-from hetnode.planner.thunderserve.orchestration import LinkLoad, Routing, Solver, orchestrate, routable_rate
+from hetnode.planner.thunderserve.orchestration import LinkLoad, Routing, Solver, orchestrate
 from hetnode.planner.thunderserve.parallel import DECODE, PREFILL, Configured, configure, performance
 from hetnode.planner.thunderserve.settings import ThunderServeOptions
 from hetnode.planner.thunderserve.slo import Handoff, Slo, attainment, decode_residency, kv_handoff, slo_for
@@ -92,6 +89,7 @@ class LowerLevel:
         # What each decode replica's KV sustains with requests from the prefill replicas in proportion to their
         # capacity (the mix D is estimated at): its decode-alone rate over the mix's mean residency ratio.
         nu_mix = [nu[j] / _mix(mu, [residency[i][j] for i in range(len(prefill))]) for j in range(len(decode))]
+        headroom = min(sum(mu), sum(nu_mix))
         # D at loads in proportion to capacity (orchestration.py says why), of what the LP can route at most:
         # past u x capacity it leaves requests unrouted, and those it routes see the capped load, not the
         # whole rate (which would make every D 0 on an overloaded phase).
@@ -103,9 +101,8 @@ class LowerLevel:
                                    self.slo, traffic.output_len, nu_mix[j])
                         for j, (_, q) in enumerate(decode))
                   for i, (_, p) in enumerate(prefill))
-        links = link_loads(self.pool, handoffs)
-        routing = orchestrate(d, mu, nu, traffic.rate, self.options.utilization, self._lp, links, residency)
-        headroom = routable_rate(mu, nu, residency, links, self._lp)
+        routing = orchestrate(d, mu, nu, traffic.rate, self.options.utilization, self._lp,
+                              link_loads(self.pool, handoffs), residency)
         score = (round(routing.attainment, 9), headroom)
         return Solution(dep, prefill, decode, d, handoffs, routing, score, tuple(nu_mix))
 

@@ -46,7 +46,6 @@ import highspy
 import numpy as np
 
 EPS = 1e-6
-Row = tuple[list[int], list[float], float]  # (columns, coefficients, bound): sum of coefficient x column <= bound
 
 
 @dataclass(frozen=True)
@@ -93,38 +92,19 @@ def orchestrate(d: Sequence[Sequence[float]], prefill_caps: Sequence[float], dec
     if m == 0 or n == 0:
         # One phase has no replica: nothing is served (a deployment the search moves away from).
         return Routing((1.0 / m,) * m if m else (), tuple(() for _ in range(m)), 0.0, 0.0)
+    h = (solver or Solver()).fresh()
+    lp = highspy.HighsLp()
     k = m * n
-    cost = np.array([d[i][j] + EPS for i in range(m) for j in range(n)], dtype=float)
-    rows: list[Row] = [(list(range(k)), [1.0] * k, 1.0)]
-    rows += _capacity_rows(prefill_caps, decode_caps, r, links, rate, utilization)
-    z = _maximize(solver, cost, r, rows).reshape(m, n)
-    return routing_of(z, d)
-
-
-def routable_rate(prefill_caps: Sequence[float], decode_caps: Sequence[float],
-                  residency: Sequence[Sequence[float]], links: Sequence[LinkLoad] = (),
-                  solver: Solver | None = None) -> float:
-    """The largest arrival rate (requests/s) the LP above routes whole at u = 1: max sum_ij f_ij over the same
-    rows with f_ij = lambda Z_ij, the requests/s through pair (i, j). The weaker phase's rate alone ignores the
-    link rows; on 5 Gb/s hand-off links they bind first (docs/reproducing-thunderserve.md, eleventh part)."""
-    m, n = len(prefill_caps), len(decode_caps)
-    if m == 0 or n == 0:
-        return 0.0
-    rows = _capacity_rows(prefill_caps, decode_caps, residency, links, 1.0, 1.0)
-    return float(_maximize(solver, np.ones(m * n), residency, rows).sum())
-
-
-def _capacity_rows(prefill_caps: Sequence[float], decode_caps: Sequence[float],
-                   residency: Sequence[Sequence[float]], links: Sequence[LinkLoad], rate: float,
-                   utilization: float) -> list[Row]:
-    """The prefill, decode and link rows of the module docstring over z_ij = Z_ij (the shares, at `rate`), or
-    over the requests/s through each pair at rate 1 and utilization 1."""
-    m, n = len(prefill_caps), len(decode_caps)
-    rows = [([i * n + j for j in range(n)], [1.0] * n, utilization * prefill_caps[i] / rate) for i in range(m)]
+    lp.num_col_ = k
+    lp.col_cost_ = np.array([d[i][j] + EPS for i in range(m) for j in range(n)], dtype=float)
+    lp.col_lower_ = np.zeros(k)
+    lp.col_upper_ = np.array([0.0 if math.isinf(r[i][j]) else np.inf for i in range(m) for j in range(n)])
+    starts, index, values, lower, upper = [0], [], [], [], []
+    rows: list[tuple[list[int], list[float], float]] = [(list(range(k)), [1.0] * k, 1.0)]
+    rows += [([i * n + j for j in range(n)], [1.0] * n, utilization * prefill_caps[i] / rate) for i in range(m)]
     for j in range(n):
-        finite = [i for i in range(m) if math.isfinite(residency[i][j])]
-        rows.append(([i * n + j for i in finite], [residency[i][j] for i in finite],
-                     utilization * decode_caps[j] / rate))
+        finite = [i for i in range(m) if math.isfinite(r[i][j])]
+        rows.append(([i * n + j for i in finite], [r[i][j] for i in finite], utilization * decode_caps[j] / rate))
     for link in links:
         # Seconds of the link each routed share takes per second of arrivals: sum of those <= u.
         per_pair: dict[int, float] = {}
@@ -133,28 +113,15 @@ def _capacity_rows(prefill_caps: Sequence[float], decode_caps: Sequence[float],
         cols = sorted(c for c, v in per_pair.items() if v > 0)
         if cols:
             rows.append((cols, [per_pair[c] for c in cols], utilization))
-    return rows
-
-
-def _maximize(solver: Solver | None, cost: np.ndarray, residency: Sequence[Sequence[float]],
-              rows: Sequence[Row]) -> np.ndarray:
-    """max cost . z over z >= 0 and each row (columns, coefficients, bound), z_ij fixed at 0 where r_ij is
-    infinite (no way to hand the KV over); z flattened row-major, clipped at 0 against solver round-off."""
-    k = len(cost)
-    h = (solver or Solver()).fresh()
-    lp = highspy.HighsLp()
-    lp.num_col_ = k
-    lp.col_cost_ = cost
-    lp.col_lower_ = np.zeros(k)
-    lp.col_upper_ = np.array([0.0 if math.isinf(v) else np.inf for row in residency for v in row])
-    starts, index, values = [0], [], []
-    for cols, coefficients, _ in rows:
+    for cols, coefficients, bound in rows:
         index += cols
         values += coefficients
         starts.append(len(index))
+        lower.append(-np.inf)
+        upper.append(bound)
     lp.num_row_ = len(rows)
-    lp.row_lower_ = np.full(len(rows), -np.inf)
-    lp.row_upper_ = np.array([bound for _, _, bound in rows], dtype=float)
+    lp.row_lower_ = np.array(lower)
+    lp.row_upper_ = np.array(upper)
     lp.a_matrix_.format_ = highspy.MatrixFormat.kRowwise
     lp.a_matrix_.start_ = np.array(starts, dtype=np.int32)
     lp.a_matrix_.index_ = np.array(index, dtype=np.int32)
@@ -164,8 +131,8 @@ def _maximize(solver: Solver | None, cost: np.ndarray, residency: Sequence[Seque
     lp.sense_ = highspy.ObjSense.kMaximize
     h.passModel(lp)
     h.run()
-    z: np.ndarray = np.maximum(np.array(h.getSolution().col_value[:k], dtype=float), 0.0)
-    return z
+    z = np.maximum(np.array(h.getSolution().col_value[:k], dtype=float), 0.0).reshape(m, n)
+    return routing_of(z, d)
 
 
 def routing_of(z: np.ndarray, d: Sequence[Sequence[float]]) -> Routing:

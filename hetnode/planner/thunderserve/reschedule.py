@@ -100,8 +100,7 @@ def reschedule(plan: PlacementPlan, cluster: ClusterSpec, model: ModelSpec, opti
 
 def sustained_rate(plan: PlacementPlan, cluster: ClusterSpec, model: ModelSpec, options: ThunderServeOptions) -> float:
     """The requests/s the planner expects `plan` to sustain as it stands (its groups, layouts and phases): the
-    most its orchestration routes within the replicas' rates and the hand-off links, the search's tie-break
-    (`LowerLevel`). It does not depend on the rate planned for, so a
+    weaker phase's rate, the search's tie-break (`LowerLevel`). It does not depend on the rate planned for, so a
     saturated deployment's window converges to it when the planner is right, and its orchestration solved at
     this rate is the one that deployment would be rescheduled to."""
     kept = kept_groups(plan, cluster)
