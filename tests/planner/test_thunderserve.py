@@ -298,6 +298,29 @@ def test_the_search_keeps_fp16_hand_offs_within_the_links() -> None:
     assert max(loads) == pytest.approx(u)  # some link binds: without its row the LP would send more over it
 
 
+def test_the_tie_break_is_the_weaker_phase_and_leaves_the_hand_off_links_out() -> None:
+    # At fp16 the 5 Gb/s links bind before either phase (a first deployment of the search): the tie-break is the
+    # weaker phase's rate, and at that rate the LP (every pair worth the same, u = 1, so it routes all it can)
+    # cannot route every request within its link rows. A tie-break by the rate the LP routes was measured and
+    # not kept (docs/reproducing-thunderserve.md, eleventh part): this pins what the search ranks by.
+    options = replace(QUICK, kv_codec="fp16")
+    solution = LowerLevel(POOL, MODEL, options).solve(start(1))
+    assert solution is not None
+    mu = [c.performance.prefill_rate for _, c in solution.prefill]
+    nu = [c.performance.decode_rate for _, c in solution.decode]
+    r = [[decode_residency(p.performance, solution.handoffs[i][j].seconds, q.performance,
+                           options.traffic.output_len) for j, (_, q) in enumerate(solution.decode)]
+         for i, (_, p) in enumerate(solution.prefill)]
+    links = link_loads(POOL, solution.handoffs)
+    tie_break = solution.score[1]
+    assert tie_break == pytest.approx(min(sum(mu), sum(solution.decode_capacity)))
+    same = [[1.0] * len(nu) for _ in mu]
+    without_links = orchestrate(same, mu, nu, tie_break, 1.0, residency=r).routed
+    with_links = orchestrate(same, mu, nu, tie_break, 1.0, links=links, residency=r).routed
+    assert without_links > 0.95
+    assert with_links < 0.8 * without_links
+
+
 def test_the_plan_is_deterministic_under_a_seed_and_valid() -> None:
     options = PlannerOptions(seed=3, thunderserve=QUICK)
     profiles = profile_table_for(CLOUD, MODEL, "roofline", kv_share=QUICK.kv_reserve)
