@@ -40,11 +40,11 @@ from reproduce_thunderserve import DEPLOYMENTS, Lab, add_decode_booking, add_pre
 
 from hetnode.planner.cluster import ClusterSpec
 from hetnode.planner.plan import PlacementPlan
-from hetnode.planner.thunderserve.gpus import GpuPool, gpu_pool
-from hetnode.planner.thunderserve.parallel import Layout, Performance, Stage, performance
-from hetnode.planner.thunderserve.reschedule import reschedule, sustained_rate
+from hetnode.planner.thunderserve.gpus import GpuPool
+from hetnode.planner.thunderserve.parallel import Layout, Performance, performance
+from hetnode.planner.thunderserve.reschedule import kept_groups, reschedule, sustained_rate
 from hetnode.planner.thunderserve.settings import ThunderServeOptions
-from hetnode.planner.thunderserve.slo import decode_residency, decode_tpot, kv_handoff, slo_for
+from hetnode.planner.thunderserve.slo import decode_residency, decode_tpot, kv_handoff, slo_for, waits_within
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -60,12 +60,11 @@ def main(argv: list[str] | None = None) -> int:
     lab = Lab(args.duration, min(60.0, args.duration / 5), args.seed, prefill_tokens=args.prefill_tokens or None,
               decode_booking=args.decode_booking)
     cloud = cluster("thunderserve-cloud-gpus")
-    pool = gpu_pool(cloud)
-    index = {g.name: i for i, g in enumerate(pool.gpus)}
     for traffic in args.traffic:
         opts = lab.ts_options(traffic)
         plan = thunderserve_plan(lab, cloud, opts, traffic, args.deployment)
-        planner_view(pool, index, plan, lab, opts)
+        pool, layouts = replica_layouts(plan, cloud, lab, opts)
+        planner_view(pool, layouts, plan, lab, opts)
         planner_scores(cloud, plan, lab, opts)
         # Routed as reproduce_thunderserve routes a saturating run: by the TSTP solved at what the plan sustains.
         plan, _ = lab.routed_for(plan, cloud, opts, None)
@@ -74,7 +73,6 @@ def main(argv: list[str] | None = None) -> int:
         total = result.summary["request_throughput"]
         orch = plan.orchestration
         assert orch is not None
-        ranges = plan.ranges()
         print(f"\n{traffic}: planned for {opts.traffic}")
         print(f"{traffic}: {result.summary['request_throughput']:.2f} requests/s offline "
               f"({args.duration:.0f} s, warm-up {lab.warmup_s:.0f} s)")
@@ -86,12 +84,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{'replica':10} {'stages':>6} {'planner /s':>10} {'batch':>6}   {'sim served /s':>13} "
               f"{'busiest':>8} {'sim sustains /s':>15} {'sim/planner':>11} {'sim batch mean/max':>18} "
               f"{'KV held s planner/sim':>22}")
-        layouts: dict[str, list[tuple[Layout, Performance]]] = {"prefill": [], "decode": []}
-        for r in plan.replicas:
-            cells = [r.nodes[s:s + r.tp] for s in range(0, len(r.nodes), r.tp)]
-            layout = Layout(tp=r.tp, stages=tuple(Stage(tuple(index[n] for n in cell), *ranges[cell[0]])
-                                                  for cell in cells))
-            layouts[r.role].append((layout, performance(pool, layout, lab.model, opts)))
         # The planner's residency of a request on decode replica j (prefill on i, hand-off, decode: `slo.
         # decode_residency`), averaged over the pairs in the orchestration's shares X_i Y_ij.
         held_planned: list[float] = []
@@ -161,13 +153,24 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def planner_view(pool: GpuPool, index: dict[str, int], plan: PlacementPlan, lab: Lab,
-                 opts: ThunderServeOptions) -> None:
+def replica_layouts(plan: PlacementPlan, cloud: ClusterSpec, lab: Lab, opts: ThunderServeOptions
+                    ) -> tuple[GpuPool, dict[str, list[tuple[Layout, Performance]]]]:
+    """Each replica's layout and the planner's performance of it, by role in the plan's order (`kept_groups`, as
+    the rescheduler reads a plan)."""
+    kept = kept_groups(plan, cloud)
+    layouts: dict[str, list[tuple[Layout, Performance]]] = {"prefill": [], "decode": []}
+    for group, layout in kept.groups:
+        layouts[group.role].append((layout, performance(kept.pool, layout, lab.model, opts)))
+    return kept.pool, layouts
+
+
+def planner_view(pool: GpuPool, layouts: dict[str, list[tuple[Layout, Performance]]], plan: PlacementPlan,
+                 lab: Lab, opts: ThunderServeOptions) -> None:
     """Each replica as the planner prices it at the planned rate, by the terms of its SLO estimate
     (`slo.attainment`): the prefill queue against the TTFT SLO (an M/M/1 wait at the load the orchestration sends
     it: the share of prompts within the TTFT SLO), the decode TPOT at its load against the TPOT SLO, and the
     memory behind the decode batch (the weights' share of the replica's GPUs and the KV room left)."""
-    model, orch, ranges = lab.model, plan.orchestration, plan.ranges()
+    model, orch = lab.model, plan.orchestration
     assert orch is not None
     slo = slo_for(model, opts)
     rate = opts.traffic.rate
@@ -180,25 +183,21 @@ def planner_view(pool: GpuPool, index: dict[str, int], plan: PlacementPlan, lab:
     for r in plan.replicas:
         k = counts[r.role]
         counts[r.role] += 1
-        cells = [r.nodes[s:s + r.tp] for s in range(0, len(r.nodes), r.tp)]
-        layout = Layout(tp=r.tp, stages=tuple(Stage(tuple(index[n] for n in cell), *ranges[cell[0]])
-                                              for cell in cells))
-        perf = performance(pool, layout, model, opts)
+        layout, perf = layouts[r.role][k]
         kinds = Counter(pool.gpus[g].kind for g in layout.gpus)
         memory = sum(pool.gpus[g].memory_bytes for g in layout.gpus)
         weights = model.num_layers * model.layer_bytes / memory
         name = "+".join(f"{n}x{kind}" for kind, n in sorted(kinds.items()))
         if r.role == "prefill":
             load = rate * orch.prefill_share[k]
-            mu, slack = perf.prefill_rate, slo.ttft_s - perf.prefill_s
-            ok = (0.0 if load >= mu or slack < 0
-                  else 1 - load / mu * math.exp(-(mu - load) * slack))
-            print(f"p{k:<7} {name:>22} {r.tp:>3} x {len(cells):<3} {weights:>11.0%} {load:>7.2f} "
+            mu = perf.prefill_rate
+            ok = waits_within(mu, load, slo.ttft_s - perf.prefill_s)
+            print(f"p{k:<7} {name:>22} {r.tp:>3} x {len(layout.stages):<3} {weights:>11.0%} {load:>7.2f} "
                   f"{perf.prefill_s:>9.2f} {mu:>7.2f} {ok:>7.0%}")
         else:
             load = rate * sum(x * y[k] for x, y in zip(orch.prefill_share, orch.decode_share, strict=True))
             at_load = decode_tpot(perf, load, opts.traffic.output_len)
-            print(f"d{k:<7} {name:>22} {r.tp:>3} x {len(cells):<3} {weights:>11.0%} {load:>7.2f} "
+            print(f"d{k:<7} {name:>22} {r.tp:>3} x {len(layout.stages):<3} {weights:>11.0%} {load:>7.2f} "
                   f"{perf.prefill_s:>9.2f} {perf.prefill_rate:>7.2f} {'':>7} {perf.max_batch:>5} "
                   f"{perf.tpot[0][1] * 1e3:>9.0f} {at_load * 1e3:>12.0f} {perf.tpot[-1][1] * 1e3:>11.0f} "
                   f"{perf.decode_rate:>9.2f}")

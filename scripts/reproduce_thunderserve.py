@@ -86,6 +86,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from hetnode.coordinator.split_scheduler import ADMISSION, DECODE_BOOKINGS
 from hetnode.errors import ConfigError
 from hetnode.planner.cluster import ClusterSpec, NodeSpec, load_cluster
 from hetnode.planner.model import ModelSpec, model_spec
@@ -156,7 +157,7 @@ class Lab:
     """Plans, profiles and simulations, each made once."""
 
     def __init__(self, duration_s: float, warmup_s: float, seed: int, busy: bool = False,
-                 prefill_tokens: int | None = PREFILL_TOKENS, decode_booking: str = "admission") -> None:
+                 prefill_tokens: int | None = PREFILL_TOKENS, decode_booking: str = ADMISSION) -> None:
         self.model: ModelSpec = model_spec(MODEL)
         self.duration_s, self.warmup_s, self.seed, self.busy = duration_s, warmup_s, seed, busy
         # The phase-split plans' prefill replicas batch at most this many prompt tokens a step (ThunderServe's
@@ -175,6 +176,11 @@ class Lab:
         """ThunderServe planned for the mean lengths of the trace the simulator draws from (issue 14: planned for
         other lengths, the planner and the simulator disagree on which phase bounds a plan)."""
         return ThunderServeOptions(traffic=trace_traffic(self.traces[traffic], PLAN_RATE), seed=self.seed)
+
+    def thunderserve(self, c: ClusterSpec, opts: ThunderServeOptions) -> PlacementPlan:
+        """Our planner's ThunderServe deployment on `c` (roofline profiles keeping its own share for KV)."""
+        return plan_placement(c, self.model, profile_table_for(c, self.model, "roofline", kv_share=opts.kv_reserve),
+                              method="thunderserve", options=PlannerOptions(seed=self.seed, thunderserve=opts))
 
     def profiles(self, c: ClusterSpec, plan: PlacementPlan, kv_share: float) -> ProfileTable:
         merged = merge_tensor_parallel(plan, c)[1]
@@ -265,9 +271,7 @@ def thunderserve_plan(lab: Lab, cloud: ClusterSpec, opts: ThunderServeOptions, t
     if deployment == "appendix-f":
         plan = appendix_f_plan(cloud, lab.model, opts, traffic)
     else:
-        plan = plan_placement(cloud, lab.model, profile_table_for(cloud, lab.model, "roofline",
-                                                                  kv_share=opts.kv_reserve),
-                              method="thunderserve", options=PlannerOptions(seed=lab.seed, thunderserve=opts))
+        plan = lab.thunderserve(cloud, opts)
     lab.log.append(f"thunderserve plan ({deployment}) {traffic}: {plan.notes[0]}; the planner expects "
                    f"{sustained_rate(plan, cloud, lab.model, opts):.2f} req/s sustained")
     print(lab.log[-1], file=sys.stderr, flush=True)
@@ -287,8 +291,7 @@ def reproduce(lab: Lab, deployment: str = "ours") -> tuple[list[Claim], dict[str
         ts = thunderserve_plan(lab, cloud, opts, traffic, deployment)
         hexgen = plan_placement(hosts, model, profile_table_for(hosts, model, "roofline"), method="sp",
                                 options=PlannerOptions(seed=lab.seed))
-        dist = plan_placement(a100, model, profile_table_for(a100, model, "roofline", kv_share=opts.kv_reserve),
-                              method="thunderserve", options=PlannerOptions(seed=lab.seed, thunderserve=opts))
+        dist = lab.thunderserve(a100, opts)
         vllm = plan_placement(tp2, model, profile_table_for(tp2, model, "roofline"), method="sp",
                               options=PlannerOptions(seed=lab.seed))
         peak = {
@@ -331,8 +334,7 @@ def reproduce(lab: Lab, deployment: str = "ours") -> tuple[list[Claim], dict[str
         # Diagnostic (no paper number): ThunderServe's planner on the same instances as whole nodes, tensor
         # parallel inside each priced as the simulator prices it (its all-reduces over PCIe), as the HexGen-like
         # baseline gets it.
-        whole = plan_placement(hosts, model, profile_table_for(hosts, model, "roofline", kv_share=opts.kv_reserve),
-                               method="thunderserve", options=PlannerOptions(seed=lab.seed, thunderserve=opts))
+        whole = lab.thunderserve(hosts, opts)
         thr["ts_whole_instances"] = lab.run(f"thunderserve on whole instances {traffic}", hosts, whole, traffic,
                                             None, opts.kv_reserve, tstp=opts).summary["request_throughput"]
         # Fig. 11: four decoding GPUs lost
@@ -390,8 +392,7 @@ def fig11(lab: Lab, traffic: str, cloud: ClusterSpec, plan: PlacementPlan, opts:
     light = reschedule(plan, cloud, model, opts, gone=gone)
     none = reschedule(plan, cloud, model, opts, gone=gone, steps=0)
     left = replace(cloud, nodes=tuple(n for n in cloud.nodes if n.name not in set(gone)))
-    full = plan_placement(left, model, profile_table_for(left, model, "roofline", kv_share=opts.kv_reserve),
-                          method="thunderserve", options=PlannerOptions(seed=lab.seed, thunderserve=opts))
+    full = lab.thunderserve(left, opts)
     bound = slo_for(model, opts).e2e_s
     rate = FIG11_LOAD * throughput
     before = e2e_attainment(lab.run(f"before the loss{label} {traffic}", cloud, plan, traffic, rate,
@@ -530,7 +531,7 @@ def add_prefill_tokens(parser: argparse.ArgumentParser) -> None:
 
 
 def add_decode_booking(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--decode-booking", default="admission", choices=["admission", "handoff"],
+    parser.add_argument("--decode-booking", default=ADMISSION, choices=DECODE_BOOKINGS,
                         help="when the phase-split plans' schedulers (ThunderServe's and DistServe-like) book the "
                              "decode replica's KV: at admission (default, Splitwise's rule), or when the request's "
                              "hand-off starts, its KV waiting on the prefill replica (ThunderServe's KV queues; "

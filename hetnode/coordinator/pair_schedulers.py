@@ -37,16 +37,13 @@ class _PairScheduler(SplitScheduler):
 
     def _assign(self, request_id: str, input_len: int, waited: float) -> Decision | None:
         avg = self._output.mean
+        replicas = self._replicas
         fits = [(i, j) for i, p in enumerate(self._prefill) for j, d in enumerate(self._decode)
-                if self._open(p, input_len, avg) and self._decode_open(self._replicas[d], input_len + avg, avg)]
+                if self._open(replicas[p], input_len, avg) and self._open(replicas[d], input_len + avg, avg)]
         if not fits:
             return None
         i, j = self._pick(fits)
         return self._book(request_id, self._prefill[i], self._decode[j], input_len, waited)
-
-    def _open(self, replica: int, need: float, avg: float) -> bool:
-        r = self._replicas[replica]
-        return not r.down and self._fits(r, need, avg)
 
 
 class TstpScheduler(_PairScheduler):

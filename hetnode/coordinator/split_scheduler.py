@@ -142,11 +142,9 @@ class SplitScheduler(QueuedScheduler):
         if running is None or not running.prefilling:
             return []
         self._now = max(self._now, now)
-        if not self._pull:
-            self._release_prefill(running)
-            return self._drain(self._now)
-        self._release_prefill(running)  # its KV stays on the prefill nodes (charged) until it is handed over
-        self._waiting.setdefault(running.decode, deque()).append((request_id, running))
+        self._release_prefill(running)
+        if self._pull:  # its KV stays on the prefill nodes (charged) until it is handed over
+            self._waiting.setdefault(running.decode, deque()).append((request_id, running))
         return self._drain(self._now)
 
     def partial_done(self, request_id: str, now: float) -> list[Decision]:
@@ -243,14 +241,14 @@ class SplitScheduler(QueuedScheduler):
             return None
         return self._book(request_id, prefill, decode, input_len, waited)
 
-    def _decode_open(self, replica: _Replica, need: float, avg: float) -> bool:
-        """May the decode replica be picked now: room under its high-water mark with "admission"; with "handoff",
-        room were it idle (its KV is charged later, when it has room)."""
+    def _open(self, replica: _Replica, need: float, avg: float) -> bool:
+        """May the replica be picked now for `need` tokens: up, with room under its high-water mark; a decode
+        replica with "handoff", room were it idle (its KV is charged later, when it has room)."""
         if replica.down:
             return False
-        if not self._pull:
-            return self._fits(replica, need, avg)
-        return all(need <= self._limit(v) for v in replica.nodes)
+        if self._pull and replica.role == "decode":
+            return all(need <= self._limit(v) for v in replica.nodes)
+        return self._fits(replica, need, avg)
 
     def _book(self, request_id: str, prefill: int, decode: int, input_len: int, waited: float) -> Decision:
         """Route a request through the pair (prefill, decode): its prompt's tokens count on both replicas."""
@@ -293,8 +291,7 @@ class SplitScheduler(QueuedScheduler):
         first when a region is given. Ties go to the first replica of the plan."""
         best: tuple[bool, float, int] | None = None
         for i, r in enumerate(self._replicas):
-            if r.role != role or (not self._decode_open(r, need, avg) if role == "decode"
-                                  else r.down or not self._fits(r, need, avg)):
+            if r.role != role or not self._open(r, need, avg):
                 continue
             pending = r.pending + (avg * self._decoding(r) if role == "decode" else 0.0)
             key = (bool(region) and r.region != region, pending, i)

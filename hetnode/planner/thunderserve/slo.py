@@ -136,7 +136,12 @@ def attainment(prefill: Performance, prefill_load: float, decode: Performance, d
     if tpot > slo.tpot_s:
         return 0.0
     slack = min(slo.ttft_s - prefill.prefill_s, slo.e2e_s - prefill.prefill_s - handoff_s - output_len * tpot)
-    if slack < 0:
+    return waits_within(mu, prefill_load, slack)
+
+
+def waits_within(rate: float, load: float, slack: float) -> float:
+    """The share of prompts whose wait at a prefill replica serving `rate` requests/s, offered `load`, is at most
+    `slack` seconds (an M/M/1 queue's waiting time); 0 when the replica cannot keep up or there is no slack."""
+    if load >= rate or slack < 0:
         return 0.0
-    rho = prefill_load / mu
-    return 1.0 - rho * math.exp(-(mu - prefill_load) * slack)
+    return 1.0 - load / rate * math.exp(-(rate - load) * slack)

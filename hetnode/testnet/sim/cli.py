@@ -21,6 +21,7 @@ from typing import Any
 
 from hetnode.argtypes import auto_or_count
 from hetnode.argtypes import positive as _positive
+from hetnode.coordinator.split_scheduler import ADMISSION, DECODE_BOOKINGS
 from hetnode.errors import ConfigError
 from hetnode.policy.kv_codec import OPERATOR_CHOICES
 from hetnode.policy.role_batching import prefill_tokens_of
@@ -79,7 +80,7 @@ def add_arguments(p: argparse.ArgumentParser, *, clusters: Sequence[str] = ()) -
                    help="split plans: as the runtime's hops choose per link (default: KVTransferPolicy, layer by "
                         "layer during the prefill step when the transfer is long enough), or always layer-wise, or "
                         "always whole after the step")
-    p.add_argument("--decode-booking", default="admission", choices=["admission", "handoff"],
+    p.add_argument("--decode-booking", default=ADMISSION, choices=DECODE_BOOKINGS,
                    help="split plans routed by cls, tstp or random-pairs: book the decode replica's KV at admission "
                         "(default, Splitwise's rule and the runtime's), or when the request's hand-off starts, its KV "
                         "waiting on the prefill replica until the decode replica has room (ThunderServe's KV queues)")

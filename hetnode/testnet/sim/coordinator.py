@@ -41,6 +41,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
+from hetnode.coordinator.split_scheduler import HANDOFF
 from hetnode.errors import HetnodeError
 from hetnode.policy import Cause, Lifecycle
 from hetnode.protocol.messages import Route
@@ -212,7 +213,7 @@ class SimCoordinator:
         # A phase-split scheduler that books the decode KV at the hand-off (decode_booking "handoff"): the prefill
         # hops keep a session's KV until the scheduler lets its hand-off start (take_handoffs).
         self.take_handoffs: Callable[[], list[str]] | None = (
-            getattr(scheduler, "take_handoffs", None) if getattr(scheduler, "decode_booking", "") == "handoff"
+            getattr(scheduler, "take_handoffs", None) if getattr(scheduler, "decode_booking", "") == HANDOFF
             else None)
         self.pulling: dict[str, SimRequest] = {}  # prefilling or waiting for their hand-off to start
         self.handoff = handoff

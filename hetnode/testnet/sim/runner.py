@@ -93,7 +93,7 @@ class SimOptions:
     prefill_tokens: int | None = None
     # When a phase-split scheduler (cls, tstp, random-pairs) books the decode replica's KV: "admission" (Splitwise's
     # rule, the runtime's) or "handoff" (ThunderServe's KV queues on the prefill replicas; split_scheduler.py).
-    decode_booking: str = "admission"
+    decode_booking: str = ADMISSION
     # Splitwise's pools: the requests a decode queue holds before the pool lends (PoolScheduler.decode_batch).
     decode_batch: int | None = None
     # The coordinator's own time, as one server in arrival order (0: it takes none): seconds to start a request
