@@ -73,13 +73,15 @@ def test_smollm2_cronus_greedy_matches_transformers_with_the_split_varying(cronu
     # Some prompt was split: its start on the weak node, its rest on the strong one.
     assert any(k < min(len(p) for p in prompts if len(p) >= k) for k in splits), (splits, [len(p) for p in prompts])
     assert "moved to" not in log.read_text()
-    # The weak node says when its part is done (HandedOver): the PPI's place is free from then, before the strong
-    # node has finished the prompt and sampled the first token.
+    # The weak node says when its part is done (HandedOver): the PPI's place is free from then. Its HandedOver and
+    # the strong node's first token reach the coordinator on different paths, so either may come first (on a
+    # loaded machine the first token overtook it by 2 ms once, the rest of the prompt being short): the trace
+    # must have it, whatever its order.
     r = httpx.post(f"{state['api']}/v1/completions", headers={"X-Request-Id": "cronus-long"}, timeout=300, json={
         "model": "smollm2-135m", "prompt": "Once upon a time, " * 120, "max_tokens": 2, "temperature": 0})
     assert r.status_code == 200, r.text
     (session,) = httpx.get(f"{state['api']}/v1/requests/cronus-long", timeout=10).json()["sessions"]
-    assert session["handed_over_s"] is not None and session["handed_over_s"] <= session["first_token_s"], session
+    assert session["handed_over_s"] is not None and session["first_token_s"] is not None, session
     # The pair's balancer was refitted on the times it saw: the partial prefills whose hand-over came before the
     # first token (a whole prompt's first token may overtake it), and the strong node's rests of those split
     # short of their prompt.
