@@ -18,6 +18,8 @@ below) over fractional ranges, and solves it with the pivot region's nodes (the 
   bnb          best-first branch and bound over boxes of starts and lengths, twins' starts ordered
                (`branch_and_bound`), to `--seconds` CPU or `--max-lps`, the bound at 10, 30, 60, ... s,
   integer      their ranges integer (HiGHS's branch-and-bound on the same LP, `--seconds`).
+With `--integer-others` (ranges mode) the other regions' range counts are integer as well: a MILP run to
+`--seconds`, its dual bound a bound on every placement with the given pivot ranges.
 `--mode cuts` is the first attempt: a MILP over integer counts of ranges per class of identical nodes, whose
 flow is at most every layer boundary's cut (the throughput of the nodes holding or ending at it) and the cut
 of every link between regions (n x m per boundary, linearized with a one-hot of m), run to `--seconds`.
@@ -37,6 +39,8 @@ region sizes. An integral placement satisfies all of it (P_{i,b} = n_{h,b} [i ho
     .venv/bin/python scripts/probe_geo_bound.py --mode lp --pivot-mode boxes --max-lps 35
     .venv/bin/python scripts/probe_geo_bound.py --mode lp --pivot-mode bnb --seconds 60 --max-lps 100000
     .venv/bin/python scripts/probe_geo_bound.py --mode lp --pivot-mode integer --seconds 90
+    .venv/bin/python scripts/probe_geo_bound.py --mode lp --pivot-mode ranges --integer-others --seconds 300 \
+        --pivot a100-0=32:44 a100-1=44:56 a100-2=56:68 a100-3=68:80
     .venv/bin/python scripts/probe_geo_bound.py --mode cuts --seconds 60
 """
 
@@ -97,6 +101,7 @@ class PivotLp:
         self.flow = m.col(0, math.inf, cost=1.0)
         cols: dict[str, list[Column]] = {g: [] for g in groups}
         self.pivot_cols: list[list[tuple[int, int, int]]] = []  # per pivot node: (col, first, layers)
+        self.other_cols: list[int] = []  # every other class's range counts
         units: list[tuple[str, list[NodeInfo], bool]] = [(pivot, [i], True) for i in groups[pivot]]
         others: dict[tuple[object, ...], list[NodeInfo]] = {}
         for g, members in groups.items():
@@ -115,6 +120,8 @@ class PivotLp:
                         mine.append((c, s, j))
             if is_pivot:
                 self.pivot_cols.append(mine)
+            else:
+                self.other_cols += [c for c, _, _ in mine]
             if mine:  # every node placed: adding a node to a placement never lowers its max flow
                 m.row([(c, 1.0) for c, _, _ in mine], float(len(members)) if is_pivot else 0.0, float(len(members)))
         f = {g: [m.col(0, math.inf) for _ in range(L)] for g in groups}
@@ -368,6 +375,8 @@ def main() -> None:
     ap.add_argument("--start-width", type=int, default=0, help="ranges: each start within this many layers")
     ap.add_argument("--length-width", type=int, default=0, help="ranges: each length up to this many shorter")
     ap.add_argument("--incumbent", type=float, default=6838.0, help="bnb stops below it x 1.001")
+    ap.add_argument("--integer-others", action="store_true",
+                    help="ranges: the other regions' range counts integer (a MILP, run to --seconds)")
     args = ap.parse_args()
     path = Path(args.cluster)
     cluster = load_cluster(path if path.suffix == ".toml" else CLUSTERS_DIR / f"{args.cluster}.toml")
@@ -418,7 +427,17 @@ def main() -> None:
         else:
             s = int(given[name])
             rules.append(lp.start_rule(i, s, s + 1))
+    if args.integer_others:
+        for c in lp.other_cols:
+            lp.highs.changeColIntegrality(c, highspy.HighsVarType.kInteger)
+        lp.highs.setOptionValue("time_limit", args.seconds)
     value = lp.solve(rules)
+    if args.integer_others:
+        info = lp.highs.getInfo()
+        print(f"integer others, {len(lp.other_cols)} integer columns: dual bound {info.mip_dual_bound * lp.scale:.1f}, "
+              f"best placement {info.objective_function_value * lp.scale:.1f} after "
+              f"{time.process_time() - began:.0f} s CPU, {info.mip_node_count} branch-and-bound nodes")
+        return
     print(f"{args.pivot_mode} {' '.join(args.pivot)}: bound {value:.1f} ({time.process_time() - began:.2f} s CPU)")
 
 
