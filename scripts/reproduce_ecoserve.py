@@ -1,17 +1,19 @@
 #!/usr/bin/env python
 """EcoServe (§4.2-4.3) in simulation: every ratio the paper states, ours beside it.
 
-What runs: the instance simulator (`hetnode.testnet.sim.padg`, the policies the runtime shares) on EcoServe's L20
-cluster (hetnode/testnet/clusters/ecoserve-l20.toml: 8 nodes x 8 L20-48GB, PCIe inside a node, 10 Gb/s between
-nodes), LLaMA-30B and CodeLlama-34B at TP=4 (8 instances, one per node: 32 GPUs, as §4.2) and Qwen2-72B at TP=8
-(4 instances), each step priced by `planner/instance_cost.py` (roofline of the TP group from the L20 data sheet,
+What runs: the instance simulator (`hetnode.testnet.sim.padg`, the policies the runtime shares) on EcoServe's two
+testbeds (§4.1-4.2): the L20 cluster (hetnode/testnet/clusters/ecoserve-l20.toml: 8 nodes x 8 L20-48GB, PCIe inside
+a node, 10 Gb/s between nodes), LLaMA-30B and CodeLlama-34B at TP=4 (8 instances, one per node: 32 GPUs) and
+Qwen2-72B at TP=8 (4 instances); and the A800 cluster (ecoserve-a800.toml: 2 nodes x 8 A800-80GB, PCIe only, 25
+Gb/s RoCE between them), LLaMA-30B and CodeLlama-34B at TP=2 (8 instances) and Qwen2-72B at TP=4 (4 instances),
+16 GPUs. Each step is priced by `planner/instance_cost.py` (roofline of the TP group from the GPU's data sheet,
 two ring all-reduces per layer over PCIe). Designs (padg.py): EcoServe (PaDG: temporal disaggregation, rolling
 activation by Algorithms 1-2), vLLM-like NoDG (separate batching, prefill first), Sarathi-like NoDG (chunked
-prefill, 512-token budget, decode first), DistServe-like FuDG (a prefill and a decode instance of TP=4 on each of
-4 nodes, KV over the node's PCIe; intra-node FuDG cannot place two TP=8 instances on a node of 8, so DistServe
-runs Qwen2-72B at TP=4, which holds its 145 GB of weights in 192 GB), Mooncake-like FuDG
-(one instance per node, KV over the 10 Gb/s NICs; the P/D split chosen as the best of 2/6, 4/4 and 6/2 per
-workload, as §4.1 does).
+prefill, 512-token budget, decode first), DistServe-like FuDG (prefill and decode instances of the model's TP in
+pairs on the same nodes, KV over the node's PCIe; intra-node FuDG cannot place two TP=8 instances on a node of 8,
+so on the L20 cluster DistServe runs Qwen2-72B at TP=4, which holds its 145 GB of weights in 192 GB),
+Mooncake-like FuDG (the instances spread over the nodes as §4.2 deploys them, KV over the NICs; the P/D split
+chosen as the best of 2/6, 4/4 and 6/2 per workload, as §4.1 does).
 
 Workloads: Table 4's datasets cannot be downloaded, so their lengths are synthesized to Table 4's means and
 medians (`hetnode.testnet.sim.synthetic`: log-normal, LongBench's inputs a Beta), with Table 4's SLOs; Poisson
@@ -20,17 +22,19 @@ second stand-in for ShareGPT.
 
 Goodput at P50/P90/P99 (§4.1's metric): the highest request rate whose SLO attainment (EcoServe's TTFT, which
 includes the wait for the decode phase, and TPOT both within the SLOs) is at least 50/90/99%, found on a rate
-grid rising by 15% per step from a low rate until attainment falls under 50%, interpolated between grid
-points. Ratios are EcoServe / baseline - 1 as the paper states them ("+83.76%"), averaged over the workloads
-run. "Same winner": both on the same side of 0; "within 25%": |ours / paper - 1| <= 0.25 on (1 + ratio).
+grid of 15% steps: from a low start rate down until attainment reaches 99% (so that every crossing lies inside
+the grid), then up until it falls under 50%, interpolated between grid points. Ratios are EcoServe / baseline
+- 1 as the paper states them ("+83.76%"), averaged over the workloads run (every testbed, model and dataset:
+§4.2 averages over its full combinations), and per testbed as §4.2 states them. "Same winner": both on the same
+side of 0; "within 25%": |ours / paper - 1| <= 0.25 on (1 + ratio).
 
 Scaling: Fig. 9 (static): CodeLlama-34B at TP=4 on ShareGPT, 1, 2 and 4 instances in one macro-instance, P90
 goodput; the paper's 1 -> 4 is 5.6x. Fig. 10 (dynamic): CodeLlama-34B, ShareGPT, 8 instances to start, N_l = 4,
 N_u = 16, the rate rising from 20 to 50 req/s in steps (the paper: every 2 minutes; --quick: shorter), SLO
 attainment per 30 s window and the instances added.
 
-    .venv/bin/python scripts/reproduce_ecoserve.py [--quick] [--models ...] [--datasets ...] [--azure]
-        [--duration S] [--json OUT]
+    .venv/bin/python scripts/reproduce_ecoserve.py [--quick] [--testbeds l20,a800] [--models ...]
+        [--datasets ...] [--azure] [--duration S] [--json OUT]
 """
 
 from __future__ import annotations
@@ -40,7 +44,8 @@ import json
 import math
 import sys
 import time
-from dataclasses import replace
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -57,8 +62,31 @@ from hetnode.testnet.sim.workload import Trace, load_trace, poisson
 
 PERCENTILES = (0.5, 0.9, 0.99)
 LATENCIES = ("ttft_p50", "ttft_p90", "ttft_eco_p50", "ttft_eco_p90", "tpot_p50", "tpot_p90")
-# (model, TP, instances) as §4.2 runs them on the L20 cluster's 32 GPUs.
-MODELS = {"llama-30b": (4, 8), "codellama-34b": (4, 8), "qwen2-72b": (8, 4)}
+
+
+@dataclass(frozen=True)
+class Testbed:
+    """One of §4.1's clusters as §4.2 deploys each model on it."""
+
+    device: str
+    nodes: int  # the nodes §4.2's instances are spread over
+    gpus_per_node: int
+    nic_gbps: float  # between nodes
+    models: dict[str, tuple[int, int]] = field(default_factory=dict)  # model -> (TP, instances)
+
+    def per_host(self, instances: int) -> int:
+        return -(-instances // self.nodes)
+
+
+TESTBEDS = {
+    # 32 of the 64 L20s, one instance per node (§4.2: "a single instance per node" for MoonCake's sake).
+    "l20": Testbed("l20", nodes=8, gpus_per_node=8, nic_gbps=10.0,
+                   models={"llama-30b": (4, 8), "codellama-34b": (4, 8), "qwen2-72b": (8, 4)}),
+    # Both A800 nodes' 16 GPUs (§4.2: TP=2 with 8 instances, Qwen2-72B TP=4 with 4), 25 Gb/s RoCE between them.
+    "a800": Testbed("a800", nodes=2, gpus_per_node=8, nic_gbps=25.0,
+                    models={"llama-30b": (2, 8), "codellama-34b": (2, 8), "qwen2-72b": (4, 4)}),
+}
+MODELS = TESTBEDS["l20"].models
 BASELINES = ("vllm", "sarathi", "distserve", "mooncake")
 # §4.2: average goodput improvement of EcoServe over each baseline, at P50 and P90.
 PAPER = {
@@ -66,15 +94,21 @@ PAPER = {
     0.9: {"vllm": 0.8376, "sarathi": 0.7197, "distserve": 1.9241, "mooncake": 2.1822},
 }
 PAPER_MODELS_P90 = {"llama-30b": (0.6500, 5.0767), "codellama-34b": (0.8330, 1.2545), "qwen2-72b": (0.8530, 0.8361)}
+PAPER_TESTBEDS_P90 = {"a800": (0.7141, 2.8578), "l20": (0.8433, 1.2486)}  # §4.2, "Comparison Across Clusters"
 PAPER_DATASETS_P90 = {"alpaca": (0.1044, 0.7480), "sharegpt": (0.2060, 3.6310), "longbench": (2.0257, 1.6442)}
 PAPER_FIG9 = 5.6  # CodeLlama-34B, 1 -> 4 instances, P90 goodput
 
 
-def options(design: str, model: str, **kw: Any) -> PadgOptions:
-    tp, instances = MODELS[model]
-    base = PadgOptions(design=design, tp=tp, instances=instances, per_host=1, nic_gbps=10.0)
-    if design == "distserve":  # a prefill and a decode instance of TP=4 on each of 4 nodes
-        base = replace(base, tp=4, instances=8, per_host=2)
+def options(design: str, model: str, testbed: Testbed = TESTBEDS["l20"], **kw: Any) -> PadgOptions:
+    tp, instances = testbed.models[model]
+    base = PadgOptions(design=design, device=testbed.device, tp=tp, instances=instances,
+                       per_host=testbed.per_host(instances), nic_gbps=testbed.nic_gbps)
+    if design == "distserve":
+        # Prefill and decode instances in pairs on a node, on as many GPUs as the others use; a node of 8 holds
+        # no pair of TP=8 instances, so those run at TP=4.
+        dtp = tp if testbed.gpus_per_node // tp >= 2 else tp // 2
+        count = tp * instances // dtp
+        base = replace(base, tp=dtp, instances=count, per_host=testbed.gpus_per_node // dtp)
     return replace(base, **kw)
 
 
@@ -87,19 +121,27 @@ def attainment(model: str, trace: Trace, slos: Slos, opts: PadgOptions, rate: fl
 
 def goodput(model: str, trace: Trace, slos: Slos, opts: PadgOptions, duration: float, seed: int,
             start: float) -> dict[str, Any]:
-    """P50/P90/P99 goodput (req/s) from a rising rate grid, and the grid's points."""
-    points: list[tuple[float, float]] = []
-    rate = start
-    while True:
-        a = attainment(model, trace, slos, opts, rate, duration, seed)
-        points.append((rate, a))
-        if a < 0.5 or len(points) >= 30:
-            break
-        rate *= 1.15
+    """P50/P90/P99 goodput (req/s) from the rate grid (`grid`), and the grid's points."""
+    points = grid(lambda rate: attainment(model, trace, slos, opts, rate, duration, seed), start)
     out: dict[str, Any] = {"points": points}
     for p in PERCENTILES:
         out[f"p{round(p * 100)}"] = crossing(points, p)
     return out
+
+
+def grid(attain: Callable[[float], float], start: float, step: float = 1.15,
+         most: int = 30) -> list[tuple[float, float]]:
+    """(rate, attainment) points in rising rate, 15% apart: down from `start` until attainment reaches the
+    highest percentile asked (a start already past it would leave that crossing outside the grid, and the
+    goodput 0 or one coarse step), at most 16x lower, then up until it falls under the lowest."""
+    points = [(start, attain(start))]
+    while points[0][1] < max(PERCENTILES) and points[0][0] > start / 16 and len(points) < most:
+        rate = points[0][0] / step
+        points.insert(0, (rate, attain(rate)))
+    while points[-1][1] >= min(PERCENTILES) and len(points) < most:
+        rate = points[-1][0] * step
+        points.append((rate, attain(rate)))
+    return points
 
 
 def crossing(points: list[tuple[float, float]], p: float) -> float:
@@ -112,12 +154,12 @@ def crossing(points: list[tuple[float, float]], p: float) -> float:
     return points[-1][0]
 
 
-def start_rate(model: str, trace: Trace, roofline: Roofline) -> float:
+def start_rate(model: str, trace: Trace, roofline: Roofline, testbed: Testbed = TESTBEDS["l20"]) -> float:
     """A low rate to start the grid at: a fifth of what the instances could prefill alone."""
     from hetnode.testnet.sim.padg import instance_cost
 
-    tp, instances = MODELS[model]
-    cost = instance_cost(model_spec(model), PadgOptions(tp=tp, roofline=roofline))
+    tp, instances = testbed.models[model]
+    cost = instance_cost(model_spec(model), PadgOptions(device=testbed.device, tp=tp, roofline=roofline))
     mean_in = sum(trace.inputs) / len(trace)
     mean_out = sum(trace.outputs) / len(trace)
     per_request = cost.prefill_s(round(mean_in)) + mean_out * cost.step_s((), [round(mean_in + mean_out)] * 32) / 32
@@ -132,6 +174,7 @@ def ratio_row(name: str, ours: float, paper: float) -> dict[str, Any]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--testbeds", default=",".join(TESTBEDS), help="comma-separated subset of l20,a800 (§4.1)")
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--datasets", default=",".join(TABLE4))
     ap.add_argument("--azure", action="store_true", help="also the Azure conversation trace (ShareGPT's SLOs)")
@@ -141,14 +184,18 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="a smoke run: one model, ShareGPT, short runs")
     ap.add_argument("--deploy", action="append", default=[], metavar="MODEL=TPxN",
                     help="run MODEL at TP with N instances instead of §4.2's (e.g. qwen2-72b=4x8)")
-    ap.add_argument("--explain-at", default=None, metavar="MODEL/DATASET@RATE",
-                    help="only the where-the-time-goes runs, at this rate (skips the goodput search)")
+    ap.add_argument("--explain-at", default=None, metavar="[TESTBED/]MODEL/DATASET@RATE",
+                    help="only the where-the-time-goes runs, at this rate (skips the goodput search; testbed l20 "
+                    "unless named)")
     ap.add_argument("--roofline", choices=sorted(ROOFLINES), default="default",
                     help="the cost model's calibration (planner.costmodel.ROOFLINES; fitted: on Splitwise's "
                     "measured step times, scripts/fit_roofline.py)")
     ap.add_argument("--json", default=None, metavar="OUT")
     args = ap.parse_args()
-    for spec in args.deploy:
+    for tb in args.testbeds.split(","):
+        if tb not in TESTBEDS:
+            ap.error(f"unknown testbed {tb!r}; known: {', '.join(TESTBEDS)}")
+    for spec in args.deploy:  # on the L20 cluster
         name, _, shape = spec.partition("=")
         tp, _, count = shape.partition("x")
         MODELS[name] = (int(tp), int(count))
@@ -158,7 +205,7 @@ def main() -> None:
         explain(args, fake, ("ecoserve", *BASELINES))
         return
     if args.quick:
-        args.models, args.datasets, args.duration = "codellama-34b", "sharegpt", 20.0
+        args.testbeds, args.models, args.datasets, args.duration = "l20", "codellama-34b", "sharegpt", 20.0
     t0 = time.time()
     workloads: list[tuple[str, Trace, Slos]] = []
     for d in args.datasets.split(","):
@@ -170,27 +217,12 @@ def main() -> None:
         workloads.append(("azure-conv", load_trace("conv"), Slos(row.ttft_s, row.tpot_s)))
     designs = ("ecoserve", *BASELINES) if not args.quick else ("ecoserve", "vllm", "mooncake")
     results: dict[str, Any] = {"goodput": {}, "settings": vars(args)}
-    for model in args.models.split(","):
-        for name, trace, slos in workloads:
-            key = f"{model}/{name}"
-            start = start_rate(model, trace, ROOFLINES[args.roofline])
-            cell: dict[str, Any] = {}
-            for design in designs:
-                if design == "mooncake":  # the best P/D split (§4.1), by P90 goodput
-                    tries = {}
-                    for p in (2, 4, 6) if not args.quick else (4,):
-                        opts = options(design, model, prefill=p * MODELS[model][1] // 8,
-                                       roofline=ROOFLINES[args.roofline])
-                        tries[p] = goodput(model, trace, slos, opts, args.duration, args.seed, start)
-                    best = max(tries, key=lambda p: tries[p]["p90"])
-                    cell[design] = {**tries[best], "prefill_of_8": best}
-                else:
-                    cell[design] = goodput(model, trace, slos, options(design, model,
-                                                                      roofline=ROOFLINES[args.roofline]),
-                                           args.duration, args.seed, start)
-                print(f"{key:28} {design:10} P50 {cell[design]['p50']:6.2f}  P90 {cell[design]['p90']:6.2f}  "
-                      f"P99 {cell[design]['p99']:6.2f} req/s   ({time.time() - t0:.0f} s)", flush=True)
-            results["goodput"][key] = cell
+    for tb in args.testbeds.split(","):
+        testbed = TESTBEDS[tb]
+        for model in args.models.split(","):
+            for name, trace, slos in workloads:
+                key = f"{tb}/{model}/{name}"
+                results["goodput"][key] = workload_goodputs(key, testbed, model, trace, slos, designs, args, t0)
     results["ratios"] = ratios(results["goodput"], designs)
     results["explain"] = explain(args, results["goodput"], designs)
     if not args.no_scaling:
@@ -200,6 +232,29 @@ def main() -> None:
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     print(f"\n{time.time() - t0:.0f} s")
+
+
+def workload_goodputs(key: str, testbed: Testbed, model: str, trace: Trace, slos: Slos, designs: tuple[str, ...],
+                      args: argparse.Namespace, t0: float) -> dict[str, Any]:
+    """Every design's goodputs on one testbed, model and workload."""
+    roofline = ROOFLINES[args.roofline]
+    start = start_rate(model, trace, roofline, testbed)
+    instances = testbed.models[model][1]
+    cell: dict[str, Any] = {}
+    for design in designs:
+        if design == "mooncake":  # the best P/D split (§4.1), by P90 goodput
+            tries = {}
+            for p in (2, 4, 6) if not args.quick else (4,):
+                opts = options(design, model, testbed, prefill=p * instances // 8, roofline=roofline)
+                tries[p] = goodput(model, trace, slos, opts, args.duration, args.seed, start)
+            best = max(tries, key=lambda p: tries[p]["p90"])
+            cell[design] = {**tries[best], "prefill_of_8": best}
+        else:
+            cell[design] = goodput(model, trace, slos, options(design, model, testbed, roofline=roofline),
+                                   args.duration, args.seed, start)
+        print(f"{key:34} {design:10} P50 {cell[design]['p50']:6.2f}  P90 {cell[design]['p90']:6.2f}  "
+              f"P99 {cell[design]['p99']:6.2f} req/s   ({time.time() - t0:.0f} s)", flush=True)
+    return cell
 
 
 def improvement(cell: dict[str, Any], base: str, p: str) -> float | None:
@@ -224,14 +279,23 @@ def ratios(goodputs: dict[str, Any], designs: tuple[str, ...]) -> list[dict[str,
                 rows.append(ratio_row(f"{tag} EcoServe vs {base} (mean over workloads)", ours, paper[base]))
     nodg = [b for b in ("vllm", "sarathi") if b in designs]
     fudg = [b for b in ("distserve", "mooncake") if b in designs]
+    def part(key: str, i: int) -> str:
+        return key.split("/")[i]
+
+    for testbed, (p_nodg, p_fudg) in PAPER_TESTBEDS_P90.items():
+        cells = [c for k, c in goodputs.items() if part(k, 0) == testbed]
+        for group, paper_value, label in ((nodg, p_nodg, "NoDG"), (fudg, p_fudg, "FuDG")):
+            ours = mean([improvement(c, b, "p90") for c in cells for b in group])
+            if ours is not None:
+                rows.append(ratio_row(f"p90 {testbed}: EcoServe vs {label}", ours, paper_value))
     for model, (p_nodg, p_fudg) in PAPER_MODELS_P90.items():
-        cells = [c for k, c in goodputs.items() if k.startswith(model + "/")]
+        cells = [c for k, c in goodputs.items() if part(k, 1) == model]
         for group, paper_value, label in ((nodg, p_nodg, "NoDG"), (fudg, p_fudg, "FuDG")):
             ours = mean([improvement(c, b, "p90") for c in cells for b in group])
             if ours is not None:
                 rows.append(ratio_row(f"p90 {model}: EcoServe vs {label}", ours, paper_value))
     for dataset, (p_nodg, p_fudg) in PAPER_DATASETS_P90.items():
-        cells = [c for k, c in goodputs.items() if k.endswith("/" + dataset)]
+        cells = [c for k, c in goodputs.items() if part(k, 2) == dataset]
         for group, paper_value, label in ((nodg, p_nodg, "NoDG"), (fudg, p_fudg, "FuDG")):
             ours = mean([improvement(c, b, "p90") for c in cells for b in group])
             if ours is not None:
@@ -243,7 +307,8 @@ def explain(args: argparse.Namespace, goodputs: dict[str, Any], designs: tuple[s
     """Where the time goes: every design at one rate (vLLM-like's P90 goodput on the first workload run), the
     share of instance time in each kind of step, the items per step, and the latency percentiles."""
     key = next(iter(goodputs))
-    model, name = key.split("/")
+    *where, model, name = key.split("/")
+    testbed = TESTBEDS[where[0] if where else "l20"]
     rate = goodputs[key]["vllm"]["p90"] or goodputs[key]["vllm"]["points"][0][0]
     row = TABLE4.get(name, TABLE4["sharegpt"])
     trace = table4_trace(name, n=400 if args.quick else 4000, seed=args.seed) if name in TABLE4 else load_trace("conv")
@@ -252,8 +317,8 @@ def explain(args: argparse.Namespace, goodputs: dict[str, Any], designs: tuple[s
     for design in designs:
         w = poisson(rate, lengths=trace, duration_s=args.duration, seed=args.seed)
         roofline = ROOFLINES[args.roofline]
-        opts = (options(design, model, prefill=MODELS[model][1] // 2, roofline=roofline) if design == "mooncake"
-                else options(design, model, roofline=roofline))
+        opts = (options(design, model, testbed, prefill=testbed.models[model][1] // 2, roofline=roofline)
+                if design == "mooncake" else options(design, model, testbed, roofline=roofline))
         res = simulate_instances(model_spec(model), w, opts, duration_s=args.duration, warmup_s=args.duration / 6,
                                  slos=Slos(row.ttft_s, row.tpot_s))
         summary = res.summary()

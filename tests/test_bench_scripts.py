@@ -239,7 +239,7 @@ def test_reproduce_ecoserve_quick(tmp_path: Path) -> None:
                         "--json", str(out)], capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     result = json.loads(out.read_text())
-    cell = result["goodput"]["codellama-34b/sharegpt"]
+    cell = result["goodput"]["l20/codellama-34b/sharegpt"]
     assert set(cell) == {"ecoserve", "vllm", "mooncake"}
     for design in cell.values():
         assert design["p50"] >= design["p90"] >= design["p99"] >= 0 and design["points"]

@@ -25,6 +25,9 @@ setups; they are not always like for like, and a cost model should know where th
   933 GB/s, 165 TFLOP/s dense FP16/BF16 tensor core, 330 with sparsity;
   https://www.nvidia.com/en-us/data-center/products/a30-gpu/). Both dense, as a100's 312.
 - l20 (EcoServe's cluster) is in no paper's table: NVIDIA L20 data sheet, dense FP16 (119.5; 239 with sparsity).
+- a800 (EcoServe's second cluster, "A800-80GB ... connected via PCIe only") is in no paper's table either: the
+  A800 PCIe 80 GB is the A100 PCIe 80 GB's GA100 with NVLink capped at 400 GB/s, so the A100 data sheet's 80 GB
+  PCIe figures: 312 TFLOP/s dense FP16/BF16 tensor (624 with sparsity), 80 GB HBM2e at 1,935 GB/s.
 - v100 is not in either paper's table; its numbers come from the NVIDIA Tesla V100 data sheet (SXM2 16 GB,
   the part Google Compute Engine offers): 125 TFLOP/s tensor-core FP16, 900 GB/s HBM2.
 
@@ -120,6 +123,8 @@ DEVICES: dict[str, DeviceSpec] = {
         # EcoServe's cluster (§4.1): 8 L20 48 GB per node, PCIe only. NVIDIA L20 data sheet: 119.5 TFLOP/s dense
         # FP16/BF16 tensor (239 with sparsity), 48 GB GDDR6 at 864 GB/s, PCIe Gen4 x16.
         _spec("l20", 119.5, 48.0, 864.0, "NVIDIA L20 data sheet (dense FP16 tensor figure)"),
+        _spec("a800", 312.0, 80.0, 1935.0, "NVIDIA A100 data sheet, 80 GB PCIe (the A800 PCIe 80 GB's GA100; dense "
+              "FP16 tensor figure)"),
         # Nominal numbers (a few server cores with AVX2), so that a planner can still run over a CPU cluster
         # before any profile arrives; a cpu node always reports measured numbers (node/profile.py).
         _spec("cpu", 0.5, 16.0, 20.0, "nominal; measured on the host", needs_measurement=True),

@@ -25,11 +25,13 @@ SPLITWISE_CAPPED = {"h100-pcap": (1979 / 1.3, 80, 3350)}
 # Cronus's low-end GPUs, from NVIDIA's A10 and A30 data sheets (dense FP16 tensor core).
 CRONUS_DATA_SHEETS = {"a10": (125, 24, 600), "a30": (165, 24, 933)}
 L20_DATA_SHEET = {"l20": (119.5, 48, 864)}  # EcoServe's cluster; dense FP16 tensor figure
+A800_DATA_SHEET = {"a800": (312.0, 80, 1935)}  # EcoServe's second cluster: the A100 data sheet's 80 GB PCIe
 
 
 @pytest.mark.parametrize("name, numbers", [*HELIX_TABLE_3.items(), *THUNDERSERVE_TABLE_1.items(),
                                            *V100_DATA_SHEET.items(), *SPLITWISE_CAPPED.items(),
-                                           *CRONUS_DATA_SHEETS.items(), *L20_DATA_SHEET.items()])
+                                           *CRONUS_DATA_SHEETS.items(), *L20_DATA_SHEET.items(),
+                                           *A800_DATA_SHEET.items()])
 def test_single_devices_match_the_tables(name: str, numbers: tuple[float, float, float]) -> None:
     spec = parse_device(name)
     assert (spec.fp16_tflops, spec.memory_gb, spec.mem_bandwidth_gbps) == numbers
@@ -39,7 +41,7 @@ def test_single_devices_match_the_tables(name: str, numbers: tuple[float, float,
 
 def test_every_table_device_is_known() -> None:
     expected = {*HELIX_TABLE_3, *THUNDERSERVE_TABLE_1, *V100_DATA_SHEET, *SPLITWISE_CAPPED, *CRONUS_DATA_SHEETS,
-                *L20_DATA_SHEET, "cpu"}
+                *L20_DATA_SHEET, *A800_DATA_SHEET, "cpu"}
     assert set(known_devices()) == expected
 
 
