@@ -41,7 +41,7 @@ from hetnode.coordinator.scheduler import Decision, NamedCapacityScheduler, Node
 from hetnode.errors import ConfigError
 from hetnode.planner.ecoserve_plan import N_LOWER, N_UPPER, macro_of
 from hetnode.planner.plan import PlacementPlan
-from hetnode.policy.ecoserve import Decoding, InstanceState, PrefillTime, Slos
+from hetnode.policy.ecoserve import Decoding, InstanceState, PhasePrompts, PrefillTime, Slos
 from hetnode.policy.ecoserve_overall import Overall, Scaler, Scaling, ScalingTrigger, attainment
 from hetnode.policy.macro_scheduler import MacroScheduler
 
@@ -71,13 +71,14 @@ class _Instance:
     hops: tuple[PipelineHop, ...]  # one node holding the model, or a pipeline of nodes
     switched_at: float = 0.0
     held: dict[str, _Held] = field(default_factory=dict)
+    routed: PhasePrompts = field(default_factory=PhasePrompts)
     down: bool = False
     busy_s: float = 0.0  # time it held a request, up to busy_at
     busy_at: float = 0.0
     busy_mark: float = 0.0  # busy_s as the last window ended
 
-    def phase_prompts(self) -> list[int]:
-        return [h.prompt for h in self.held.values() if h.routed_at >= self.switched_at]
+    def phase_prompts(self) -> tuple[int, ...]:
+        return self.routed.since(self.switched_at)
 
 
 class EcoServeScheduler(NamedCapacityScheduler):
@@ -265,7 +266,7 @@ class EcoServeScheduler(NamedCapacityScheduler):
             routed = self.overall.macros[self.overall.macro_of(node)].counts[node]
         except KeyError:  # a spare instance
             routed = 0
-        return InstanceState(switched_at=inst.switched_at, pending_prefills=tuple(inst.phase_prompts()),
+        return InstanceState(switched_at=inst.switched_at, pending_prefills=inst.phase_prompts(),
                              decodes=decodes, free_kv_tokens=int(max(0.0, min(free, 1 << 40))), routed=routed)
 
     # -- the policy -----------------------------------------------------------------------------------------
@@ -309,6 +310,7 @@ class EcoServeScheduler(NamedCapacityScheduler):
         inst = self._instances[node]
         inst.busy_s, inst.busy_at = self._busy(inst, now), now
         inst.held[request_id] = _Held(input_len, now, now - waited)
+        inst.routed.add(now, input_len)
         self._running[request_id] = node
         self.decisions += 1
         return Decision(request_id, self._instances[node].hops, waited_s=waited)

@@ -7,7 +7,9 @@ instances (rolling activation) with Algorithm 1: a request goes to the instance 
 while Algorithm 2's three checks hold there, else to the next instance in the cycle:
 
 1. TTFT: the predicted prefill times of the requests that arrived there since its last switch to prefill, with
-   this one, add up to no more than the TTFT SLO;
+   this one, add up to no more than the TTFT SLO (every one of them, a request that already finished too: the
+   check bounds how long the prefill phase lasts, and the phase's first request waits all of it for its decode
+   phase; `PhasePrompts` keeps them);
 2. TPOT: that total is no more than the mean saved TPOT of its decodes (each decode's L x SLO_TPOT less the time
    since its first token, L its output so far);
 3. memory: the request's KV fits what the instance has free.
@@ -63,6 +65,22 @@ class Slos:
 
 
 PrefillTime = Callable[[int], float]  # seconds to prefill a prompt of n tokens (profiled)
+
+
+@dataclass(slots=True)
+class PhasePrompts:
+    """The prompts routed to an instance, kept until its next t_switch: Algorithm 2's pending prefills are those
+    routed since the last one, whether or not their requests are still held (one whose output was a single
+    token ends inside the prefill phase, and its prefill still made the phase longer)."""
+
+    routed: list[tuple[float, int]] = field(default_factory=list)  # (when, prompt tokens)
+
+    def add(self, now: float, prompt: int) -> None:
+        self.routed.append((now, prompt))
+
+    def since(self, switched_at: float) -> tuple[int, ...]:
+        self.routed = [(t, p) for t, p in self.routed if t >= switched_at]
+        return tuple(p for _, p in self.routed)
 
 
 def check(instance: InstanceState, prompt: int, kv_tokens: int, now: float, slos: Slos, prefill: PrefillTime) -> str:

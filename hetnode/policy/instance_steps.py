@@ -26,7 +26,7 @@ from collections import deque
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
-from hetnode.policy.ecoserve import Decoding, InstanceState
+from hetnode.policy.ecoserve import Decoding, InstanceState, PhasePrompts
 
 SEPARATE = "separate"
 HYBRID = "hybrid"
@@ -102,6 +102,7 @@ class InstanceScheduler:
     running: dict[int, Held] = field(default_factory=dict)  # admitted (KV held), by rid, in admission order
     phases: PhaseSwitch = field(default_factory=PhaseSwitch)
     routed: int = 0  # requests routed here so far (the macro-instance scheduler's view counts against it)
+    phase_prompts: PhasePrompts = field(default_factory=PhasePrompts)
     preempted: list[int] = field(default_factory=list)  # rids preempted since the executor last looked
 
     @property
@@ -118,6 +119,7 @@ class InstanceScheduler:
         if prompt < 1:
             raise ValueError(f"a prompt has at least one token, not {prompt}")
         self.waiting.append(Held(rid, prompt, now))
+        self.phase_prompts.add(now, prompt)
         self.routed += 1
 
     @property
@@ -217,10 +219,8 @@ class InstanceScheduler:
 
     def status(self) -> InstanceState:
         """What Algorithm 2 reads: this prefill phase's prompts, the decodes held before it, free KV."""
-        pending = [h.prompt for h in self.waiting if h.routed_at >= self.switched_at]
-        pending += [h.prompt for h in self.running.values() if h.routed_at >= self.switched_at]
         decodes = tuple(Decoding(h.output, h.first_token_at) for h in self.running.values()
                         if h.routed_at < self.switched_at and h.first_token_at >= 0)
         free = self.config.kv_tokens - self.kv_used - sum(h.prompt for h in self.waiting)
-        return InstanceState(switched_at=self.switched_at, pending_prefills=tuple(pending), decodes=decodes,
-                             free_kv_tokens=max(0, free), routed=self.routed)
+        return InstanceState(switched_at=self.switched_at, pending_prefills=self.phase_prompts.since(self.switched_at),
+                             decodes=decodes, free_kv_tokens=max(0, free), routed=self.routed)

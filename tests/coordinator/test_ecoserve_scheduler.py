@@ -129,6 +129,17 @@ def test_an_instance_switches_to_decoding_at_its_phases_last_first_token_and_sav
     assert s.state("n00", 0.5).decodes[0].output_len == 20
 
 
+def test_a_request_that_ends_at_its_first_token_still_counts_in_its_instances_prefill_phase() -> None:
+    s = scheduler(1)
+    s.submit("a", 100, 0.0)
+    s.submit("b", 300, 0.0)
+    s.prefilled("a", 0.1)
+    s.finish("a", 1, 0.1)  # a's one token: it ends while b still prefills
+    assert s.state("n00", 0.1).pending_prefills == (100, 300)
+    s.prefilled("b", 0.4)
+    assert s.state("n00", 0.4).pending_prefills == ()
+
+
 def test_no_kv_room_queues_and_a_finish_lets_the_head_go() -> None:
     s = scheduler(2, kv_capacity={"n00": 1000, "n01": 1000}, high_water=1.0)
     a, b = s.submit("a", 900, 0.0), s.submit("b", 900, 0.0)
@@ -160,9 +171,14 @@ def test_make_scheduler_routes_only_an_ecoserve_plan_by_ecoserve() -> None:
 
 def test_the_simulators_instances_and_the_coordinators_scheduler_route_the_same() -> None:
     """Both fed the same arrivals and tokens: instances step every 20 ms (a prefill step or a decode step, by
-    the instance scheduler), each request ends after 30 tokens; the simulator's way reports each instance's
-    `status()` to the overall scheduler, the coordinator's way sees first tokens and progress."""
-    n, dt, out = 3, 0.02, 30
+    the instance scheduler), each request ends after 30 tokens, every fifth after its first (it ends inside its
+    prefill phase, which its prompt still made longer); the simulator's way reports each instance's `status()`
+    to the overall scheduler, the coordinator's way sees first tokens and progress."""
+    n, dt = 3, 0.02
+
+    def out(rid: int) -> int:
+        return 1 if rid % 5 == 0 else 30
+
     coord = scheduler(n)
     sims = {f"n{i:02d}": InstanceScheduler(InstanceConfig(kv_tokens=1 << 30)) for i in range(n)}
     overall = Overall(4, 16, lambda: MacroScheduler(SLOS, PREFILL))
@@ -177,11 +193,15 @@ def test_the_simulators_instances_and_the_coordinators_scheduler_route_the_same(
         for node, inst in sims.items():  # steps that end now, then the next step at once (as the simulator)
             if node in plans and busy[node] <= t + 1e-12:
                 step = plans.pop(node)
-                ended = [r for r, _ in step.decodes if inst.running[r].output + 1 >= out]  # type: ignore[attr-defined]
+                ended = [r for r, _ in step.decodes if inst.running[r].output + 1 >= out(r)]  # type: ignore[attr-defined]
+                ended += [r for r, done, take in step.chunks  # type: ignore[attr-defined]
+                          if done + take >= inst.running[r].prompt and out(r) == 1]
                 for rid in inst.step_done(step, t, ended):  # type: ignore[arg-type]
                     key = f"r{rid}"
                     if rid in ended:
-                        coord.finish(key, out, t)
+                        if out(rid) == 1:
+                            coord.prefilled(key, t)
+                        coord.finish(key, out(rid), t)
                     elif inst.running[rid].output == 1:
                         coord.prefilled(key, t)
                     else:

@@ -30,6 +30,18 @@ def test_separate_prefills_first_and_switches_back_to_decode() -> None:
     assert state.routed == 2
 
 
+def test_a_request_that_ends_at_its_first_token_still_counts_in_its_prefill_phase() -> None:
+    """Algorithm 2's TTFT check bounds the prefill phase, and a one-token request made the phase longer too."""
+    s = InstanceScheduler(InstanceConfig(kv_tokens=10_000, max_batch_tokens=100))
+    s.route(0, 100, 0.0)
+    s.route(1, 80, 0.0)
+    assert run_step(s, 0.0, ended=(0,)) == (PREFILL, [0])  # 0's only token: it ends
+    assert 0 not in s.running and s.status().pending_prefills == (100, 80)
+    assert run_step(s, 0.1) == (PREFILL, [1])
+    assert run_step(s, 0.2) == (DECODE, [1])  # the phase is over: its prompts leave the count
+    assert s.status().pending_prefills == ()
+
+
 def test_hybrid_steps_carry_decodes_and_chunks_within_the_budget() -> None:
     s = InstanceScheduler(InstanceConfig(discipline=HYBRID, token_budget=64, kv_tokens=10_000))
     s.route(0, 100, 0.0)
