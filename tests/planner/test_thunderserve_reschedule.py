@@ -150,6 +150,10 @@ def test_a_loss_replans_lightly_a_full_replan_or_a_joined_node_searches_anew() -
     broken = replan(PLAN, CLOUD, _without(one_of_each), MODEL, QUICK, light=True)
     assert "survives" in broken.why_full and "searching anew" in broken.why_full
     assert not one_of_each & {p.node for p in broken.plan.placements}
+    last = {r.nodes[0] for r in PLAN.replicas[1:]}  # one group left: no flip serves both phases
+    alone = replan(PLAN, CLOUD, _without(last), MODEL, QUICK, light=True)
+    assert "no " in alone.why_full and "searching anew" in alone.why_full
+    assert {r.role for r in alone.plan.replicas} == {PREFILL, DECODE}
     idle = replace(PLAN, placements=tuple(p for p in PLAN.placements if p.node not in gone),
                    replicas=PLAN.replicas[:-1])
     assert "joined" in replan(idle, CLOUD, CLOUD, MODEL, QUICK, light=True).why_full

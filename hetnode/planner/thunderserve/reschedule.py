@@ -112,8 +112,8 @@ def replan(current: PlacementPlan | None, cluster: ClusterSpec, left: ClusterSpe
     """What the coordinator plans for a ThunderServe deployment over the nodes of `left` (those up now), the plan
     in use being `current` on `cluster` (its nodes, gone ones included): §3.4's lightweight reschedule when `light`
     (a node lost or leaving, a shift of the mix), `current` is ThunderServe's and every up node is one it places
-    (no node it could use has joined); a full search over `left` otherwise, or when no group of `current`
-    survives. The coordinator's deployment and the simulator both re-plan with this."""
+    (no node it could use has joined); a full search over `left` otherwise, or when the groups of `current` that
+    survive cannot serve both phases. The coordinator's deployment and the simulator both re-plan with this."""
     if current is None or current.method != "thunderserve" or not light:
         return Replanned(thunderserve_placement(left, model, options), "a full re-plan was asked for")
     up = {n.name for n in left.nodes}
@@ -122,9 +122,14 @@ def replan(current: PlacementPlan | None, cluster: ClusterSpec, left: ClusterSpe
         joined = ", ".join(sorted(up - placed))
         return Replanned(thunderserve_placement(left, model, options), f"{joined} joined: searching anew")
     try:
-        return Replanned(reschedule(current, cluster, model, options, gone=placed - up), "")
+        light_plan = reschedule(current, cluster, model, options, gone=placed - up)
     except ConfigError as exc:
         return Replanned(thunderserve_placement(left, model, options), f"{exc}: searching anew")
+    missing = sorted(set(ROLES) - {r.role for r in light_plan.replicas})
+    if missing:  # one group left: no flip gives it both phases, and a scheduler needs both
+        return Replanned(thunderserve_placement(left, model, options),
+                         f"the surviving groups have no {' or '.join(missing)} replica: searching anew")
+    return Replanned(light_plan, "")
 
 
 def sustained_rate(plan: PlacementPlan, cluster: ClusterSpec, model: ModelSpec, options: ThunderServeOptions) -> float:
