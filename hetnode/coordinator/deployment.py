@@ -54,6 +54,7 @@ from hetnode.policy.cronus_refit import REFIT_WINDOW
 from hetnode.policy.ecoserve import Slos
 from hetnode.policy.ecoserve_overall import ScalingTrigger
 from hetnode.policy.role_batching import prompt_tokens_for
+from hetnode.policy.shards import reloads
 from hetnode.policy.workload_monitor import WorkloadMonitor
 from hetnode.protocol.messages import Assignment, AssignmentStatus, Load, Route
 from hetnode.protocol.routes import route_peers
@@ -714,7 +715,7 @@ class Deployment:
             if self.serving is not None and self.serving is not plan and peer in self.serving.peers():
                 old = next(h for h in self.serving.shards if NodeId(h.peer) == peer)
                 new = next(h for h in plan.shards if NodeId(h.peer) == peer)
-                if (old.first_layer, old.last_layer) != (new.first_layer, new.last_layer):
+                if reloads((old.first_layer, old.last_layer), (new.first_layer, new.last_layer)):
                     self._mask(self.serving, peer)  # its old shard is gone: no new request through it there
             plan.failed.pop(peer, None)
             if plan.is_ready and self.serving is not plan:
