@@ -121,8 +121,12 @@ def replan(current: PlacementPlan | None, cluster: ClusterSpec, left: ClusterSpe
     if not up <= placed:
         joined = ", ".join(sorted(up - placed))
         return Replanned(thunderserve_placement(left, model, options), f"{joined} joined: searching anew")
+    # The plan's GPUs in its replicas' order, as the coordinator reads them back from its members: the search's
+    # pool follows this order, so the same plan reschedules the same whatever order a cluster file lists them in.
+    known = {n.name: n for n in cluster.nodes}
+    own = replace(cluster, nodes=tuple(known[n] for r in current.replicas for n in r.nodes if n in known))
     try:
-        light_plan = reschedule(current, cluster, model, options, gone=placed - up)
+        light_plan = reschedule(current, own, model, options, gone=placed - up)
     except ConfigError as exc:
         return Replanned(thunderserve_placement(left, model, options), f"{exc}: searching anew")
     missing = sorted(set(ROLES) - {r.role for r in light_plan.replicas})
