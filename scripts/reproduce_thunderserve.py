@@ -24,12 +24,18 @@ multi-GPU roofline profile pays them, `profile.roofline_profile`).
   the same trace. E2E deadline for 90% attainment (Fig. 7): the 90th percentile of end-to-end latency at
   Poisson arrivals of E2E_LOAD times the lower of the two systems' throughputs (a load both serve).
 - Table 3's pattern: from the plans (replicas per phase, each GPU type's GPUs per phase).
-- Fig. 11: the code and conversation plans lose four decoding GPUs (bench_planner.lost_host), then
-  lightweight rescheduling (§3.4, `thunderserve.reschedule`), a full search on what is left, and none (the
-  surviving groups, phases kept), each at Poisson arrivals of FIG11_LOAD times the full plan's throughput, as is
-  the plan before the loss (the paper's solid line); the share of requests within the planner's E2E SLO (5x the
-  latency on two A100s). `--only fig11` runs this alone, and also for Appendix F's own deployments (their groups,
-  TP degrees and phases as the paper lists them) losing Appendix G's 4xA6000 instance, two decode replicas.
+- Fig. 11: one run per way of handling the loss, as the paper's running deployment: Poisson arrivals of
+  FIG11_LOAD times the plan's own throughput; at FIG11_LOSS of the run four decoding GPUs go down
+  (bench_planner.lost_host): their work is lost and the requests on them move; the coordinator then re-plans as
+  it would (`hetnode.testnet.sim.replan`): lightweight rescheduling (§3.4, the coordinator's `replan`: surviving
+  groups keep their layers and sessions, phases flip, the TSTP re-solved), a full search over what is left (every
+  node whose layers change reloads, for ThunderServe's Table 4's 103 s), or none (the plan serves on without the
+  lost GPUs), each after the planner's CPU time measured here. The share of requests within the planner's E2E
+  SLO (5x the latency on two A100s), by arrival: before the loss less the SLO (the loss cannot touch them: the
+  paper's solid line), around the loss, and from FIG11_SETTLE_S after it, once every re-plan serves (its dotted
+  lines, the claims). `--only fig11` runs
+  this alone, and also for Appendix F's own deployments (their groups, TP degrees and phases as the paper lists
+  them) losing Appendix G's 4xA6000 instance, two decode replicas.
 - Fig. 12: mean end-to-end latency with the KV hand-off at fp16 against the codec the links pick
   (ThunderServe's 4-bit compression), at Poisson arrivals of KV_LOAD times ThunderServe's throughput; the
   fp16 arm's orchestration re-solved for fp16 hand-offs (phases and layouts kept), and random pairs against it.
@@ -79,7 +85,7 @@ import math
 import statistics
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -104,6 +110,7 @@ from hetnode.planner.thunderserve.settings import ThunderServeOptions, Traffic
 from hetnode.planner.thunderserve.slo import slo_for
 from hetnode.policy.role_batching import PREFILL_TOKENS
 from hetnode.testnet.sim import SimOptions, SimResult, load_trace, offline, poisson, simulate
+from hetnode.testnet.sim.replan import Loss, Replan, after_loss
 from hetnode.testnet.sim.tp_stages import merge_tensor_parallel
 from hetnode.testnet.sim.workload import Trace
 
@@ -112,6 +119,10 @@ MODEL = "llama-30b"
 PLAN_RATE = 4.0  # requests/s ThunderServe plans the 32 GPUs for (bench_planner's)
 E2E_LOAD = 0.7  # Poisson arrivals for the deadline comparison, as a share of the lower of the two throughputs
 FIG11_LOAD = 0.7  # Fig. 11's arrivals, as a share of the full 32-GPU plan's throughput
+FIG11_LOSS = 0.4  # Fig. 11's GPUs go down at this share of the run (240 s of 600)
+# ... and the re-plans are judged on the requests that arrive this long after the loss, once each serves: a full
+# re-plan's search and reload (103 s) and the 30 s a request waits for a plan, with room to spare.
+FIG11_SETTLE_S = 160.0
 KV_LOAD = 0.5  # Fig. 12's arrivals, as a share of ThunderServe's throughput: per-request cost, not queueing
 TOLERANCE = 0.25
 TRACES = {"code": "code", "conv": "conv"}
@@ -195,10 +206,12 @@ class Lab:
 
     def run(self, label: str, c: ClusterSpec, plan: PlacementPlan, traffic: str, rate: float | None,
             kv_share: float, options: SimOptions | None = None, scheduler: str | None = None,
-            tstp: ThunderServeOptions | None = None) -> SimResult:
+            tstp: ThunderServeOptions | None = None, loss: Loss | None = None,
+            replan: Replan | None = None) -> SimResult:
         """Simulate `plan` on `c` at `rate` requests/s (None: a saturating closed loop). With `tstp`, the plan's
         orchestration is first re-solved under those options for the rate offered (offline: for what the planner
-        expects the plan to sustain), its deployment kept (module docstring, "The routing re-solved")."""
+        expects the plan to sustain), its deployment kept (module docstring, "The routing re-solved"). With
+        `loss`, GPUs go down during the run, and `replan` follows (Fig. 11)."""
         trace = self.traces[traffic]
         workload = (offline(trace) if rate is None
                     else poisson(rate, lengths=trace, duration_s=self.duration_s, seed=self.seed))
@@ -216,7 +229,7 @@ class Lab:
                               decode_booking=self.decode_booking)
         result = simulate(c, self.model, self.profiles(c, plan, kv_share), plan, workload=workload,
                           scheduler=scheduler, duration_s=self.duration_s, warmup_s=self.warmup_s, seed=self.seed,
-                          options=options)
+                          options=options, loss=loss, replan=replan)
         s = result.summary
         self.log.append(f"{label:44} {'offline' if rate is None else f'{rate:.2f}/s':>8}  "
                         f"{s['request_throughput']:6.2f} req/s  p90 e2e {p90_e2e(result):7.2f} s  "
@@ -352,14 +365,22 @@ def reproduce(lab: Lab, deployment: str = "ours") -> tuple[list[Claim], dict[str
 
 @dataclass(frozen=True)
 class Lost:
-    """Fig. 11 for one plan and one traffic: what each way of handling the loss attains within the E2E SLO."""
+    """Fig. 11 for one plan and one traffic: what each way of handling the loss attains within the E2E SLO, each in
+    one run that loses the GPUs at `loss_at`."""
 
     gone: tuple[str, ...]
     bound: float  # the E2E SLO, seconds
     rate: float  # requests/s offered before and after
-    before: float  # the plan before the loss (the paper's solid line)
-    attainment: dict[str, float]  # lightweight, full, none (its dotted lines)
+    loss_at: float  # when the GPUs go down (seconds into the run)
+    settled_from: float  # the re-plans are judged on the requests that arrive from here on
+    # The requests that arrived before loss_at - bound: each met the SLO before the loss or missed it, whatever
+    # follows, so this is the same in every run (the paper's solid line).
+    before: float
+    attainment: dict[str, float]  # lightweight, full, none: the requests from `settled_from` on (its dotted lines)
+    # ... and those that arrived from loss_at - bound to settled_from: the loss and the re-plan's transient.
+    after: dict[str, float]
     light_notes: tuple[str, ...]
+    replans: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # each run's loss and re-plan
 
     def claims(self, traffic: str, label: str = "") -> list[Claim]:
         att = self.attainment
@@ -371,7 +392,9 @@ class Lost:
 
     def facts(self) -> dict[str, Any]:
         return {"gone": list(self.gone), "attainment_after_loss": self.attainment, "attainment_before": self.before,
-                "fig11_rate": self.rate, "e2e_slo_s": self.bound, "light_notes": self.light_notes[0]}
+                "attainment_from_the_loss": self.after, "loss_at_s": self.loss_at,
+                "settled_from_s": self.settled_from, "fig11_rate": self.rate, "e2e_slo_s": self.bound,
+                "light_notes": self.light_notes[0], "replans": self.replans}
 
 
 def _ratio(ours: float, other: float) -> float:
@@ -382,34 +405,73 @@ def _ratio(ours: float, other: float) -> float:
     return math.inf if ours > 0 else math.nan
 
 
+def attainment_between(result: SimResult, bound: float, start: float, end: float) -> float:
+    """The share of the requests that arrived in [start, end) that finished within the E2E bound."""
+    rs = [r for r in result.requests if start <= r.arrival < end]
+    return sum(math.isfinite(r.e2e) and r.e2e <= bound for r in rs) / len(rs) if rs else math.nan
+
+
 def fig11(lab: Lab, traffic: str, cloud: ClusterSpec, plan: PlacementPlan, opts: ThunderServeOptions,
           throughput: float, gone: tuple[str, ...], label: str = "") -> Lost:
-    """`plan` loses `gone`: lightweight rescheduling, a full search on what is left, and none, and the plan before
-    the loss, each at FIG11_LOAD x `throughput` (the plan's own before the loss), judged by the E2E SLO. Each
-    plan's log line says what the planner expects it to sustain (`sustained_rate`), which is what says whether
-    a plan can take the rate offered at all."""
+    """`plan`, serving FIG11_LOAD x `throughput` (its own before the loss), loses `gone` at FIG11_LOSS of the run;
+    one run each with the coordinator's lightweight re-plan, a full one and none (module docstring), judged by the
+    E2E SLO of the requests that arrived before the loss could touch them, around it, and once the re-plans
+    serve. The plan serves with its TSTP re-solved for
+    the rate, as every run here; the re-plans are made for that rate too, as the coordinator makes them for the
+    rate its window has seen."""
     model = lab.model
-    light = reschedule(plan, cloud, model, opts, gone=gone)
-    none = reschedule(plan, cloud, model, opts, gone=gone, steps=0)
-    left = replace(cloud, nodes=tuple(n for n in cloud.nodes if n.name not in set(gone)))
-    full = lab.thunderserve(left, opts)
-    bound = slo_for(model, opts).e2e_s
     rate = FIG11_LOAD * throughput
-    before = e2e_attainment(lab.run(f"before the loss{label} {traffic}", cloud, plan, traffic, rate,
-                                    opts.kv_reserve, tstp=opts), bound)
-    att = {}
-    for name, p in (("lightweight", light), ("full", full), ("none", none)):
-        roles = [r.role for r in p.replicas]
-        lab.log.append(f"after 4 GPUs lost{label}: {name} {traffic}: {roles.count('prefill')} prefill / "
-                       f"{roles.count('decode')} decode replicas, the planner expects "
-                       f"{sustained_rate(p, left, model, opts):.2f} req/s sustained; {p.notes[0]}")
+    at_rate = replace(opts, traffic=replace(opts.traffic, rate=rate))
+    routed, _ = lab.routed_for(plan, cloud, opts, rate)
+    loss_at = FIG11_LOSS * lab.duration_s
+    settled_from = loss_at + min(FIG11_SETTLE_S, (lab.duration_s - loss_at) / 2)
+    loss = Loss(loss_at, gone)
+    bound = slo_for(model, opts).e2e_s
+    left = replace(cloud, nodes=tuple(n for n in cloud.nodes if n.name not in set(gone)))
+    before = math.nan
+    settled: dict[str, float] = {}
+    after: dict[str, float] = {}
+    replans: dict[str, list[dict[str, Any]]] = {}
+    light_notes: tuple[str, ...] = ("",)
+    for how in ("lightweight", "full", "none"):
+        replan = after_loss(routed, cloud, model, loss, how, options=at_rate,
+                            profiles=lambda p: lab.profiles(cloud, p, opts.kv_reserve))
+        if replan is not None:
+            roles = [r.role for r in replan.plan.replicas]
+            lab.log.append(f"after 4 GPUs lost{label}: {how} {traffic}: {roles.count('prefill')} prefill / "
+                           f"{roles.count('decode')} decode replicas, planned in {replan.planner_s:.2f} s of CPU, the "
+                           f"planner expects {sustained_rate(replan.plan, left, model, at_rate):.2f} req/s sustained; "
+                           f"{replan.note or replan.plan.notes[0]}")
+            print(lab.log[-1], file=sys.stderr, flush=True)
+            if how == "lightweight":
+                light_notes = replan.plan.notes
+        result = lab.run(f"4 GPUs lost at {loss_at:g} s{label}: {how} {traffic}", cloud, routed, traffic, rate,
+                         opts.kv_reserve, loss=loss, replan=replan)
+        unaffected = attainment_between(result, bound, lab.warmup_s, loss_at - bound)
+        if not math.isnan(before) and unaffected != before:
+            raise AssertionError(f"the runs differ before the loss: {before} against {unaffected}")
+        before = unaffected
+        after[how] = attainment_between(result, bound, loss_at - bound, settled_from)
+        settled[how] = attainment_between(result, bound, settled_from, lab.duration_s)
+        replans[how] = result.summary["replan"]
+        served = sum(1 for r in result.requests if r.finished and settled_from <= r.finish < lab.duration_s)
+        lab.log.append(f"    {how}: " + "; ".join(_event(e) for e in replans[how])
+                       + f"; within the E2E SLO, by arrival: before {loss_at - bound:g} s {before:.0%}, to "
+                       f"{settled_from:g} s {after[how]:.0%}, after {settled[how]:.0%} "
+                       f"({served / (lab.duration_s - settled_from):.2f} req/s served)")
         print(lab.log[-1], file=sys.stderr, flush=True)
-        if set(roles) != {"prefill", "decode"}:
-            att[name] = 0.0  # one phase left: it serves nothing
-            continue
-        att[name] = e2e_attainment(lab.run(f"after 4 GPUs lost{label}: {name} {traffic}", left, p, traffic, rate,
-                                           opts.kv_reserve, tstp=opts), bound)
-    return Lost(gone=gone, bound=bound, rate=rate, before=before, attainment=att, light_notes=light.notes)
+    return Lost(gone=gone, bound=bound, rate=rate, loss_at=loss_at, settled_from=settled_from, before=before,
+                attainment=settled, after=after, light_notes=light_notes, replans=replans)
+
+
+def _event(e: dict[str, Any]) -> str:
+    """A loss or re-plan of a Fig. 11 run, in a few words."""
+    if e["event"] == "loss":
+        return f"{e['requests_moved']} requests moved at the loss"
+    if e["event"] == "ready":
+        return f"serves at {e['at']:.1f} s ({e['queued_retried']} waiting retried)"
+    return (f"re-plan at {e['at']:.1f} s: {len(e['kept'])} nodes kept ({len(e['flipped'])} flipped), "
+            f"{len(e['dropped'])} dropped, {len(e['reloaded'])} loading, {e['requests_moved']} requests moved")
 
 
 # Appendix F's deployments, group by group as its text gives them: the GPUs (instance and count), the tensor
@@ -503,7 +565,10 @@ def format_table(claims: list[Claim], facts: dict[str, Any], log: list[str]) -> 
                      + ", ".join(f"{k} {v['prefill']}/{v['decode']}"
                                  for k, v in sorted(f["plan"]["gpus_by_type"].items()))
                      + f"; at {f['fig11_rate']:.2f} req/s, E2E SLO {f['e2e_slo_s']:.1f} s attained before "
-                     + f"{f['attainment_before']:.0%}, after losing {', '.join(f['gone'])} "
+                     + f"{f['attainment_before']:.0%}, around the loss of {', '.join(f['gone'])} at "
+                     + f"{f['loss_at_s']:g} s "
+                     + ", ".join(f"{k} {v:.0%}" for k, v in f["attainment_from_the_loss"].items())
+                     + f"; from {f['settled_from_s']:g} s "
                      + ", ".join(f"{k} {v:.0%}" for k, v in f["attainment_after_loss"].items()))
     lines.append("")
     verdicts = [c.verdict() for c in claims]

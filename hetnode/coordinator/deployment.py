@@ -48,13 +48,13 @@ from hetnode.planner.placement import PlannerOptions, evaluate, plan_placement
 from hetnode.planner.plan import NodePlacement, PlacementPlan
 from hetnode.planner.profile import ProfileTable, Workload, kv_tokens
 from hetnode.planner.split import split_placement
-from hetnode.planner.thunderserve.deploy import thunderserve_placement
-from hetnode.planner.thunderserve.reschedule import reschedule
+from hetnode.planner.thunderserve.reschedule import replan
 from hetnode.planner.thunderserve.settings import ThunderServeOptions, Traffic
 from hetnode.policy.cronus_refit import REFIT_WINDOW
 from hetnode.policy.ecoserve import Slos
 from hetnode.policy.ecoserve_overall import ScalingTrigger
 from hetnode.policy.role_batching import prompt_tokens_for
+from hetnode.policy.shards import reloads
 from hetnode.policy.workload_monitor import WorkloadMonitor
 from hetnode.protocol.messages import Assignment, AssignmentStatus, Load, Route
 from hetnode.protocol.routes import route_peers
@@ -522,23 +522,15 @@ class Deployment:
                                       slo_s=self.planning.slo_s)
         self.workload.planned_at(rate)  # a shift of the arrival rate is judged against this one from now on
         current = self.plan.placement if self.plan is not None else None
-        up = {str(r.peer_id) for r in usable}
-        if (current is not None and current.method == "thunderserve" and kind in _LIGHT_KINDS
-                and up <= {p.node for p in current.placements}):
-            gone = {p.node for p in current.placements} - up
-            # The plan's own cluster (its nodes, gone ones included), to read its layouts back from.
-            records = [self.registry.nodes[NodeId(n)] for r in current.replicas for n in r.nodes
-                       if NodeId(n) in self.registry.nodes]
-            try:
-                light = await trio.to_thread.run_sync(functools.partial(
-                    reschedule, current, live_cluster(self.registry, self.coordinator, self.home_region, records),
-                    self.spec, options, gone=gone))
-            except ConfigError as exc:
-                log.info("no lightweight reschedule (%s): searching anew", exc)
-            else:
-                return light
-        placement = await trio.to_thread.run_sync(functools.partial(thunderserve_placement, cluster, self.spec,
-                                                                    options))
+        # The plan's own cluster (its nodes, gone ones included), to read its layouts back from.
+        records = [] if current is None else [self.registry.nodes[NodeId(n)] for r in current.replicas
+                                              for n in r.nodes if NodeId(n) in self.registry.nodes]
+        replanned = await trio.to_thread.run_sync(functools.partial(
+            replan, current, live_cluster(self.registry, self.coordinator, self.home_region, records), cluster,
+            self.spec, options, light=kind in _LIGHT_KINDS))
+        if replanned.why_full and kind in _LIGHT_KINDS and current is not None:
+            log.info("no lightweight reschedule (%s)", replanned.why_full)
+        placement = replanned.plan
         if any(r.tp > 1 for r in placement.replicas):
             raise ConfigError("the ThunderServe plan uses tensor parallelism, which the runtime does not have")
         return placement
@@ -723,7 +715,7 @@ class Deployment:
             if self.serving is not None and self.serving is not plan and peer in self.serving.peers():
                 old = next(h for h in self.serving.shards if NodeId(h.peer) == peer)
                 new = next(h for h in plan.shards if NodeId(h.peer) == peer)
-                if (old.first_layer, old.last_layer) != (new.first_layer, new.last_layer):
+                if reloads((old.first_layer, old.last_layer), (new.first_layer, new.last_layer)):
                     self._mask(self.serving, peer)  # its old shard is gone: no new request through it there
             plan.failed.pop(peer, None)
             if plan.is_ready and self.serving is not plan:

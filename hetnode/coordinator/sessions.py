@@ -401,12 +401,11 @@ class PipelineGenerator:
         return not waiting()
 
     def node_down(self, peer: NodeId, reason: str) -> None:
-        """Tell every session whose route runs through `peer`: its request moves to another route. A node that
-        left gracefully finished sending the KV it computed before it went: only sessions whose last phase
-        runs through it move."""
+        """Tell every session that `peer` going down fails (the lifecycle policy's `fails_when_down`, which the
+        simulator asks too): its request moves to another route."""
         for session in self._sessions.values():
-            if peer in session.peers and (reason != "left" or peer in {NodeId(h.peer)
-                                                                      for h in session.route.phases[-1].hops}):
+            phases = [{h.peer for h in phase.hops} for phase in session.route.phases]
+            if self.lifecycle.fails_when_down(str(peer), phases, left=reason == "left"):
                 with suppress(trio.WouldBlock):
                     session.send.send_nowait(f"node {self._name(peer)} went down ({reason})")
         self._nursery_soon(self.mailbox.forget, peer)

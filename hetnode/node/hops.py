@@ -46,6 +46,7 @@ from hetnode.node.kv_handoff import KVHandoffs
 from hetnode.node.metrics import NodeMetrics, NodeView
 from hetnode.policy import BatchConfig, BatchPolicy, Cause, KVLedger, KVTransferPolicy, Lifecycle
 from hetnode.policy.role_batching import prompt_tokens_for
+from hetnode.policy.shards import reloads
 from hetnode.protocol.mailbox import Mailbox
 from hetnode.protocol.messages import (
     INFER_PROTOCOL,
@@ -177,7 +178,7 @@ class HopServer(KVHandoffs):
         async with self._assign_lock:
             current = self.assignment  # what the engine serves
             same = (current is not None and self.engine is not None and current.model == a.model
-                    and (current.first_layer, current.last_layer) == (a.first_layer, a.last_layer))
+                    and not reloads((current.first_layer, current.last_layer), (a.first_layer, a.last_layer)))
             if same or a.role == "idle":
                 self.assignment = a
                 if same and self.loop is not None:  # a phase flip keeps the layers; the step setting follows

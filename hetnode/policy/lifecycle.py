@@ -8,6 +8,7 @@ are dropped on arrival and sampled again), then samples the next token of the sa
 of max_tokens. Why the route failed decides whether it may move at all:
 
 - "lost": a hop died, left, was replaced by a re-plan or could not pass a result on. Another route can serve it.
+  Which requests a node that goes down takes with it is decided here too (`fails_when_down`).
 - "preempted": a hop ran out of KV memory with nothing able to run and dropped its youngest session. The
   memory was there when the request started, so another route (or the same one later) can serve it.
 - "full": a hop that starts from handed-over KV had no memory free to reserve for it when the route was
@@ -23,6 +24,7 @@ this object.
 
 from __future__ import annotations
 
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -75,6 +77,16 @@ class Lifecycle:
     def ends(received: int, max_tokens: int, stopped: bool) -> bool:
         """Whether the token that brings the request to `received` tokens is its last."""
         return stopped or received >= max_tokens
+
+    @staticmethod
+    def fails_when_down(node: str, phases: Sequence[Collection[str]], *, left: bool) -> bool:
+        """Whether a request whose route runs its phases on the nodes `phases` (each phase's, in route order) fails
+        for cause "lost" when `node` goes down. A node that died takes every session it is part of, an earlier
+        phase's included (KV it computed may still have been on its way); one that left gracefully finished
+        sending the KV it computed before it went, so only a session whose last phase runs through it fails."""
+        if left:
+            return bool(phases) and node in phases[-1]
+        return any(node in phase for phase in phases)
 
     def moves(self, cause: Cause, moves_done: int) -> bool:
         """Whether a request whose route failed it for `cause`, after `moves_done` moves, moves once more."""

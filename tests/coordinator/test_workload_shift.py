@@ -10,7 +10,6 @@ import pytest
 import trio
 import trio.testing
 
-from hetnode.coordinator import deployment as deployment_module
 from hetnode.coordinator.deployment import Deployment, PlanningConfig
 from hetnode.coordinator.registry import Registry
 from hetnode.errors import ConfigError
@@ -18,6 +17,7 @@ from hetnode.ids import NodeId
 from hetnode.models.resolve import load_config
 from hetnode.models.tiny import write_tiny_model
 from hetnode.planner.plan import PlacementPlan
+from hetnode.planner.thunderserve import reschedule as reschedule_module
 from hetnode.planner.thunderserve.settings import ThunderServeOptions
 
 
@@ -110,7 +110,7 @@ def test_thunderserve_is_replanned_at_the_windows_rate(tiny_model: Path, monkeyp
         asked.append(options.traffic.rate)
         raise ConfigError("not searched here")
 
-    monkeypatch.setattr(deployment_module, "thunderserve_placement", search)
+    monkeypatch.setattr(reschedule_module, "thunderserve_placement", search)
 
     async def run() -> None:
         d = deployment(tiny_model, PlanningConfig(method="thunderserve", split_workload=(750, 240),

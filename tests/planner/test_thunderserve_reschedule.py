@@ -11,7 +11,7 @@ from importlib.resources import files
 import pytest
 
 from hetnode.errors import ConfigError
-from hetnode.planner.cluster import load_cluster
+from hetnode.planner.cluster import ClusterSpec, load_cluster
 from hetnode.planner.model import model_spec
 from hetnode.planner.placement import PlannerOptions, plan_placement
 from hetnode.planner.plan import PlacementPlan
@@ -20,7 +20,7 @@ from hetnode.planner.thunderserve.deploy import thunderserve_placement
 from hetnode.planner.thunderserve.deployment import holds_model, initial
 from hetnode.planner.thunderserve.gpus import gpu_pool
 from hetnode.planner.thunderserve.parallel import DECODE, PREFILL
-from hetnode.planner.thunderserve.reschedule import kept_groups, reschedule, sustained_rate
+from hetnode.planner.thunderserve.reschedule import kept_groups, replan, reschedule, sustained_rate
 from hetnode.planner.thunderserve.settings import CODING, CONVERSATION, ThunderServeOptions
 from hetnode.planner.validate import validate_plan
 
@@ -128,3 +128,36 @@ def test_what_a_plan_sustains_is_the_planners_own_estimate_whatever_rate_it_was_
     full = reschedule(PLAN, CLOUD, MODEL, replace(QUICK, traffic=replace(QUICK.traffic, rate=sustains)), steps=0)
     assert full.orchestration is not None and min(full.orchestration.prefill_share) > 0.1
     assert [r.role for r in full.replicas] == [r.role for r in PLAN.replicas] and layouts(full) == layouts(PLAN)
+
+
+def _same(a: PlacementPlan, b: PlacementPlan) -> bool:
+    return replace(a, solve_time_s=0.0) == replace(b, solve_time_s=0.0)
+
+
+def _without(gone: set[str]) -> ClusterSpec:
+    return replace(CLOUD, nodes=tuple(n for n in CLOUD.nodes if n.name not in gone))
+
+
+def test_a_loss_replans_lightly_a_full_replan_or_a_joined_node_searches_anew() -> None:
+    """`replan`, what the coordinator and the simulator both ask after a loss: the lightweight reschedule of the
+    plan in use, unless a full re-plan is asked for, a node the plan does not place is up, or nothing survives."""
+    gone = {PLAN.replicas[-1].nodes[0]}
+    light = replan(PLAN, CLOUD, _without(gone), MODEL, QUICK, light=True)
+    # The plan's GPUs read back in its replicas' order, whatever the order of the cluster given.
+    own = replace(CLOUD, nodes=tuple(CLOUD.node(n) for r in PLAN.replicas for n in r.nodes))
+    assert light.why_full == "" and _same(light.plan, reschedule(PLAN, own, MODEL, QUICK, gone=gone))
+    shuffled = replace(CLOUD, nodes=tuple(reversed(CLOUD.nodes)))
+    assert _same(replan(PLAN, shuffled, _without(gone), MODEL, QUICK, light=True).plan, light.plan)
+    full = replan(PLAN, CLOUD, _without(gone), MODEL, QUICK, light=False)
+    assert full.why_full and _same(full.plan, thunderserve_placement(_without(gone), MODEL, QUICK))
+    one_of_each = {r.nodes[0] for r in PLAN.replicas}
+    broken = replan(PLAN, CLOUD, _without(one_of_each), MODEL, QUICK, light=True)
+    assert "survives" in broken.why_full and "searching anew" in broken.why_full
+    assert not one_of_each & {p.node for p in broken.plan.placements}
+    last = {r.nodes[0] for r in PLAN.replicas[1:]}  # one group left: no flip serves both phases
+    alone = replan(PLAN, CLOUD, _without(last), MODEL, QUICK, light=True)
+    assert "no " in alone.why_full and "searching anew" in alone.why_full
+    assert {r.role for r in alone.plan.replicas} == {PREFILL, DECODE}
+    idle = replace(PLAN, placements=tuple(p for p in PLAN.placements if p.node not in gone),
+                   replicas=PLAN.replicas[:-1])
+    assert "joined" in replan(idle, CLOUD, CLOUD, MODEL, QUICK, light=True).why_full

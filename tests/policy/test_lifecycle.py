@@ -46,3 +46,13 @@ def test_the_coordinator_ends_a_request_at_its_last_token() -> None:
     assert not Lifecycle.ends(3, 4, False)
     assert Lifecycle.ends(4, 4, False)
     assert Lifecycle.ends(1, 4, True)
+
+
+def test_a_node_that_died_fails_every_route_through_it_one_that_left_only_its_last_phase() -> None:
+    split = [{"p0", "p1"}, {"d0"}]
+    assert Lifecycle.fails_when_down("p1", split, left=False)  # its KV may still have been on the way
+    assert Lifecycle.fails_when_down("d0", split, left=False)
+    assert not Lifecycle.fails_when_down("x", split, left=False)
+    assert not Lifecycle.fails_when_down("p1", split, left=True)  # it sent its KV before it went
+    assert Lifecycle.fails_when_down("d0", split, left=True)
+    assert not Lifecycle.fails_when_down("d0", [], left=True)

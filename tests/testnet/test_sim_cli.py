@@ -219,3 +219,32 @@ def test_sim_plans_and_routes_thunderserve_as_the_coordinator_does(capsys: pytes
     assert c["method"] == "thunderserve" and c["scheduler"] == "tstp" and "prefill" in c["plan_size"]
     assert c["option_prefill_tokens"] == cap
     assert s["requests"]["finished"] > 0 and s["kv_handoff"]["installs"] > 0
+
+
+def test_sim_loses_gpus_and_reschedules_as_told(capsys: pytest.CaptureFixture[str]) -> None:
+    """`--lose NODES@T` and `--reschedule`: the run reports the loss, the re-plan and attainment before and after;
+    mistakes (an unknown node, a time outside the run, a lightweight re-plan of a plan that has none, a
+    --reschedule without a loss) exit 2 with the reason."""
+    base = ["sim", "--cluster", "thunderserve-cloud-gpus", "--model", "llama-30b", "--placement", "thunderserve",
+            "--trace", "code", "--rate", "1", "--duration", "40", "--warmup", "0", "--slo-e2e", "30",
+            "--progress", "off"]
+    host = ",".join(f"4xa6000-1-gpu{k}" for k in range(4))
+    assert main([*base, "--lose", f"{host}@15", "--reschedule-delay", "1", "--json"]) == 0
+    s = json.loads(capsys.readouterr().out)["summary"]
+    kinds = [e["event"] for e in s["replan"]]
+    assert kinds == ["loss", "replan", "ready"] and s["replan"][1]["how"] == "lightweight"
+    assert s["replan"][1]["at"] == pytest.approx(16.0)
+    windows = s["slo_windows"]
+    assert [w["from"] for w in windows][:2] == [0.0, 15.0] and all("e2e" in w for w in windows if w["requests"])
+    assert main([*base, "--lose", f"{host}@15", "--reschedule", "none"]) == 0
+    out = capsys.readouterr().out
+    assert "re-plan      15 s: lost 4xa6000-1-gpu0" in out and "arrived [0, 15) s" in out
+    for wrong, says in ((["--lose", "nope@5"], "has no node nope"), (["--lose", f"{host}@40"], "outside the run"),
+                        (["--lose", "4xa6000-1-gpu0"], "NODE[,NODE...]@SECONDS"),
+                        (["--reschedule", "full"], "give --lose")):
+        assert main([*base, *wrong]) == 2
+        assert says in capsys.readouterr().err
+    assert main(["sim", "--cluster", "thunderserve-cloud", "--model", "llama-30b", "--placement", "sp", "--profile",
+                 "roofline", "--trace", "code", "--rate", "1", "--duration", "20", "--warmup", "2",
+                 "--lose", "4xa6000-0@5", "--reschedule", "lightweight", "--progress", "off"]) == 2
+    assert "lightweight rescheduling is ThunderServe's" in capsys.readouterr().err

@@ -23,7 +23,7 @@ from hetnode.errors import ConfigError
 from hetnode.planner.cluster import ClusterSpec
 from hetnode.planner.model import ModelSpec
 from hetnode.planner.plan import PlacementPlan
-from hetnode.planner.thunderserve.deploy import plan_of
+from hetnode.planner.thunderserve.deploy import plan_of, thunderserve_placement
 from hetnode.planner.thunderserve.deployment import Deployment, Group
 from hetnode.planner.thunderserve.gpus import GpuPool, gpu_pool
 from hetnode.planner.thunderserve.lower import LowerLevel
@@ -96,6 +96,44 @@ def reschedule(plan: PlacementPlan, cluster: ClusterSpec, model: ModelSpec, opti
     note = (f"lightweight reschedule of {len(plan.replicas)} replicas: {len(kept.dropped)} dropped (a GPU gone), "
             f"{flips} phases flipped, layouts kept (no weights reloaded)")
     return replace(out, notes=(note, *out.notes))
+
+
+@dataclass(frozen=True)
+class Replanned:
+    """A re-plan of a ThunderServe deployment: the new plan, and why it is not a lightweight reschedule ('' when it
+    is one)."""
+
+    plan: PlacementPlan
+    why_full: str
+
+
+def replan(current: PlacementPlan | None, cluster: ClusterSpec, left: ClusterSpec, model: ModelSpec,
+           options: ThunderServeOptions, *, light: bool) -> Replanned:
+    """What the coordinator plans for a ThunderServe deployment over the nodes of `left` (those up now), the plan
+    in use being `current` on `cluster` (its nodes, gone ones included): §3.4's lightweight reschedule when `light`
+    (a node lost or leaving, a shift of the mix), `current` is ThunderServe's and every up node is one it places
+    (no node it could use has joined); a full search over `left` otherwise, or when the groups of `current` that
+    survive cannot serve both phases. The coordinator's deployment and the simulator both re-plan with this."""
+    if current is None or current.method != "thunderserve" or not light:
+        return Replanned(thunderserve_placement(left, model, options), "a full re-plan was asked for")
+    up = {n.name for n in left.nodes}
+    placed = {p.node for p in current.placements}
+    if not up <= placed:
+        joined = ", ".join(sorted(up - placed))
+        return Replanned(thunderserve_placement(left, model, options), f"{joined} joined: searching anew")
+    # The plan's GPUs in its replicas' order, as the coordinator reads them back from its members: the search's
+    # pool follows this order, so the same plan reschedules the same whatever order a cluster file lists them in.
+    known = {n.name: n for n in cluster.nodes}
+    own = replace(cluster, nodes=tuple(known[n] for r in current.replicas for n in r.nodes if n in known))
+    try:
+        light_plan = reschedule(current, own, model, options, gone=placed - up)
+    except ConfigError as exc:
+        return Replanned(thunderserve_placement(left, model, options), f"{exc}: searching anew")
+    missing = sorted(set(ROLES) - {r.role for r in light_plan.replicas})
+    if missing:  # one group left: no flip gives it both phases, and a scheduler needs both
+        return Replanned(thunderserve_placement(left, model, options),
+                         f"the surviving groups have no {' or '.join(missing)} replica: searching anew")
+    return Replanned(light_plan, "")
 
 
 def sustained_rate(plan: PlacementPlan, cluster: ClusterSpec, model: ModelSpec, options: ThunderServeOptions) -> float:

@@ -139,6 +139,22 @@ def add_arguments(p: argparse.ArgumentParser, *, clusters: Sequence[str] = ()) -
                         "thunderserve: its kv_reserve, 0.1)")
     p.add_argument("--first", type=int, default=None, metavar="N",
                    help="Cronus's pair designs: serve the trace's first N requests (default 1000, as Cronus §5.1)")
+    p.add_argument("--lose", default=None, metavar="NODES@T",
+                   help="cluster nodes (GPUs, comma-separated) that go down T simulated seconds into the run: their "
+                        "work is lost, the requests on them move (re-prefilling elsewhere) and the coordinator "
+                        "re-plans as --reschedule says (docs/simulator.md, 'Nodes lost and re-plans')")
+    p.add_argument("--reschedule", default=None, choices=["lightweight", "full", "none"],
+                   help="with --lose: lightweight (ThunderServe §3.4: surviving groups keep their layers, phases "
+                        "flip, the TSTP re-solved; what the coordinator does for a ThunderServe plan), full (a new "
+                        "plan of the method over the nodes left; a node whose layers change reloads) or none (the "
+                        "plan serves on without the lost nodes) (default: the coordinator's, lightweight for "
+                        "--placement thunderserve, full otherwise)")
+    p.add_argument("--reschedule-delay", type=_non_negative, default=None, metavar="S",
+                   help="seconds from the loss to the new plan (default: measured, the coordinator's 0.5 s debounce "
+                        "plus the planner's CPU time here)")
+    p.add_argument("--reload", type=_non_negative, default=None, metavar="S",
+                   help="seconds a node whose layers a re-plan changes takes to load them (default: 103, "
+                        "ThunderServe's Table 4 for LLaMA-30B, a stated figure)")
     p.add_argument("--json", action="store_true", help="print the result as JSON (summary, nodes, links)")
     p.add_argument("--requests", action="store_true", help="with --json: include every request")
     p.add_argument("--csv", default=None, metavar="DIR", help="write requests/nodes/links/timeseries CSV files")
@@ -184,50 +200,31 @@ def run(args: argparse.Namespace, *, clusters_dir: Path) -> int:
         from hetnode.testnet.sim.padg_cli import run as run_padg
 
         return run_padg(args, cluster, model)
+    duration = args.duration or (600.0 if args.offline else 1800.0)
+    warmup = args.warmup if args.warmup is not None else (60.0 if args.offline else 30.0)
+    if warmup >= duration:
+        raise ConfigError(f"the warm-up ({warmup:g} s) must be shorter than the duration ({duration:g} s)",
+                          key="--warmup")
+    loss = _loss(args, cluster, duration)  # before planning: a typo should not wait for the planner
     kv_share = kv_share_for(args.method, args.kv_share)
     profiles = profile_table_for(cluster, model, args.profile, kv_share=kv_share)
     trace = wl.load_trace(args.trace, length_filter=not args.no_length_filter)
+    ts_options = None
     if args.plan is not None:
         try:
             plan = PlacementPlan.from_json(json.loads(Path(args.plan).read_text()))
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise ConfigError(f"cannot read the plan: {exc}", file=args.plan, key="--plan") from exc
-    elif args.method == "thunderserve":
-        plan = _thunderserve(args, cluster, model, trace, kv_share)
-    elif args.method == "split":
-        from hetnode.planner.profile import Workload
-        from hetnode.planner.split import split_placement
-
-        # The pools are sized for the requests this run serves (hetnode coordinator's --split-workload).
-        typical = Workload(input_len=max(1, round(trace.mean_input)), output_len=max(0, round(trace.mean_output)))
-        _say(args, f"planning {model.name} on {cluster.name} (split, for {typical.input_len} prompt and "
-                   f"{typical.output_len} output tokens) ...")
-        plan = split_placement(cluster, model, profiles, workload=typical)
-    elif args.method == "cronus":  # more than two nodes: weak and strong ones in pairs, in the main simulator
-        from hetnode.planner.cronus_plan import cronus_placement
-
-        plan = cronus_placement(cluster.name, model, {n.name: n.device_spec.fp16_tflops for n in cluster.nodes},
-                                {n.name: int(n.memory_gb * 2**30) for n in cluster.nodes})
-        _say(args, "plan: " + ", ".join(f"{a.nodes[0]} (PPI) with {b.nodes[0]} (CPI)"
-                                        for a, b in zip(plan.replicas[::2], plan.replicas[1::2], strict=True)))
+        if plan.method == "thunderserve":
+            ts_options = _thunderserve_options(args, trace, kv_share)
     else:
-        from hetnode.planner.placement import PlannerOptions, plan_placement
-
-        planning = PlannerOptions(partial_inference=not args.no_partial,
-                                  **({"time_limit_s": args.time_limit} if args.time_limit else {}))
-        _say(args, f"planning {model.name} on {cluster.name} ({args.method}) ...")
-        plan = plan_placement(cluster, model, profiles, method=args.method, options=planning)
+        plan, ts_options = _make_plan(args, cluster, model, profiles, trace, kv_share)
     merged = merge_tensor_parallel(plan, cluster)[1]
     if merged is not cluster:  # a tensor-parallel stage runs as one node (tp_stages.py): its profile is the cell's
         profiles = profile_table_for(merged, model, args.profile, kv_share=kv_share)
     _say(args, f"plan: {plan.method}, {len(plan.placements)} nodes, {plan.size}")
 
     _say(args, f"trace: {len(trace)} requests from {trace.source}")
-    duration = args.duration or (600.0 if args.offline else 1800.0)
-    warmup = args.warmup if args.warmup is not None else (60.0 if args.offline else 30.0)
-    if warmup >= duration:
-        raise ConfigError(f"the warm-up ({warmup:g} s) must be shorter than the duration ({duration:g} s)",
-                          key="--warmup")
     slos = {k: v for k, v in (("ttft", args.slo_ttft), ("tpot", args.slo_tpot), ("e2e", args.slo_e2e)) if v}
     try:
         # Cronus's CPI runs chunked prefill of 512 tokens an iteration (§5.1), which its balancer is fitted on.
@@ -261,10 +258,13 @@ def run(args: argparse.Namespace, *, clusters_dir: Path) -> int:
         else:
             workload = wl.replay(trace, rate=rate, duration_s=duration)
     _say(args, f"workload: {workload.description}")
+    replan = None
+    if loss is not None:
+        replan = _replan(args, cluster, model, plan, loss, ts_options, trace, kv_share)
     progress = args.progress == "on" or (args.progress == "auto" and sys.stderr.isatty())
     result = simulate(cluster, model, profiles, plan, workload=workload, scheduler=args.scheduler,
                       duration_s=duration, warmup_s=warmup, seed=args.seed, slos=slos, progress=progress,
-                      options=options)
+                      options=options, loss=loss, replan=replan)
     result.config["trace_source"] = trace.source
     if args.csv:
         for path in result.to_csv(args.csv):
@@ -281,20 +281,97 @@ def run(args: argparse.Namespace, *, clusters_dir: Path) -> int:
     return 0
 
 
-def _thunderserve(args: argparse.Namespace, cluster: Any, model: Any, trace: Any, kv_share: float) -> Any:
-    """ThunderServe's plan for the trace's mean lengths, at --rate (else its default rate)."""
+def _make_plan(args: argparse.Namespace, cluster: Any, model: Any, profiles: Any, trace: Any,
+               kv_share: float) -> tuple[Any, Any]:
+    """The plan of --method over `cluster`, and its ThunderServe options where it is ThunderServe's (None
+    otherwise); made again over the nodes left after --lose for a full re-plan."""
+    from hetnode.planner.thunderserve.deploy import thunderserve_placement
+
+    if args.method == "thunderserve":
+        options = _thunderserve_options(args, trace, kv_share)
+        _say(args, f"planning {model.name} on {cluster.name} (thunderserve, for {options.traffic.input_len:.0f} "
+                   f"prompt and {options.traffic.output_len:.0f} output tokens at {options.traffic.rate:g} "
+                   "requests/s) ...")
+        return thunderserve_placement(cluster, model, options), options
+    if args.method == "split":
+        from hetnode.planner.profile import Workload
+        from hetnode.planner.split import split_placement
+
+        # The pools are sized for the requests this run serves (hetnode coordinator's --split-workload).
+        typical = Workload(input_len=max(1, round(trace.mean_input)), output_len=max(0, round(trace.mean_output)))
+        _say(args, f"planning {model.name} on {cluster.name} (split, for {typical.input_len} prompt and "
+                   f"{typical.output_len} output tokens) ...")
+        return split_placement(cluster, model, profiles, workload=typical), None
+    if args.method == "cronus":  # more than two nodes: weak and strong ones in pairs, in the main simulator
+        from hetnode.planner.cronus_plan import cronus_placement
+
+        plan = cronus_placement(cluster.name, model, {n.name: n.device_spec.fp16_tflops for n in cluster.nodes},
+                                {n.name: int(n.memory_gb * 2**30) for n in cluster.nodes})
+        _say(args, "plan: " + ", ".join(f"{a.nodes[0]} (PPI) with {b.nodes[0]} (CPI)"
+                                        for a, b in zip(plan.replicas[::2], plan.replicas[1::2], strict=True)))
+        return plan, None
+    from hetnode.planner.placement import PlannerOptions, plan_placement
+
+    planning = PlannerOptions(partial_inference=not args.no_partial,
+                              **({"time_limit_s": args.time_limit} if args.time_limit else {}))
+    _say(args, f"planning {model.name} on {cluster.name} ({args.method}) ...")
+    return plan_placement(cluster, model, profiles, method=args.method, options=planning), None
+
+
+def _loss(args: argparse.Namespace, cluster: Any, duration: float) -> Any:
+    """--lose, checked against the cluster and the run's length (None without it)."""
+    from hetnode.testnet.sim.replan import check_loss, parse_loss
+
+    if args.lose is None:
+        if args.reschedule or args.reschedule_delay is not None or args.reload is not None:
+            raise ConfigError("--reschedule, --reschedule-delay and --reload say what follows a loss: give --lose",
+                              key="--reschedule")
+        return None
+    loss = parse_loss(args.lose)
+    check_loss(loss, cluster, duration)
+    if args.reschedule == "lightweight" and args.plan is None and args.method != "thunderserve":
+        raise ConfigError(f"lightweight rescheduling is ThunderServe's (§3.4), not {args.method}'s: use "
+                          "--reschedule full or none", key="--reschedule")
+    return loss
+
+
+def _replan(args: argparse.Namespace, cluster: Any, model: Any, plan: Any, loss: Any, ts_options: Any, trace: Any,
+            kv_share: float) -> Any:
+    """The re-plan after --lose that --reschedule asks for (by default the coordinator's), made now and timed."""
+    from hetnode.planner.profile_sources import profile_table_for
+    from hetnode.testnet.sim.replan import RELOAD_S, after_loss
+    from hetnode.testnet.sim.tp_stages import merge_tensor_parallel
+
+    how = args.reschedule or ("lightweight" if plan.method == "thunderserve" else "full")
+
+    def full(left: Any) -> Any:
+        return _make_plan(args, left, model, profile_table_for(left, model, args.profile, kv_share=kv_share), trace,
+                          kv_share)[0]
+
+    def profiles(new: Any) -> Any:
+        return profile_table_for(merge_tensor_parallel(new, cluster)[1], model, args.profile, kv_share=kv_share)
+
+    if how != "none":
+        _say(args, f"re-planning after losing {', '.join(loss.nodes)} at {loss.at:g} s ({how}) ...")
+    replan = after_loss(plan, cluster, model, loss, how, options=ts_options, planner=full,
+                        delay_s=args.reschedule_delay, reload_s=RELOAD_S if args.reload is None else args.reload,
+                        profiles=profiles)
+    if replan is not None:
+        said = replan.note or (replan.plan.notes[0] if replan.plan.notes else replan.plan.size)
+        _say(args, f"re-plan at {replan.at:.2f} s (planner {replan.planner_s:.2f} s of CPU): {said}")
+    return replan
+
+
+def _thunderserve_options(args: argparse.Namespace, trace: Any, kv_share: float) -> Any:
+    """ThunderServe's options for the trace's mean lengths, at --rate (else its default rate)."""
     import dataclasses
 
-    from hetnode.planner.thunderserve.deploy import thunderserve_placement
     from hetnode.planner.thunderserve.settings import ThunderServeOptions, Traffic
 
     defaults = ThunderServeOptions()
     traffic = Traffic(input_len=max(1.0, trace.mean_input), output_len=max(1.0, trace.mean_output),
                       rate=args.rate or defaults.traffic.rate)
-    options = dataclasses.replace(defaults, traffic=traffic, seed=args.seed, kv_reserve=kv_share)
-    _say(args, f"planning {model.name} on {cluster.name} (thunderserve, for {traffic.input_len:.0f} prompt and "
-               f"{traffic.output_len:.0f} output tokens at {traffic.rate:g} requests/s) ...")
-    return thunderserve_placement(cluster, model, options)
+    return dataclasses.replace(defaults, traffic=traffic, seed=args.seed, kv_reserve=kv_share)
 
 
 def _say(args: argparse.Namespace, text: str) -> None:
@@ -329,6 +406,11 @@ def format_summary(result: Any) -> str:
             lines.append(f"  {label:<12}" + "".join(f"{_num(row[q]):>9}" for q in ("mean", "p50", "p95")))
     if s["slo_attainment"]:
         lines.append("SLO          " + ", ".join(f"{k} {v:.1%}" for k, v in s["slo_attainment"].items()))
+    for event in s.get("replan", ()):
+        lines.append(f"re-plan      {_event(event)}")
+    for w in s.get("slo_windows", ()):
+        if "all" in w:
+            lines.append(f"  arrived [{w['from']:g}, {w['to']:g}) s: {w['requests']} requests, SLO all {w['all']:.1%}")
     lines.append(f"nodes        mean utilization {s['node_utilization_mean']:.1%}, peak KV {s['kv_peak_max']:.1%}, "
                  f"mean pipeline depth {_num(s['mean_depth'])}")
     kv = s.get("kv_handoff")
@@ -345,6 +427,18 @@ def format_summary(result: Any) -> str:
                      f"longest prompt wait {s['worst_prompt_queue_link']['name']} "
                      f"({s['worst_prompt_queue_link']['mean_prompt_queue_s']:.3g} s)")
     return "\n".join(lines) + "\n"
+
+
+def _event(e: dict[str, Any]) -> str:
+    """One loss or re-plan event of a run, for a person."""
+    if e["event"] == "loss":
+        return f"{e['at']:g} s: lost {', '.join(e['gpus'])}; {e['requests_moved']} requests moved"
+    if e["event"] == "ready":
+        return f"{e['at']:.2f} s: the new plan serves; {e['queued_retried']} waiting requests retried on it"
+    note = f"; {e['note']}" if e["note"] else ""
+    return (f"{e['at']:.2f} s: {e['how']} re-plan (planner {e['planner_s']:.2f} s of CPU{note}): "
+            f"{len(e['kept'])} nodes kept ({len(e['flipped'])} flipped), {len(e['dropped'])} dropped, "
+            f"{len(e['reloaded'])} loading; {e['requests_moved']} requests moved; serves at {e['ready_at']:.2f} s")
 
 
 def _bytes(n: float) -> str:

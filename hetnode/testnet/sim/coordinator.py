@@ -38,8 +38,9 @@ on the nodes' per-token path any more.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+import math
+from collections.abc import Callable, Collection, Sequence
+from typing import Any, NamedTuple, Protocol
 
 from hetnode.coordinator.split_scheduler import HANDOFF
 from hetnode.errors import HetnodeError
@@ -49,6 +50,9 @@ from hetnode.protocol.routes import describe, kv_targets, phase_span, pipeline_r
 from hetnode.testnet.sim.events import grouped
 from hetnode.testnet.sim.handoff import RouteHandoff
 from hetnode.testnet.sim.node import SimNode
+
+# How long a request waits for a plan that can serve it: the coordinator's --route-wait default.
+ROUTE_WAIT_S = 30.0
 
 
 class SimulationError(HetnodeError):
@@ -80,8 +84,8 @@ class SimRequest:
     __slots__ = ("admitted", "arrival", "booked_at", "decode_at", "depth", "done", "entry", "first", "first_token",
                  "gen", "handed", "handoff", "handoff_end", "hops", "idx", "input_len", "kind", "kv_out", "kv_since",
                  "kv_wait", "last_token", "max_tbt", "num_tokens", "nxt", "origin", "output_len", "path", "pf",
-                 "prefill_end", "prefilled_at", "pull", "ready", "received", "rejected", "restarts", "rid", "seg",
-                 "session", "start", "told")
+                 "prefill_end", "prefilled_at", "pull", "ready", "received", "rejected", "restarts", "rid", "route",
+                 "sched", "seg", "session", "start", "told")
 
     def __init__(self, idx: int, arrival: float, input_len: int, output_len: int) -> None:
         self.idx = idx
@@ -99,7 +103,11 @@ class SimRequest:
         self.rejected = ""
         self.gen = 0  # tokens sampled by its last hop
         self.received = 0  # tokens the coordinator has received
-        self.restarts = 0  # moves after a node preempted it
+        self.restarts = 0  # moves to another route (a node preempted it, had no room, or went down)
+        # The scheduler that admitted (or queued) it: the one told when it ends or moves, as the runtime's
+        # deployment keeps each session's (`Deployment.route_done`), whichever plan serves by then.
+        self.sched: Any = None
+        self.route: SimRoute | None = None  # the route it runs on
         self.origin = self
         self.session = -1  # the nodes' key for its KV; a new one for each pipeline it runs on
         # The item in flight: `num_tokens` tokens at positions [start, start + num_tokens); pf while it is a
@@ -149,11 +157,11 @@ class SimRequest:
 class SimRoute:
     """One route, prepared once and shared (read-only) by every request the scheduler sends along it."""
 
-    __slots__ = ("depth", "entry", "first", "handoff", "hops", "kind", "nxt", "path", "seg")
+    __slots__ = ("depth", "entry", "first", "handoff", "hops", "kind", "nxt", "path", "phases", "seg")
 
     def __init__(self, entry: int, first: int, nxt: dict[int, int], seg: dict[int, int],
                  hops: tuple[tuple[SimNode, int], ...], depth: int, path: str, kind: str,
-                 handoff: RouteHandoff | None) -> None:
+                 handoff: RouteHandoff | None, phases: tuple[frozenset[str], ...] = ()) -> None:
         self.entry = entry
         self.first = first
         self.nxt = nxt
@@ -163,6 +171,7 @@ class SimRoute:
         self.path = path
         self.kind = kind
         self.handoff = handoff
+        self.phases = phases  # each phase's node names, in route order (what a node going down is checked against)
 
 
 class SimToken:
@@ -175,6 +184,12 @@ class SimToken:
     def __init__(self, r: SimRequest) -> None:
         self.r = r
         self.session = r.session
+
+
+class _Hooks(NamedTuple):
+    prefilled: Callable[[str, float], Sequence[Any]] | None
+    partial_done: Callable[[str, float], Sequence[Any]] | None
+    take_handoffs: Callable[[], list[str]] | None
 
 
 # A one-phase route prefills and decodes on the same pipeline (Helix's); phase-split ones hand KV over.
@@ -204,17 +219,13 @@ class SimCoordinator:
                  send_ids: Send, release: Callable[[SimNode, int, float], None], block_size: int,
                  window: tuple[float, float], bin_s: float, request_s: float = 0.0, token_s: float = 0.0,
                  max_reroutes: int = 3, lifecycle: Lifecycle | None = None,
-                 handoff: Installer | None = None) -> None:
+                 handoff: Installer | None = None, route_wait_s: float = ROUTE_WAIT_S) -> None:
         if not request_s >= 0 or not token_s >= 0:
             raise ValueError(f"the coordinator's times must be >= 0, not {request_s} and {token_s}")
+        # The scheduler of the plan that serves: new requests and moves go to it. A re-plan (replan.py) replaces
+        # it; the requests an older one admitted finish on their routes and end in it (`SimRequest.sched`).
         self.scheduler = scheduler
-        self.prefilled: Callable[[str, float], Sequence[Any]] | None = getattr(scheduler, "prefilled", None)
-        self.partial_done: Callable[[str, float], Sequence[Any]] | None = getattr(scheduler, "partial_done", None)
-        # A phase-split scheduler that books the decode KV at the hand-off (decode_booking "handoff"): the prefill
-        # hops keep a session's KV until the scheduler lets its hand-off start (take_handoffs).
-        self.take_handoffs: Callable[[], list[str]] | None = (
-            getattr(scheduler, "take_handoffs", None) if getattr(scheduler, "decode_booking", "") == HANDOFF
-            else None)
+        self._hooks: dict[int, _Hooks] = {}
         self.pulling: dict[str, SimRequest] = {}  # prefilling or waiting for their hand-off to start
         self.handoff = handoff
         self.nodes = nodes
@@ -228,7 +239,16 @@ class SimCoordinator:
         # The runtime's policy: when to sample, stop, move or give up (another design passes its own).
         self.lifecycle = lifecycle or Lifecycle(max_reroutes)
         self.sessions = 0  # session ids handed out
-        self.preemptions = 0
+        self.preemptions = 0  # moves after a node preempted a request, or had no KV room for it
+        self.lost_moves = 0  # moves after a node of the request's route went down
+        # A re-plan's scheduler while its nodes get ready (masks nodes that go down meanwhile, as the runtime's
+        # deployment masks them in its newest plan too), and how the simulation drops moved requests' items.
+        self.pending: Scheduler | None = None
+        self.purge: Callable[[set[int]], None] | None = None
+        # Requests waiting for a plan that can serve them, and how the simulation ends the wait (replan.py).
+        self.held: dict[str, SimRequest] = {}
+        self.route_wait_s = route_wait_s
+        self.expire: Callable[[float, SimRequest], None] | None = None
         # Set at the first refusal: items of a refused request may still be on links; nodes drop them on arrival
         # (the runtime's batch loop drops work of released sessions the same way).
         self.stragglers = False
@@ -258,15 +278,49 @@ class SimCoordinator:
 
     # -- admission --------------------------------------------------------------------------------------
 
+    def hooks(self, scheduler: Scheduler) -> _Hooks:
+        """What a scheduler is told beyond submit, finish and cancel, where it has it (every runtime scheduler does):
+        a session's first token, its earlier phases done, and (a phase-split scheduler that books the decode KV at
+        the hand-off, decode_booking "handoff") the requests whose hand-off may start now."""
+        found = self._hooks.get(id(scheduler))
+        if found is None:
+            pull = getattr(scheduler, "decode_booking", "") == HANDOFF
+            found = self._hooks[id(scheduler)] = _Hooks(
+                getattr(scheduler, "prefilled", None), getattr(scheduler, "partial_done", None),
+                getattr(scheduler, "take_handoffs", None) if pull else None)
+        return found
+
     def arrive(self, r: SimRequest, now: float) -> None:
         self.requests.append(r)
-        self._decided(r, self.scheduler.submit(r.rid, r.input_len, now), now)
+        self._submit(r, r.input_len, now)
 
-    def _decided(self, r: SimRequest, decision: Any, now: float) -> None:
+    def _submit(self, r: SimRequest, context: int, now: float) -> None:
+        """Ask the serving plan's scheduler for a route of `context` tokens. While it can serve nothing (every
+        replica of a phase down, its re-plan loading) the request waits for a plan that can, at most
+        `route_wait_s`, as the runtime's `Deployment.route` waits (`--route-wait`); only in a run with losses or
+        a re-plan (`expire` set): elsewhere the scheduler's refusal stands, as it always has here."""
+        scheduler = self.scheduler
+        if self.expire is not None and getattr(scheduler, "largest_kv", 0.0) == -math.inf:
+            self.held[r.rid] = r
+            self.expire(now + self.route_wait_s, r)
+            return
+        self._decided(r, scheduler.submit(r.rid, context, now), now, scheduler)
+
+    def expired(self, r: SimRequest, now: float) -> None:
+        """A request held for a usable plan waited `route_wait_s` in vain: it ends, as the runtime answers 503."""
+        if self.held.pop(r.rid, None) is None:
+            return
+        r.rejected = f"no pipeline is ready to serve within {self.route_wait_s:g} s"
+        if self.on_finish is not None:
+            self.on_finish(now)
+
+    def _decided(self, r: SimRequest, decision: Any, now: float, scheduler: Scheduler) -> None:
         route = decision.route
         if route is not None:
+            r.sched = scheduler
             self._start(r, route, now)
         elif decision.queued:
+            r.sched = scheduler
             self.waiting[r.rid] = r
         else:
             r.rejected = str(getattr(decision, "reason", "") or "refused by the scheduler")
@@ -286,6 +340,7 @@ class SimCoordinator:
             route = self.routes[key] = self._route(decided)
         if r.admitted < 0:
             r.admitted = now
+        r.route = route
         r.entry = route.entry
         r.first = route.first
         r.nxt = route.nxt
@@ -318,7 +373,7 @@ class SimCoordinator:
         if self.handoff is None:
             raise SimulationError("a phase-split route, but the simulation models no KV hand-offs")
         r.pull = False
-        if self.take_handoffs is not None and r.handoff_end == r.prefill_end:
+        if self.hooks(r.sched).take_handoffs is not None and r.handoff_end == r.prefill_end:
             # Booked at the hand-off: the context goes out now; the KV waits on the prefill hops (`handoff.queue`).
             r.booked_at = -1.0
             self.pulling[r.rid] = r
@@ -362,8 +417,9 @@ class SimCoordinator:
             return
         if r.handoff_end < r.prefill_end:
             r.prefilled_at = now  # a partial prefill samples nothing: its phase ends with the last hand-over
-        if self.partial_done is not None:
-            self._admit_queued(self.partial_done(r.rid, now), now)
+        partial_done = self.hooks(r.sched).partial_done
+        if partial_done is not None:
+            self._admit_queued(partial_done(r.rid, now), now, r.sched)
 
     def on_full(self, r: SimRequest, session: int, reason: str, now: float) -> None:
         """A decode hop had no KV memory free for the session (Failed, cause "full"): the lifecycle decides."""
@@ -422,7 +478,7 @@ class SimCoordinator:
         path = " | ".join(">".join(f"{h.peer}[{h.first_layer},{h.last_layer})" for h in phase.hops)
                           for phase in phases)
         return SimRoute(starts[0], starts[-1], nxt, seg, tuple(hops), len(phases[-1].hops), path, phases[-1].kind,
-                        handoff)
+                        handoff, tuple(frozenset(h.peer for h in phase.hops) for phase in phases))
 
     # -- the last hop: the decode loop runs on the nodes ------------------------------------------
 
@@ -485,8 +541,9 @@ class SimCoordinator:
             r.received += 1
             if t.session != r.told:  # the session's first token: its prefill is done (the runtime's route_prefilled)
                 r.told = t.session
-                if self.prefilled is not None:
-                    self._admit_queued(self.prefilled(r.rid, now), now)
+                prefilled = self.hooks(r.sched).prefilled
+                if prefilled is not None:
+                    self._admit_queued(prefilled(r.rid, now), now, r.sched)
             if r.first_token < 0:
                 r.first_token = r.last_token = now
                 prompt_done += r.input_len
@@ -526,17 +583,20 @@ class SimCoordinator:
         self.finished += 1
         for node, _ in r.hops:
             self.release(node, r.session, now)
-        self._admit_queued(self.scheduler.finish(r.rid, r.received, now), now)
+        self._admit_queued(r.sched.finish(r.rid, r.received, now), now, r.sched)
         if self.on_finish is not None:
             self.on_finish(now)
 
-    def _admit_queued(self, decisions: Sequence[Any], now: float) -> None:
+    def _admit_queued(self, decisions: Sequence[Any], now: float, scheduler: Scheduler) -> None:
+        """What `scheduler` decided for requests it had queued (started or refused); then the hand-offs it lets
+        start."""
         for decision in decisions:
             queued = self.waiting.pop(decision.request_id, None)
             if queued is not None:
-                self._decided(queued, decision, now)
-        if self.take_handoffs is not None:
-            for rid in self.take_handoffs():
+                self._decided(queued, decision, now, scheduler)
+        take_handoffs = self.hooks(scheduler).take_handoffs
+        if take_handoffs is not None:
+            for rid in take_handoffs():
                 r = self.pulling.pop(rid, None)
                 if r is not None and r.pull and r.done < 0 and not r.rejected:
                     assert self.handoff is not None
@@ -559,7 +619,8 @@ class SimCoordinator:
             for node, _ in r.hops:
                 self.release(node, r.session, now)
             r.session = -1
-            decisions = list(self.scheduler.cancel(r.rid, now))
+            admitted_by = r.sched
+            decisions = list(admitted_by.cancel(r.rid, now))
             if not self.lifecycle.moves(cause, r.restarts):
                 r.rejected = reason if cause == "refused" else f"{reason}; gave up after {r.restarts} moves"
                 # The rest of a split chunk may wait at other hops: it must not take KV there again.
@@ -567,14 +628,66 @@ class SimCoordinator:
                     node.queue = [x for x in node.queue if x.origin is not r]
                 self.stragglers = True
             else:
-                self.preemptions += 1
+                if cause == "lost":
+                    self.lost_moves += 1
+                else:
+                    self.preemptions += 1
                 r.restarts += 1
                 r.kv_since = -1.0
                 # The new pipeline re-prefills what the coordinator has received; tokens still on their way from
                 # the old session are dropped when they arrive, and sampled again.
                 r.gen = r.received
                 restart = self.lifecycle.restart(r.input_len, r.gen, r.output_len)
-                self._decided(r, self.scheduler.submit(r.rid, restart.prefill_end, now), now)
-            self._admit_queued(decisions, now)
+                self._submit(r, restart.prefill_end, now)
+            self._admit_queued(decisions, now, admitted_by)
             if r.rejected and self.on_finish is not None:
                 self.on_finish(now)
+
+    # -- nodes going down, and a new plan -------------------------------------------------------------------
+
+    def node_down(self, names: Collection[str], now: float, why: str, *, lost: bool = True) -> list[SimRequest]:
+        """Nodes went down (`lost`), or dropped their shard for a re-plan: as the runtime's coordinator does, the
+        schedulers of the plans in use mask them (a dropped shard only in the serving plan's: the new plan has
+        the node, with its new shard; the queued requests nothing can serve now are refused), and
+        every running request whose route they fail (`Lifecycle.fails_when_down`) moves for cause "lost": its
+        items still anywhere in the simulation are dropped (`purge`: the runtime's hops drop a released session's
+        work), its KV released on its old hops, and a route asked of the serving plan's scheduler. Returns the
+        requests that moved (or ended, past their last move)."""
+        for scheduler in (self.scheduler, self.pending if lost else None):
+            if scheduler is None or not hasattr(scheduler, "node_down"):
+                continue
+            for name in names:
+                self._admit_queued(list(scheduler.node_down(name, now).rejected), now, scheduler)
+        fails = self.lifecycle.fails_when_down
+        failing = [r for r in self.requests
+                   if r.route is not None and r.done < 0 and not r.rejected and r.session >= 0
+                   and any(fails(name, r.route.phases, left=False) for name in names)]
+        if failing:
+            if self.purge is None:
+                raise SimulationError("nodes went down, but the simulation cannot drop their requests' items")
+            self.purge({id(r) for r in failing})
+            self.on_failed([(r, why, "lost") for r in failing], now)
+        return failing
+
+    def switch(self, scheduler: Scheduler, now: float) -> int:
+        """A new plan serves (every node of it ready), as `Deployment.on_status` switches: its scheduler takes
+        new requests and moves; requests the old one admitted finish on their routes and end in it; those it had
+        queued retry on the new plan (`Deployment._retire`: each is cancelled there, what the cancel lets in
+        ignored, and submitted anew). Returns how many retried."""
+        old, self.scheduler = self.scheduler, scheduler
+        self.pending = None
+        self.routes.clear()  # the route shapes of the old plan may name nodes that hold other layers now
+        retried = 0
+        for rid, r in list(self.waiting.items()):
+            if r.sched is not old or self.waiting.get(rid) is not r:
+                continue
+            old.cancel(rid, now)
+            del self.waiting[rid]
+            retried += 1
+            context = self.lifecycle.restart(r.input_len, r.gen, r.output_len).prefill_end
+            self._decided(r, scheduler.submit(rid, context, now), now, scheduler)
+        held, self.held = self.held, {}
+        for r in held.values():  # those that waited for a plan that can serve
+            retried += 1
+            self._submit(r, self.lifecycle.restart(r.input_len, r.gen, r.output_len).prefill_end, now)
+        return retried

@@ -137,6 +137,21 @@ class Simulation:
             link = net.link(src, dst)
         return link.latency_s if link is not None else 0.0
 
+    def purge(self, requests: set[int]) -> None:
+        """Drop every item of the requests whose ids are in `requests` (moved off their routes): from the nodes'
+        queues, steps under way and items held for KV, and from the link messages still travelling, as the
+        runtime's hops drop the work of a released session. Rare (a node lost, a re-plan), so it scans."""
+        for node in self.nodes:
+            if node.queue:
+                node.queue = [x for x in node.queue if id(x.origin) not in requests]
+            if node.batch:
+                node.batch = [x for x in node.batch if id(x.origin) not in requests]
+            for session, held in list(node.kv_held.items()):
+                node.kv_held[session] = [x for x in held if id(x.origin) not in requests]
+        for _, _, kind, _, items in self.events.heap:
+            if kind == NODE_MESSAGE:
+                items[:] = [x for x in items if id(x.origin) not in requests]
+
     def arrive_at(self, time: float, workload_index: int) -> None:
         self.events.push(time, ARRIVAL, workload_index)
 
@@ -152,6 +167,8 @@ class Simulation:
         """A link message reached a node: its items join the queue; an idle node starts a step at once."""
         node = self.nodes[index]
         assert self.coordinator is not None
+        if node.down or not items:
+            return  # lost on the way, or every item of it moved meanwhile (`purge`)
         if self.coordinator.stragglers:
             items = [r for r in items if not r.origin.rejected]
         if node.kv_coming:  # a hop of a decode phase: its sessions' items wait for their handed-over KV
@@ -172,6 +189,8 @@ class Simulation:
         batch = node.batch
         node.batch = None
         assert batch is not None
+        if node.down or not batch:
+            return  # the node went down during the step, or every item of it moved meanwhile (`purge`)
         kv = None
         if node.kv_out:  # a prefill hop: the KV its step computed goes to the next phase
             assert self.handoff is not None

@@ -65,6 +65,8 @@ class RequestRecord:
     # Phase-split routes: when its decode hops' KV was booked (its admission, or its hand-off's start with the
     # scheduler's decode_booking "handoff"); NaN otherwise.
     decode_booked: float = math.nan
+    # Times it moved to another route (a node preempted it, had no room for it, or went down).
+    moves: int = 0
 
     @property
     def finished(self) -> bool:

@@ -79,6 +79,7 @@ class SimNode:
         "decode_curve",
         "decode_memo",
         "device",
+        "down",
         "failed",
         "first_layer",
         "index",
@@ -137,6 +138,7 @@ class SimNode:
         self.index = index
         self.name = name
         self.device = device
+        self.down = False  # lost, or its shard dropped for a re-plan: what reaches it is lost (replan.py)
         self.first_layer = first_layer
         self.last_layer = last_layer
         self.prompt_curve = profile.prompt_curve

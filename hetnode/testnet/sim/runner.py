@@ -16,6 +16,7 @@ report how long the run took.
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 import time
@@ -25,7 +26,7 @@ from typing import Any
 
 from hetnode.coordinator.split_scheduler import ADMISSION, DECODE_BOOKINGS
 from hetnode.errors import ConfigError
-from hetnode.planner.cluster import ClusterSpec
+from hetnode.planner.cluster import ClusterSpec, NodeSpec
 from hetnode.planner.costmodel import MEMORY_EFFICIENCY
 from hetnode.planner.cronus_plan import device_splitters
 from hetnode.planner.devices import DeviceSpec
@@ -54,7 +55,8 @@ from hetnode.testnet.sim.metrics import (
 )
 from hetnode.testnet.sim.node import MIXED_STEPS, SimNode
 from hetnode.testnet.sim.offline_loop import OfflineLoop
-from hetnode.testnet.sim.tp_stages import merge_tensor_parallel
+from hetnode.testnet.sim.replan import Loss, Replan, SimReplans, Transition, check_loss, transition
+from hetnode.testnet.sim.tp_stages import merge_tensor_parallel, stage_cells
 from hetnode.testnet.sim.workload import Trace, Workload, offline
 
 SCHEDULERS = ("iwrr", "random", "shortest-queue", "swarm", "cls", "splitwise", "tstp", "random-pairs", "cronus")
@@ -226,14 +228,21 @@ def make_runtime_scheduler(name: str, plan: PlacementPlan, nodes: Mapping[str, S
 def simulate(cluster: ClusterSpec, model: ModelSpec, profiles: ProfileTable, plan: PlacementPlan, *,
              workload: Workload, scheduler: str | Scheduler = "iwrr", duration_s: float = 1800.0,
              warmup_s: float = 30.0, seed: int = 0, slos: Mapping[str, float] | None = None,
-             progress: bool = False, options: SimOptions | None = None) -> SimResult:
-    """Simulate serving `workload` for `duration_s` seconds; measure over [warmup_s, duration_s)."""
+             progress: bool = False, options: SimOptions | None = None, loss: Loss | None = None,
+             replan: Replan | None = None) -> SimResult:
+    """Simulate serving `workload` for `duration_s` seconds; measure over [warmup_s, duration_s). With `loss`,
+    cluster nodes go down during the run, and with `replan` the coordinator switches to a new plan (replan.py)."""
     opts = options or SimOptions()
+    whole_plan, whole_cluster = plan, cluster
     # A stage of tp GPUs runs as one node of those GPUs (tp_stages.py); `profiles` must cover those devices
     # (a roofline table of the merged cluster charges the stage's all-reduces over the link between its GPUs).
     plan, cluster = merge_tensor_parallel(plan, cluster)
     if not duration_s > 0 or not 0 <= warmup_s < duration_s:
         raise ConfigError(f"need 0 <= warmup ({warmup_s}) < duration ({duration_s})")
+    if loss is not None:
+        check_loss(loss, whole_cluster, duration_s)
+    if replan is not None:
+        _check_replan(replan, loss, model, whole_cluster, duration_s, scheduler)
     if plan.num_layers != model.num_layers:
         raise ConfigError(f"the plan is for {plan.num_layers} layers, the model {model.name} has {model.num_layers}")
     if not plan.placements:
@@ -247,41 +256,41 @@ def simulate(cluster: ClusterSpec, model: ModelSpec, profiles: ProfileTable, pla
     ranges = plan.ranges()
     roles = {n: r.role for r in plan.replicas for n in r.nodes}
     nodes: list[SimNode] = []
-    kv_capacity: dict[str, int] = {}
+    tokens: dict[int, int] = {}  # each node's KV pool in tokens, by index (a re-plan may reuse a name)
     for spec in cluster.nodes:
-        if spec.name not in ranges:
-            continue
-        first, last = ranges[spec.name]
-        profile = profiles.for_node(spec.name, spec.device)
-        cap = (opts.kv_capacity or {}).get(spec.name)
-        if cap is None:
-            cap = node_kv_tokens(profile, model, last - first, measured=opts.kv_pool == "measured")
-        kv_capacity[spec.name] = cap
-        caps = limits_for(profile.limits, last - first) if opts.step_caps else None
-        nodes.append(SimNode(len(nodes), spec.name, spec.device, profile, first, last, kv_capacity_tokens=cap,
-                             block_size=opts.block_size, max_batch_tokens=opts.max_batch_tokens, window=window,
-                             bin_s=bin_s, mixed_steps=opts.mixed_steps, min_chunk=opts.min_chunk,
-                             admit_oversized=opts.admit_oversized,
-                             max_prompts=caps.max_prompts if caps else None,
-                             max_decodes=caps.max_decodes if caps else None,
-                             prompt_tokens=prompt_tokens_for(roles.get(spec.name), opts.prefill_tokens),
-                             solo_decode_factor=opts.solo_decode_factor, first_layer_copy_s=opts.first_layer_copy_s,
-                             solo_beside_prompts=opts.solo_beside_prompts, copy_every_node=opts.copy_every_node,
-                             policy=batch_policy_for(opts.batching, opts.prompt_tokens)))
+        if spec.name in ranges:
+            nodes.append(_node(len(nodes), spec, ranges[spec.name], roles.get(spec.name), profiles, model, opts,
+                               window, bin_s, tokens))
+    kv_capacity = {n.name: tokens[n.index] for n in nodes}
     unknown = set(ranges) - {n.name for n in nodes}
     if unknown:
         raise ConfigError(f"the plan places layers on {', '.join(sorted(unknown))}, not in cluster {cluster.name}")
     by_name = {n.name: n for n in nodes}
+    # A re-plan's nodes that load a shard are simulated from the start, idle and down until they serve; the
+    # network then knows every node of both plans (the cluster's link rules name GPUs, merged or not).
+    change: Transition | None = None
+    links = cluster
+    if replan is not None:
+        change, links = _transition(whole_plan, whole_cluster, cluster, replan, loss, nodes, profiles, model,
+                                    opts, window, bin_s, tokens)
 
-    network = Network(cluster, model, nodes, window)
+    network = Network(links, model, nodes, window)
     sim = Simulation(network, per_item=opts.link_messages == "item")
     if isinstance(scheduler, str):
         expected = workload.mean_output if opts.output_len is None else opts.output_len
-        sched = make_runtime_scheduler(scheduler, plan, by_name, seed=seed, avg_output_len=expected,
-                                       kv_capacity=kv_capacity, options=opts,
-                                       regions={s.name: s.region for s in cluster.nodes}, model=model,
-                                       devices={s.name: replace(s.device_spec, memory_gb=s.memory_gb)
-                                                for s in cluster.nodes})
+
+        def runtime_scheduler(p: PlacementPlan, named: Mapping[str, SimNode]) -> Scheduler:
+            return make_runtime_scheduler(
+                str(scheduler), p, named, seed=seed, avg_output_len=expected,
+                kv_capacity={n: tokens[named[n].index] for n in p.ranges()}, options=opts,
+                regions={s.name: s.region for s in links.nodes}, model=model,
+                devices={s.name: replace(s.device_spec, memory_gb=s.memory_gb) for s in links.nodes})
+
+        sched = runtime_scheduler(plan, by_name)
+        if change is not None:
+            # Made now, so that a plan no scheduler can route is an error before the run; it starts to count at the
+            # re-plan (every call passes the time).
+            change.scheduler = runtime_scheduler(change.plan, change.by_name)
         scheduler_name = str(getattr(sched, "name", scheduler))
     else:
         sched, scheduler_name = scheduler, type(scheduler).__name__
@@ -295,6 +304,19 @@ def simulate(cluster: ClusterSpec, model: ModelSpec, profiles: ProfileTable, pla
                            request_s=opts.coordinator_request_s, token_s=opts.coordinator_token_s,
                            handoff=sim.handoff)
     sim.coordinator = coord
+    coord.by_name = by_name  # the nodes a re-plan adds take their names when it serves
+    sim.handoff.by_name = by_name
+    coord.purge = sim.purge
+    replans = None
+    if loss is not None or change is not None:
+        replans = SimReplans(sim, coord, prefill_tokens=opts.prefill_tokens)
+        if loss is not None:
+            cells = stage_cells(whole_plan)
+            replans.lose(loss, [by_name[name] for name, cell in cells.items()
+                                if name in by_name and set(cell) & set(loss.nodes)])
+        if change is not None:
+            assert replan is not None
+            replans.replan(replan, change)
 
     inputs, outputs = workload.inputs, workload.outputs
     if workload.offline and opts.offline_loop is not None:
@@ -347,9 +369,13 @@ def simulate(cluster: ClusterSpec, model: ModelSpec, profiles: ProfileTable, pla
     }
     records = [_record(r, window) for r in coord.requests]
     node_stats = [_node_stats(n, end, window) for n in nodes]
+    names = [n.name for n in node_stats]
+    # A node a re-plan added under the name of one it replaced (another shard of that GPU) is told apart.
+    node_stats = [replace(n, name=f"{n.name} (re-plan)") if k != names.index(n.name) else n
+                  for k, n in enumerate(node_stats)]
     node_stats += [NodeStats(s.name, s.device, 0, 0, 0.0, 0.0, 0, 0, 0.0, 0, 0, 0, 0, 0.0, 0.0, 0, 0.0, 0)
-                   for s in cluster.nodes if s.name not in by_name]
-    link_stats = [_link_stats(link, cluster, network, window) for link in network.links()]
+                   for s in links.nodes if s.name not in {n.name for n in nodes}]
+    link_stats = [_link_stats(link, links, network, window) for link in network.links()]
     nbins = max(1, math.ceil(end / bin_s))
     series = TimeSeries(
         bin_s=bin_s,
@@ -358,10 +384,95 @@ def simulate(cluster: ClusterSpec, model: ModelSpec, profiles: ProfileTable, pla
         node_utilization={n.name: tuple(min(1.0, v / bin_s) for v in _pad(n.busy_bins, nbins)) for n in nodes},
     )
     summary = _summary(records, node_stats, link_stats, coord, window, slos or {})
+    if replans is not None:
+        summary["replan"] = replans.report
+        # Attainment before the loss, while the coordinator re-plans and reloads, and once the new plan serves,
+        # by the requests' arrival.
+        edges = sorted({window[0], window[1], *(e["at"] for e in replans.report if e["event"] in ("loss", "ready")
+                                                  and window[0] < e["at"] < window[1])})
+        summary["slo_windows"] = [
+            {"from": a, "to": b, "requests": len(rs), **slo_attainment(rs, slos or {})}
+            for a, b in itertools.pairwise(edges)
+            for rs in [[r for r in records if a <= r.arrival < b]]]
     if sim.handoff.installs:
         summary["kv_handoff"] = _handoff_summary(sim.handoff, records)
     return SimResult(config=config, summary=summary, requests=records, nodes=node_stats, links=link_stats,
                      timeseries=series, wall_s=wall, events=sim.processed, sim_end_s=end)
+
+
+def _node(index: int, spec: NodeSpec, layers: tuple[int, int], role: str | None, profiles: ProfileTable,
+          model: ModelSpec, opts: SimOptions, window: tuple[float, float], bin_s: float,
+          tokens: dict[int, int]) -> SimNode:
+    """The simulated node of `spec` holding `layers`, in a replica of `role` (None: none); its KV pool's tokens go
+    to `tokens`."""
+    first, last = layers
+    profile = profiles.for_node(spec.name, spec.device)
+    cap = (opts.kv_capacity or {}).get(spec.name)
+    if cap is None:
+        cap = node_kv_tokens(profile, model, last - first, measured=opts.kv_pool == "measured")
+    tokens[index] = cap
+    caps = limits_for(profile.limits, last - first) if opts.step_caps else None
+    return SimNode(index, spec.name, spec.device, profile, first, last, kv_capacity_tokens=cap,
+                   block_size=opts.block_size, max_batch_tokens=opts.max_batch_tokens, window=window,
+                   bin_s=bin_s, mixed_steps=opts.mixed_steps, min_chunk=opts.min_chunk,
+                   admit_oversized=opts.admit_oversized,
+                   max_prompts=caps.max_prompts if caps else None,
+                   max_decodes=caps.max_decodes if caps else None,
+                   prompt_tokens=prompt_tokens_for(role, opts.prefill_tokens),
+                   solo_decode_factor=opts.solo_decode_factor, first_layer_copy_s=opts.first_layer_copy_s,
+                   solo_beside_prompts=opts.solo_beside_prompts, copy_every_node=opts.copy_every_node,
+                   policy=batch_policy_for(opts.batching, opts.prompt_tokens))
+
+
+def _check_replan(replan: Replan, loss: Loss | None, model: ModelSpec, cluster: ClusterSpec, duration_s: float,
+                  scheduler: str | Scheduler) -> None:
+    if not isinstance(scheduler, str):
+        raise ConfigError("a re-plan makes its plan's scheduler by name, as the coordinator does: pass the "
+                          "scheduler's name, not an object", key="--reschedule")
+    if replan.plan.num_layers != model.num_layers:
+        raise ConfigError(f"the re-plan is for {replan.plan.num_layers} layers, the model {model.name} has "
+                          f"{model.num_layers}", key="--reschedule")
+    if loss is not None and replan.at < loss.at:
+        raise ConfigError(f"the re-plan at {replan.at:g} s comes before the loss at {loss.at:g} s",
+                          key="--reschedule")
+    if replan.at >= duration_s:
+        raise ConfigError(f"the re-plan at {replan.at:g} s is outside the run [0, {duration_s:g}) s",
+                          key="--reschedule")
+    gone = set(loss.nodes if loss is not None else ()) & {p.node for p in replan.plan.placements}
+    names = {n.name for n in cluster.nodes}
+    unknown = {p.node for p in replan.plan.placements} - names
+    if gone or unknown:
+        raise ConfigError(f"the re-plan places layers on {', '.join(sorted(gone | unknown))}, which "
+                          f"{'went down' if gone else f'cluster {cluster.name} does not have'}", key="--reschedule")
+
+
+def _transition(whole_plan: PlacementPlan, whole_cluster: ClusterSpec, merged: ClusterSpec, replan: Replan,
+                loss: Loss | None, nodes: list[SimNode], profiles: ProfileTable, model: ModelSpec, opts: SimOptions,
+                window: tuple[float, float], bin_s: float, tokens: dict[int, int]) -> tuple[Transition, ClusterSpec]:
+    """The nodes a re-plan keeps, drops and adds (the added ones appended to `nodes`, down until it serves), and
+    a cluster that knows every node of both plans, with the whole cluster's link rules."""
+    old_plan = merge_tensor_parallel(whole_plan, whole_cluster)[0]
+    new_plan, new_cluster = merge_tensor_parallel(replan.plan, whole_cluster)
+    by_name = {n.name: n for n in nodes}
+    new_ranges = new_plan.ranges()
+    kept, dropped, added = transition(stage_cells(whole_plan), old_plan.ranges(), stage_cells(replan.plan),
+                                      new_ranges, by_name, loss.nodes if loss is not None else ())
+    old_roles = {n: r.role for r in old_plan.replicas for n in r.nodes}
+    new_roles = {n: r.role for r in new_plan.replicas for n in r.nodes}
+    table = replan.profiles or profiles
+    fresh = []
+    for name in added:
+        node = _node(len(nodes), new_cluster.node(name), new_ranges[name], new_roles.get(name), table, model, opts,
+                     window, bin_s, tokens)
+        node.down = True
+        nodes.append(node)
+        fresh.append(node)
+    serving = {**{name: by_name[name] for name in kept}, **{n.name: n for n in fresh}}
+    known = {n.name for n in merged.nodes}
+    links = replace(whole_cluster, nodes=(*merged.nodes, *(n for n in new_cluster.nodes if n.name not in known)))
+    change = Transition(kept=[(by_name[n], old_roles.get(n), new_roles.get(n)) for n in kept],
+                        dropped=[by_name[n] for n in dropped], added=fresh, by_name=serving, plan=new_plan)
+    return change, links
 
 
 def measured_peak(cluster: ClusterSpec, model: ModelSpec, profiles: ProfileTable, plan: PlacementPlan, *,
@@ -504,7 +615,7 @@ def _record(r: SimRequest, window: tuple[float, float]) -> RequestRecord:
         path=r.path, measured=window[0] <= r.arrival < window[1], rejected=r.rejected,
         handoff=r.decode_at - r.prefilled_at if r.decode_at >= 0 and r.prefilled_at >= 0 else NAN,
         kv_handed=r.handoff_end if r.handoff is not None else 0,
-        decode_booked=r.booked_at if r.booked_at >= 0 and r.handoff is not None else NAN)
+        decode_booked=r.booked_at if r.booked_at >= 0 and r.handoff is not None else NAN, moves=r.restarts)
 
 
 def _node_stats(n: SimNode, end: float, window: tuple[float, float]) -> NodeStats:
@@ -547,7 +658,7 @@ def _summary(records: list[RequestRecord], nodes: list[NodeStats], links: list[L
             "arrived": len(records), "measured": len(measured), "finished": len(done),
             "unfinished": len(measured) - len(done) - refused, "rejected": refused,
             "rejected_all": sum(1 for r in records if r.rejected), "still_queued": len(coord.waiting),
-            "preemptions": coord.preemptions,
+            "preemptions": coord.preemptions, "moved_lost": coord.lost_moves,
         },
         "decode_throughput": coord.window_generated / length,  # generated tokens/s
         "prompt_throughput": coord.window_prompt / length,  # prompt tokens/s

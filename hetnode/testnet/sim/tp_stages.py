@@ -71,3 +71,16 @@ def stage_device(first: NodeSpec, tp: int) -> str:
     """The device of a stage of `tp` GPUs like `first` ("2xa6000")."""
     device = first.device_spec
     return f"{tp * device.count}x{device.kind}"
+
+
+def stage_cells(plan: PlacementPlan) -> dict[str, tuple[str, ...]]:
+    """The GPUs each node of the merged plan stands for, by its name (the stage's first GPU): a stage's `tp` GPUs,
+    or the node alone where it is no tensor-parallel stage."""
+    cells: dict[str, tuple[str, ...]] = {p.node: (p.node,) for p in plan.placements}
+    for r in plan.replicas:
+        for s in range(0, len(r.nodes), max(1, r.tp)):
+            cell = r.nodes[s:s + max(1, r.tp)]
+            cells[cell[0]] = tuple(cell)
+            for gpu in cell[1:]:
+                cells.pop(gpu, None)
+    return cells
