@@ -343,6 +343,8 @@ class Reproduction:
         cl, mo, profiles = self.cluster(cluster), self.model(model), self.profiles(cluster, model, method)
         limit = self.time_limit if self.time_limit is not None else TIME_LIMITS[cluster]
         name = f"{CLUSTERS[cluster]}_{MODELS[model]}_{method}" + (f"_{limit:g}s" if method == "helix" else "")
+        if method == "helix" and self.pick != "served":  # a plan picked by another rule is another plan
+            name += f"_{self.pick}"
         path = None if self.plans_dir is None else self.plans_dir / f"{name}.json"
         t0 = time.perf_counter()
         if path is not None and path.is_file():
