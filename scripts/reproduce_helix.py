@@ -37,7 +37,10 @@ baselines), the runtime's schedulers (iwrr, swarm, random, shortest-queue) and t
 - LLaMA-70B SP: with Helix's layer table (about half of each GPU's memory kept for KV) no single GPU type of
   these clusters holds LLaMA-70B, yet the paper runs SP on it ("SP serves majority of requests with A100
   nodes", §6.3). The sp placement for 70B is therefore planned with the KV share lowered to the largest value
-  at which the A100s hold the model by themselves (`SP70_KV_SHARE`); T_j are the same measured numbers.
+  at which the A100s hold the model by themselves (`SP70_KV_SHARE`); T_j are the same measured numbers. Its nodes
+  then hold more layers than vLLM's table: under --like helix their KV pools are the table's line
+  (`past_table`), as Helix's simulator gave them on its geo and hetero clusters, and on the single cluster the
+  pools of Helix's own files for that experiment (`SINGLE_SP70_POOLS`); each configuration says which it used.
 
 Ratios are Helix / baseline as the paper states them ("2.14x higher throughput" is 2.14; "reduces prompt
 latency by 32%" is 0.68). For each: "same winner" (both on the same side of 1; for the rows where the paper
@@ -90,6 +93,13 @@ CLUSTERS = {"single": "helix-single", "geo": "helix-geo", "hetero": "helix-heter
 MODELS = {"30B": "llama-30b", "70B": "llama-70b"}
 TIME_LIMITS = {"single": 60.0, "geo": 60.0, "hetero": 120.0}  # MILP seconds: 24 nodes, 24 nodes, 42 nodes
 SP70_KV_SHARE = 0.15  # see the module docstring: the largest share (in 0.05 steps) at which 4 A100s hold 70B
+# Under --like helix a node's KV pool is vLLM's measured one, and past its table's layer counts the table's line
+# (`past_table`), as Helix's simulator gave the 70B separate pipelines of its geo and hetero clusters. Its single
+# cluster's were not: §6.3's figures came from its prototype, and the artifact's cluster files for those
+# pipelines (single_cluster/layout_llama70b/separate/{a100,l4}_simulator_cluster.ini) give an A100 holding 20
+# layers 491,900 token-layer slots (14 times the line) and an L4 holding 10 593,600 (1.2 times). Tokens per node,
+# by (GPU, layers held); the other nodes keep the line.
+SINGLE_SP70_POOLS = {("a100", 20): 491_900 // 20, ("l4", 10): 593_600 // 10}
 ONLINE_LOAD = 0.75
 # The schedulers' KV high-water mark under --like hetnode, and the KV share the planner's T_j expect in use: the
 # runtime's. (0.3, KV_CACHE_HWM in Helix's artifact, enters only its planner's T_j estimate; its scheduler masked at
@@ -244,6 +254,7 @@ class Run:
     kv_peak_max: float
     worst_prompt_queue_link: Any
     wall_s: float
+    kv_pools: str = ""  # where the nodes' KV pools came from
 
     @property
     def flow_share(self) -> float:
@@ -343,6 +354,8 @@ class Reproduction:
         cl, mo, profiles = self.cluster(cluster), self.model(model), self.profiles(cluster, model, method)
         limit = self.time_limit if self.time_limit is not None else TIME_LIMITS[cluster]
         name = f"{CLUSTERS[cluster]}_{MODELS[model]}_{method}" + (f"_{limit:g}s" if method == "helix" else "")
+        if method == "helix" and self.pick != "served":  # a plan picked by another rule is another plan
+            name += f"_{self.pick}"
         path = None if self.plans_dir is None else self.plans_dir / f"{name}.json"
         t0 = time.perf_counter()
         if path is not None and path.is_file():
@@ -388,6 +401,17 @@ class Reproduction:
                  f"status {plan.status or '-'} ({time.perf_counter() - t0:.1f} s)")
         return plan
 
+    def pools(self, setup: Setup, plan: PlacementPlan) -> tuple[dict[str, int] | None, str]:
+        """The nodes' KV pools where the setting's are not Helix's (None: the setting's), and where they came from."""
+        if self.like != "helix":
+            return None, "memory minus weights"
+        if (setup.cluster, setup.model, setup.placement) != ("single", "70B", "sp"):
+            return None, "vLLM's table, past it its line"
+        cl = self.cluster(setup.cluster)
+        pools = {n: SINGLE_SP70_POOLS[key] for n, (a, b) in plan.ranges().items()
+                 if (key := (cl.node(n).device, b - a)) in SINGLE_SP70_POOLS}
+        return pools, "Helix's single-cluster SP files"
+
     def run(self, setup: Setup) -> Run:
         if setup in self.runs:
             return self.runs[setup]
@@ -409,11 +433,13 @@ class Reproduction:
             # requests in order carry longer outputs than the trace); the trace replayed otherwise.
             workload = (sampled(self.trace, rate=rate, duration_s=warmup + measured, seed=self.seed)
                         if self.like == "helix" else replay(self.trace, rate=rate, duration_s=warmup + measured))
+        pools, origin = self.pools(setup, plan)
         result = simulate(cl, mo, profiles, plan, workload=workload, scheduler=setup.scheduler,
                           duration_s=warmup + measured, warmup_s=warmup, seed=self.seed,
                           options=options_like(self.like, offline=setup.mode == "offline",
-                                               high_water=self.high_water, max_batch_tokens=self.max_batch_tokens))
-        run = summarize(setup, plan, rate, result, (warmup, warmup + measured))
+                                               high_water=self.high_water, max_batch_tokens=self.max_batch_tokens,
+                                               kv_capacity=pools))
+        run = replace(summarize(setup, plan, rate, result, (warmup, warmup + measured)), kv_pools=origin)
         self.runs[setup] = run
         self.log(f"  {setup.label}: decode {run.decode_throughput:.1f} tok/s, prompt latency "
                  f"{run.prompt_latency:.2f} s, decode latency {run.decode_latency:.3f} s ({result.wall_s:.1f} s)")
@@ -433,6 +459,7 @@ def judge(claim: Claim, runs: dict[Setup, Run]) -> dict[str, Any]:
             "base_setup": claim.base.label, "paper": claim.paper,
             "paper_direction": None if claim.paper is not None else (">1" if claim.paper_gt1 else "<1"),
             "ours": ours, "ours_value": a, "base_value": b, "max_flow_ratio": flow_ratio, "same_winner": same,
+            "kv_pools": [runs[claim.ours].kv_pools, runs[claim.base].kv_pools],
             "within_25pct": within,
             "note": claim.note}
 
@@ -445,7 +472,7 @@ def format_table(runs: dict[Setup, Run], verdicts: list[dict[str, Any]], header:
     lines = [header, ""]
     w = max(len(s.label) for s in runs)
     lines.append(f"{'configuration':<{w}}  {'max flow':>8}  {'rate':>6}  {'decode tok/s':>12}  "
-                 f"{'prompt lat s':>12}  {'decode lat s':>12}  {'depth':>5}  {'util':>5}  {'of flow':>7}")
+                 f"{'prompt lat s':>12}  {'decode lat s':>12}  {'depth':>5}  {'util':>5}  {'of flow':>7}  KV pools")
     order = sorted(runs, key=lambda s: (list(CLUSTERS).index(s.cluster), s.model, s.mode != "offline",
                                        s.placement != "helix", s.placement, s.scheduler))
     for s in order:
@@ -453,7 +480,7 @@ def format_table(runs: dict[Setup, Run], verdicts: list[dict[str, Any]], header:
         lines.append(f"{s.label:<{w}}  {r.plan_max_flow:>8.0f}  {_f(r.rate, '6.2f'):>6}  "
                      f"{r.decode_throughput:>12.1f}  {_f(r.prompt_latency, '12.2f'):>12}  "
                      f"{_f(r.decode_latency, '12.3f'):>12}  {_f(r.depth, '5.1f'):>5}  "
-                     f"{r.node_utilization_mean:>5.0%}  {r.flow_share:>7.0%}")
+                     f"{r.node_utilization_mean:>5.0%}  {r.flow_share:>7.0%}  {r.kv_pools}")
     lines.append("")
     w = max(len(v["claim"]) for v in verdicts)
     lines.append(f"{'§':<4} {'ratio (helix / baseline)':<{w}}  {'paper':>7}  {'ours':>7}  same winner  within 25%  "
@@ -556,7 +583,8 @@ def main(argv: list[str] | None = None) -> int:
               f"helix picks by {args.pick}; "
               f"wall {wall:.0f} s\n"
               "columns: plan max flow (tokens/s), online rate (req/s), decode throughput, mean TTFT, mean TPOT, "
-              "mean stages per request, mean node utilization, (prompt + decode tokens/s) / max flow; ratio rows: "
+              "mean stages per request, mean node utilization, (prompt + decode tokens/s) / max flow, where the "
+              "nodes' KV pools came from; ratio rows: "
               "paper, ours, and the same ratio of the two plans' max flows")
     print(format_table(repro.runs, verdicts, header), end="")
     if args.json:

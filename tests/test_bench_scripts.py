@@ -105,6 +105,10 @@ def test_reproduce_helix_quick(tmp_path: Path) -> None:
     assert all(run["decode_throughput"] > 0 for run in result["runs"])
     assert all(run["rate"] > 0 for run in result["runs"] if run["setup"]["mode"] == "online")
     assert all(plan["max_flow"] > 0 and not plan["validation"] for plan in result["plans"].values())
+    # Every run says where its nodes' KV pools came from: §6.3's 70B separate pipelines from Helix's own files.
+    pools = {(s["setup"]["model"], s["setup"]["placement"]): s["kv_pools"] for s in result["runs"]}
+    assert pools[("70B", "sp")] == "Helix's single-cluster SP files"
+    assert pools[("70B", "helix")] == pools[("30B", "sp")] == "vLLM's table, past it its line"
     # §6.3, §6.6 and §6.7 single-cluster ratios, each judged against the paper's number.
     sections = {c["section"] for c in result["claims"]}
     assert sections == {"6.3", "6.6", "6.7"}

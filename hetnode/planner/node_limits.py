@@ -13,6 +13,16 @@ fewer blocks. Where the real number is known it is a `NodeLimits`, per layer cou
 A profile carries them in `DeviceProfile.limits` (index: layers held - 1; empty where nothing was measured);
 `limits_for` reads them; `profile.node_kv_tokens` picks the measured pool or the estimate. Pure: the CSV parser takes
 text, not a path it opens.
+
+Past the last measured layer count (`PAST_TABLE`): "estimate" leaves the node to the estimate and no step caps;
+"line" follows the measured rows' own line. vLLM's pool is the memory its fraction leaves after the weights and
+a fixed reserve, so the token-layer slots (pool tokens x layers held) fall by one layer's weights per layer held;
+past the one-layer row the rows of `vllm_capacity.csv` lie on that line (LLaMA-2 70B on an A100: 8,391,014 -
+417,795 x layers, every row within a block). It is what Helix's simulator gave its separate-pipelines baseline,
+whose nodes hold more layers than the table: in its artifact's cluster files for 70B an A100 holding 20 layers
+has 35,168-35,200 slots (the line: 35,100) and a T4 holding 6 has 216,960 (the line: the same), with the caps
+of the last row (`allow_force_set` takes the settings of min(layers, max)). Memory minus weights gives that A100
+2.1 million slots, 60 times the line: it leaves out the reserve, which is most of what 20 layers leave free.
 """
 
 from __future__ import annotations
@@ -98,6 +108,25 @@ def by_layers(table: Mapping[tuple[str, str, int], NodeLimits], model: str, gpu:
     return tuple(out)
 
 
-def limits_for(limits: Sequence[NodeLimits], layers: int) -> NodeLimits | None:
-    """The measured limits of a node holding `layers` layers, or None where none were measured."""
-    return limits[layers - 1] if 1 <= layers <= len(limits) else None
+PAST_TABLE = ("estimate", "line")
+
+
+def limits_for(limits: Sequence[NodeLimits], layers: int, past: str = "estimate") -> NodeLimits | None:
+    """The measured limits of a node holding `layers` layers; past the table, the line's (`past="line"`) or None."""
+    if 1 <= layers <= len(limits):
+        return limits[layers - 1]
+    if past == "line" and layers > len(limits) >= 2:
+        return along_line(limits, layers)
+    return None
+
+
+def along_line(limits: Sequence[NodeLimits], layers: int) -> NodeLimits:
+    """The pool on the line through the measured rows' slots, and the last row's caps.
+
+    The line runs from the two-layer row to the last: the one-layer row often sits off it (by up to 64,000 slots
+    on LLaMA-2 70B's L4 and multi-GPU rows), and the others lie on it to within 1,500 blocks."""
+    n = len(limits)
+    a = 2 if n >= 3 else 1
+    start, end = limits[a - 1].kv_tokens * a, limits[-1].kv_tokens * n  # token-layer slots at a and n layers
+    slots = end - (start - end) / (n - a) * (layers - n)
+    return NodeLimits(max(0, int(slots // layers)), limits[-1].max_prompts, limits[-1].max_decodes)

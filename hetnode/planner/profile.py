@@ -113,10 +113,11 @@ def kv_tokens(memory_bytes: int, model: ModelSpec, layers: int) -> int:
     return max(0, int(free // (model.kv_bytes_per_token_layer * layers)))
 
 
-def node_kv_tokens(profile: DeviceProfile, model: ModelSpec, layers: int, *, measured: bool = True) -> int:
+def node_kv_tokens(profile: DeviceProfile, model: ModelSpec, layers: int, *, measured: bool = True,
+                   past: str = "estimate") -> int:
     """A node's KV tokens: its measured pool where the profile has one for `layers` (and `measured` asks for
-    it), else what its memory leaves beside the weights (`kv_tokens`)."""
-    found = limits_for(profile.limits, layers) if measured else None
+    it; past the table as `node_limits.limits_for` says), else what its memory leaves beside the weights."""
+    found = limits_for(profile.limits, layers, past) if measured else None
     return found.kv_tokens if found is not None else kv_tokens(profile.memory_bytes, model, layers)
 
 

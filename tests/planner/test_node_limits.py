@@ -6,7 +6,14 @@ import pytest
 
 from hetnode.errors import ConfigError
 from hetnode.planner.model import model_spec
-from hetnode.planner.node_limits import NodeLimits, by_layers, from_pool, helix_capacities, parse_capacity_csv
+from hetnode.planner.node_limits import (
+    NodeLimits,
+    by_layers,
+    from_pool,
+    helix_capacities,
+    limits_for,
+    parse_capacity_csv,
+)
 from hetnode.planner.profile import kv_tokens, node_kv_tokens
 from hetnode.planner.profile_sources import helix_profile
 
@@ -23,6 +30,24 @@ def test_helix_profiles_carry_vllms_blocks_and_caps() -> None:
     assert node_kv_tokens(t4, model, 4, measured=False) == kv_tokens(t4.memory_bytes, model, 4) > 17566 * 16
     # Past the measured layer counts the estimate stands in.
     assert node_kv_tokens(t4, model, 9) == kv_tokens(t4.memory_bytes, model, 9)
+
+
+def test_past_the_table_the_line_gives_what_helix_gave_its_separate_pipelines() -> None:
+    model = model_spec("llama-70b")
+    a100, t4 = helix_profile(model, "a100"), helix_profile(model, "t4")
+    # Helix's cluster files for its 70B separate pipelines: an A100 holding 20 layers 35,168-35,200 token-layer
+    # slots (geo, hetero), a T4 holding 6 layers 216,960 (single); both with the last measured row's caps.
+    assert limits_for(a100.limits, 20, "line") == NodeLimits(1755, 3, 300)
+    assert 35_100 <= 1755 * 20 <= 35_200
+    assert limits_for(t4.limits, 6, "line") == NodeLimits(216_960 // 6, 1, 300)
+    # Inside the table the measured row either way; past it, nothing unless the line is asked for.
+    assert limits_for(a100.limits, 12, "line") == limits_for(a100.limits, 12) == a100.limits[11]
+    assert limits_for(a100.limits, 20) is None
+    # A pool the line leaves empty is empty, not negative.
+    assert limits_for(t4.limits, 8, "line") == NodeLimits(0, 1, 300)
+    # The estimate is 60 times the line for the A100: memory minus weights leaves out vLLM's reserve.
+    assert node_kv_tokens(a100, model, 20) == kv_tokens(a100.memory_bytes, model, 20) > 60 * 1755
+    assert node_kv_tokens(a100, model, 20, past="line") == 1755
 
 
 def test_the_shipped_table_covers_every_helix_gpu_from_one_layer() -> None:

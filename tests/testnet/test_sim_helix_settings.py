@@ -49,7 +49,8 @@ def _run(options: SimOptions) -> dict[str, object]:
 
 
 def test_like_helix_is_exactly_its_named_settings() -> None:
-    explicit = SimOptions(kv_pool="measured", step_caps=True, max_batch_tokens=1 << 30, link_messages="item",
+    explicit = SimOptions(kv_pool="measured", past_table="line", step_caps=True, max_batch_tokens=1 << 30,
+                          link_messages="item",
                           solo_decode_factor=2.0, first_layer_copy_s=7.4e-6, output_len=240.0, learn_output=False,
                           high_water=0.85, output_ratio=1.0,
                           offline_loop=OfflineLoop(start=20, kv_use=0.8, every="prompt_or_end", measure="layer",
@@ -65,6 +66,30 @@ def test_helix_online_marks_and_overrides() -> None:
     assert (online["high_water"], online["output_ratio"]) == (0.9, 0.6) and "offline_loop" not in online
     assert options_like("helix", offline=False, link_messages="step").link_messages == "step"
     assert options_like("hetnode", offline=True) == SimOptions()
+
+
+def test_helix_gives_a_node_past_its_measured_layers_the_tables_line() -> None:
+    # The separate pipelines' A100 replica of LLaMA-2 70B: 20 layers a node, 8 more than vLLM's table has.
+    names = [f"a100-{i}" for i in range(4)]
+    flows = ([{"from": "source", "to": names[0], "flow": 100.0}]
+             + [{"from": a, "to": b, "flow": 100.0} for a, b in pairwise(names)]
+             + [{"from": names[-1], "to": "sink", "flow": 100.0}])
+    plan = PlacementPlan.from_json({
+        "cluster": "helix-single", "model": "llama-70b", "num_layers": 80, "method": "sp", "max_flow": 100.0,
+        "placements": [{"node": n, "first_layer": 20 * i, "last_layer": 20 * (i + 1)} for i, n in enumerate(names)],
+        "flows": flows})
+    cluster, model = load_cluster(CLUSTER), model_spec("llama-70b")
+    profiles = profile_table_for(cluster, model, "helix", kv_share=0.15)
+
+    def blocks(options: SimOptions) -> set[int]:
+        result = simulate(cluster, model, profiles, plan, workload=offline(load_trace("conv")), duration_s=5.0,
+                          warmup_s=1.0, options=options)
+        return {n.kv_capacity_blocks for n in result.nodes if n.layers}
+
+    assert blocks(options_like("helix", offline=True)) == {1755 // 16}
+    assert blocks(options_like("helix", offline=True, past_table="estimate")) == {106_496 // 16}
+    with pytest.raises(ConfigError, match="past_table"):
+        SimOptions(past_table="extrapolate")
 
 
 def test_an_unknown_setting_is_a_config_error_naming_it() -> None:

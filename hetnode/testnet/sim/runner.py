@@ -31,7 +31,7 @@ from hetnode.planner.costmodel import MEMORY_EFFICIENCY
 from hetnode.planner.cronus_plan import device_splitters
 from hetnode.planner.devices import DeviceSpec
 from hetnode.planner.model import ModelSpec
-from hetnode.planner.node_limits import limits_for
+from hetnode.planner.node_limits import PAST_TABLE, limits_for
 from hetnode.planner.plan import PlacementPlan
 from hetnode.planner.profile import ProfileTable, node_kv_tokens
 from hetnode.policy import MIN_CHUNK
@@ -113,6 +113,10 @@ class SimOptions:
     # A node's KV where the cluster file gives none: "estimate" (memory minus weights, `kv_tokens`) or
     # "measured" (the profile's measured pool, node_limits.py, where it has one for the node's layer count).
     kv_pool: str = "estimate"
+    # Where a node holds more layers than its measured limits cover: "estimate" (memory minus weights, no step
+    # caps) or "line" (the measured rows' line and the last row's caps, as Helix's simulator gave its separate
+    # pipelines; node_limits.py).
+    past_table: str = "estimate"
     # Per-step request caps from the profile's measured limits (Helix's prompt_max_requests and
     # decode_max_tokens); off: only the token budget bounds a step.
     step_caps: bool = False
@@ -163,6 +167,8 @@ class SimOptions:
                               f"{self.decode_booking!r}")
         if self.kv_pool not in KV_POOLS:
             raise ConfigError(f"kv_pool must be one of {', '.join(KV_POOLS)}, not {self.kv_pool!r}")
+        if self.past_table not in PAST_TABLE:
+            raise ConfigError(f"past_table must be one of {', '.join(PAST_TABLE)}, not {self.past_table!r}")
         if self.link_messages not in LINK_MESSAGES:
             raise ConfigError(f"link_messages must be one of {', '.join(LINK_MESSAGES)}, not {self.link_messages!r}")
         if not 0 < self.output_ratio < math.inf or not self.solo_decode_factor > 0 or not self.first_layer_copy_s >= 0:
@@ -409,9 +415,9 @@ def _node(index: int, spec: NodeSpec, layers: tuple[int, int], role: str | None,
     profile = profiles.for_node(spec.name, spec.device)
     cap = (opts.kv_capacity or {}).get(spec.name)
     if cap is None:
-        cap = node_kv_tokens(profile, model, last - first, measured=opts.kv_pool == "measured")
+        cap = node_kv_tokens(profile, model, last - first, measured=opts.kv_pool == "measured", past=opts.past_table)
     tokens[index] = cap
-    caps = limits_for(profile.limits, last - first) if opts.step_caps else None
+    caps = limits_for(profile.limits, last - first, opts.past_table) if opts.step_caps else None
     return SimNode(index, spec.name, spec.device, profile, first, last, kv_capacity_tokens=cap,
                    block_size=opts.block_size, max_batch_tokens=opts.max_batch_tokens, window=window,
                    bin_s=bin_s, mixed_steps=opts.mixed_steps, min_chunk=opts.min_chunk,

@@ -5,8 +5,9 @@
   token budget per step with prompts chunked to it, the backlog offline loop, one message per step and hop.
 - "helix": what Helix's public simulator does (its artifact, read side by side; issue 13), for reproducing
   figures that came from it: each node's KV pool as vLLM allocated it and its per-step caps
-  (`vllm_capacity.csv`, `step_caps`), whole prompts (no token budget to chunk them: the caps bound a step),
-  its offline loop (20 requests, then one at each prompt's end and each request's end while the estimated KV
+  (`vllm_capacity.csv`, `step_caps`; past the table's layer counts, the table's line and its last caps, as Helix
+  gave its separate pipelines: `past_table`), whole prompts (no token budget to chunk them: the caps bound a
+  step), its offline loop (20 requests, then one at each prompt's end and each request's end while the estimated KV
   use of the fullest layer is <= 0.8), its KV high-water marks and output-length ratios (0.85 and 1.0
   offline, 0.9 and 0.6 online) on a fixed expected output of 240 tokens (it does not learn from the outputs
   that end), one message per item on a link, and its costs outside the layer tables (a one-item decode step
@@ -39,6 +40,7 @@ WHOLE_PROMPTS = 1 << 30  # a token budget no step reaches: prompts run whole, th
 
 _HELIX: dict[str, Any] = {
     "kv_pool": "measured",
+    "past_table": "line",
     "step_caps": True,
     "max_batch_tokens": WHOLE_PROMPTS,
     "link_messages": "item",
