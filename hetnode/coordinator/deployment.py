@@ -390,11 +390,7 @@ class Deployment:
         try:
             placement, profiles = await self._place(members, kind)
         except ConfigError as exc:
-            self.problem = f"no plan: {exc}"
-            log.warning("%s", self.problem)
-            self._retire(self.plan)
-            self.plan = None
-            self._notify()
+            self._no_plan(exc)
             return None
         # The members may have changed while the planner ran: plan again on the next round if so.
         placed = {p.node for p in placement.placements}
@@ -407,15 +403,21 @@ class Deployment:
             await self._assign(self.plan, [r for r in members if r.assignment is None])
             self._notify()
             return self.plan
+        try:
+            # A plan no scheduler can route (one that an operator's --scheduler does not fit, nodes without a
+            # profile to fit predictors on) is no plan: the serving one goes on, and the reason is shown.
+            scheduler = make_scheduler(
+                scheduler_for(placement, self.planning.scheduler), placement, seed=self._versions + 1,
+                high_water=self.planning.high_water, queue_limit=self.planning.queue_limit,
+                kv_capacity={p.node: kv_tokens(profiles.profiles[p.node].memory_bytes, self.spec, p.layers)
+                             for p in placement.placements},
+                **self._live_inputs(placement, profiles))
+        except ConfigError as exc:
+            self._no_plan(exc)
+            return None
         self._versions += 1
         self.replans[kind] += 1
         names = [self.registry.nodes[NodeId(s.peer)].name for s in shards]
-        scheduler = make_scheduler(
-            scheduler_for(placement, self.planning.scheduler), placement, seed=self._versions,
-            high_water=self.planning.high_water, queue_limit=self.planning.queue_limit,
-            kv_capacity={p.node: kv_tokens(profiles.profiles[p.node].memory_bytes, self.spec, p.layers)
-                         for p in placement.placements},
-            **self._live_inputs(placement, profiles))
         plan = Plan(self._versions, shards, names, reason, time.time(), placement, scheduler)
         if self.plan is not self.serving:
             self._retire(self.plan)  # replaced before it was ever ready
@@ -434,6 +436,13 @@ class Deployment:
                 self._mask(self.serving, peer)
         self._notify()
         return plan
+
+    def _no_plan(self, why: ConfigError) -> None:
+        self.problem = f"no plan: {why}"
+        log.warning("%s", self.problem)
+        self._retire(self.plan)
+        self.plan = None
+        self._notify()
 
     def _live_inputs(self, placement: PlacementPlan, profiles: ProfileTable) -> dict[str, object]:
         """What the baseline policies read from the nodes, as the simulator feeds them from its nodes: the

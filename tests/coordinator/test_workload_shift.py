@@ -127,3 +127,31 @@ def test_thunderserve_is_replanned_at_the_windows_rate(tiny_model: Path, monkeyp
         assert d._pending_reason == "served"
 
     trio.run(run, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def test_a_plan_no_scheduler_can_route_is_no_plan_and_the_replan_loop_goes_on(tiny_model: Path) -> None:
+    """An operator's `--scheduler tstp` over a phase-split plan without an orchestration: the re-plan reports why
+    (409 through POST /v1/plan) rather than raising out of the deployment's loop."""
+    from dataclasses import replace
+    from importlib.resources import files
+
+    from hetnode.planner.cluster import load_cluster
+    from hetnode.planner.profile_sources import profile_table_for
+    from hetnode.planner.split import split_placement
+
+    async def run() -> None:
+        d = deployment(tiny_model, PlanningConfig(method="split", scheduler="tstp"))
+        cluster = load_cluster(str(files("hetnode.testnet") / "clusters" / "local3.toml"))
+        by_type = profile_table_for(cluster, d.spec, "roofline")
+        # As the live coordinator's table has them: by node (its members' peer ids).
+        profiles = replace(by_type, profiles={n.name: by_type.for_node(n.name, n.device) for n in cluster.nodes})
+        placement = split_placement(cluster, d.spec, profiles)
+
+        async def place(members: Any, kind: str = "operator") -> tuple[PlacementPlan, Any]:
+            return placement, profiles
+
+        d._place = place  # type: ignore[method-assign]
+        assert await d.replan("test") is None
+        assert d.plan is None and "scheduler 'tstp' routes by a plan's orchestration" in d.problem
+
+    trio.run(run, clock=trio.testing.MockClock(autojump_threshold=0))
