@@ -432,3 +432,37 @@ def test_the_default_search_routes_to_a_decode_replica_slower_than_the_tpot_slo(
     assert e2e is not None and every is not None
     assert every.d[0][0] == 0.0 < e2e.d[0][0]
     assert e2e.routing.attainment > 0.5 > every.routing.attainment
+
+
+def test_the_tabu_list_starts_empty_so_the_walk_may_return_through_the_first_deployment(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Algorithm 1, line 3: T <- []. From S the walk goes to A (worse), then back to S, the best of A's neighbours,
+    # and from S on its second visit to C, the best. With S tabu from the start the walk went to B instead and
+    # never reached C.
+    import hetnode.planner.thunderserve.tabu as tabu
+    from hetnode.planner.thunderserve.lower import Solution
+
+    s, a, b, c = (Deployment.of([Group((k,), PREFILL)]) for k in range(4))
+    score = {s: 0.5, a: 0.4, b: 0.3, c: 0.9}
+    # The neighbours each visit to a deployment proposes, two calls a step (None: a move that failed).
+    around = {s: [(a, None), (c, None)], a: [(s, b)], b: [(a, None)], c: [(s, None)]}
+    visits = dict.fromkeys(score, 0)
+    calls = [0]
+
+    def fake_neighbour(dep: Deployment, *_: object) -> Deployment | None:
+        k = calls[0] % 2
+        calls[0] += 1
+        options = around[dep][min(visits[dep], len(around[dep]) - 1)]
+        visits[dep] += k
+        return options[k]
+
+    class Lower:
+        evaluations = 0
+
+        def solve(self, dep: Deployment) -> Solution:
+            return Solution(dep, (), (), (), (), Routing((), (), score[dep], 1.0), (score[dep], 0.0))
+
+    monkeypatch.setattr(tabu, "neighbour", fake_neighbour)
+    best, log = tabu.tabu_search(s, POOL, MODEL, Lower(), random.Random(0),  # type: ignore[arg-type]
+                                 steps=3, neighbours=2, memory=5, moves=("flip",))
+    assert best.deployment == c and log.best_step == 3
