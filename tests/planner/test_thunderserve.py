@@ -289,6 +289,26 @@ def test_a_long_prefill_cuts_its_decode_replicas_rate_by_the_residency() -> None
     # Priced for the decode alone it would take u x nu; held from admission, at most u x nu / r of the best pair.
     assert rate * z.sum() <= u * decode.decode_rate / min(r) + 1e-6
     assert sum(p.performance.prefill_rate for _, p in solution.prefill) > decode.decode_rate  # prefill does not bind
+    # Booked at the hand-off (ThunderServe's KV queues on the prefill replicas, Appendix E) the prefill is not held:
+    # r is the hand-off and the decode only, and the same replica's KV takes more requests (the LP routes 23% more:
+    # the 5 Gb/s hand-offs of a 2,048-token prompt's KV, over a second at int4, are still held).
+    queued = LowerLevel(POOL, MODEL, replace(options, decode_booking="handoff")).solve(Deployment.of(groups))
+    assert queued is not None
+    for i, (_, prefill) in enumerate(queued.prefill):
+        handoff_s = queued.handoffs[i][0].seconds
+        assert decode_residency(prefill.performance, handoff_s, decode, options.traffic.output_len, "handoff") == (
+            pytest.approx((handoff_s + decode_s) / decode_s))
+    assert queued.decode_capacity[0] > 1.2 * solution.decode_capacity[0]
+    assert queued.routing.routed > 1.2 * solution.routing.routed
+
+
+def test_the_planners_decode_bookings_are_the_schedulers() -> None:
+    from hetnode.coordinator.split_scheduler import DECODE_BOOKINGS
+    from hetnode.planner.thunderserve.settings import DECODE_BOOKINGS as PLANNED
+
+    assert PLANNED == DECODE_BOOKINGS
+    with pytest.raises(ConfigError, match="decode_booking"):
+        ThunderServeOptions(decode_booking="decode")
 
 
 def test_the_search_keeps_fp16_hand_offs_within_the_links() -> None:

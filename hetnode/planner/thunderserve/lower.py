@@ -83,7 +83,8 @@ class LowerLevel:
         traffic = self.options.traffic
         mu = [c.performance.prefill_rate for _, c in prefill]
         handoffs = tuple(tuple(self.handoff(p, d) for _, d in decode) for _, p in prefill)
-        residency = [[decode_residency(p.performance, handoffs[i][j].seconds, q.performance, traffic.output_len)
+        residency = [[decode_residency(p.performance, handoffs[i][j].seconds, q.performance, traffic.output_len,
+                                       self.options.decode_booking)
                       for j, (_, q) in enumerate(decode)] for i, (_, p) in enumerate(prefill)]
         nu = [c.performance.decode_rate for _, c in decode]
         # What each decode replica's KV sustains with requests from the prefill replicas in proportion to their

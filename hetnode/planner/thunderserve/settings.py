@@ -34,6 +34,9 @@ class Traffic:
 
 
 OBJECTIVES = ("e2e", "all")
+# When the deployment books a decode replica's KV for a request (the phase-split schedulers' decode_booking, whose
+# names these are; the planner does not import the coordinator): at admission, or when its hand-off starts.
+DECODE_BOOKINGS = ("admission", "handoff")
 
 CODING = Traffic(input_len=2048.0, output_len=28.0)  # Azure code trace, 2023
 CONVERSATION = Traffic(input_len=1155.0, output_len=211.0)  # Azure conversation trace, 2023
@@ -65,6 +68,10 @@ class ThunderServeOptions:
     # objective); "all", its TTFT, TPOT and end-to-end time each within theirs (DistServe's per-phase SLOs with
     # E2E added: what this planner scored before issue 14's comparison with the paper, kept to compare against).
     objective: str = "e2e"
+    # When the scheduler that runs the plan books a decode replica's KV: "admission" (the runtime's, Splitwise's
+    # rule: the KV is held through the prefill and the hand-off too) or "handoff" (ThunderServe's KV queues on the
+    # prefill replicas, Appendix E: held from the hand-off to the last token). `slo.decode_residency` prices it.
+    decode_booking: str = "admission"
 
     def __post_init__(self) -> None:
         problems = []
@@ -85,5 +92,7 @@ class ThunderServeOptions:
             problems.append("absolute SLOs (TTFT, TPOT) must be positive and finite")
         if self.objective not in OBJECTIVES:
             problems.append(f"objective one of {', '.join(OBJECTIVES)}")
+        if self.decode_booking not in DECODE_BOOKINGS:
+            problems.append(f"decode_booking one of {', '.join(DECODE_BOOKINGS)}")
         if problems:
             raise ConfigError(f"bad ThunderServe options: {'; '.join(problems)}")

@@ -112,17 +112,21 @@ def decode_tpot(perf: Performance, rate: float, output_len: float) -> float:
     return tpot
 
 
-def decode_residency(prefill: Performance, handoff_s: float, decode: Performance, output_len: float) -> float:
+def decode_residency(prefill: Performance, handoff_s: float, decode: Performance, output_len: float,
+                     booking: str = "admission") -> float:
     """r_ij: how many times its decode alone a request through this pair holds the decode replica's KV.
 
-    The scheduler (CLS, coordinator/split_scheduler.py) books the decode KV when it admits a request, so the KV is
-    held through the prefill (`prefill_s`) and the hand-off (`handoff_s`) before the decode (output_len x TPOT at
-    the batch `decode_rate` assumes, its largest). The prefill queue is left out: a request waits for a pair with
-    room before it is admitted, not after. inf: the pair cannot hand its KV over."""
+    Booked at admission (the scheduler's default, CLS in coordinator/split_scheduler.py), the KV is held through
+    the prefill (`prefill_s`) and the hand-off (`handoff_s`) before the decode (output_len x TPOT at the batch
+    `decode_rate` assumes, its largest). The prefill queue is left out: a request waits for a pair with room
+    before it is admitted, not after. Booked at the hand-off (ThunderServe's KV queues on the prefill replicas,
+    Appendix E: the decode replica takes a prompt's KV when it has room), it is held from the hand-off on.
+    inf: the pair cannot hand its KV over."""
     decode_s = output_len * decode.tpot[-1][1]
     if not math.isfinite(handoff_s):
         return math.inf
-    return (prefill.prefill_s + handoff_s + decode_s) / decode_s if decode_s > 0 else 1.0
+    before = handoff_s if booking == "handoff" else prefill.prefill_s + handoff_s
+    return (before + decode_s) / decode_s if decode_s > 0 else 1.0
 
 
 def attainment(prefill: Performance, prefill_load: float, decode: Performance, decode_load: float,
