@@ -85,7 +85,8 @@ def _planning_args(p: argparse.ArgumentParser) -> None:
                    help="seconds of requests the coordinator's view of the workload covers (default: 120)")
     p.add_argument("--slo", type=_slo, default=(5.0, 0.1), metavar="TTFT,TPOT",
                    help="time to first token and time per output token, in seconds: a thunderserve plan's "
-                        "orchestration maximizes the share of requests meeting them, and ecoserve's Algorithm 2 "
+                        "orchestration maximizes the share of requests within TTFT + output length x TPOT (its "
+                        "end-to-end SLO, the paper's objective), and ecoserve's Algorithm 2 "
                         "checks an instance against them (default: 5,0.1, ShareGPT's in EcoServe's Table 4)")
     p.add_argument("--scheduler", default="iwrr",
                    choices=["iwrr", "random", "shortest-queue", "swarm", "cls", "splitwise", "tstp", "random-pairs"],
@@ -289,8 +290,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--rate", type=_positive, default=4.0, metavar="R",
                     help="thunderserve: requests per second to plan for (default: 4)")
     pl.add_argument("--slo-scale", type=_positive, default=5.0, metavar="S",
-                    help="thunderserve: TTFT, TPOT and E2E SLOs as S times the model's latency on two A100s "
-                         "(default: 5)")
+                    help="thunderserve: TTFT, TPOT and E2E SLOs as S times the model's latency on two A100s; the "
+                         "search scores the E2E one, the paper's objective (default: 5)")
     pl.add_argument("--steps", type=int, default=100, metavar="N",
                     help="thunderserve: tabu search steps, N_step (default: 100)")
     pl.add_argument("--time-limit", type=_positive, default=None, metavar="S",

@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         held_planned: list[float] = []
         for j, (dlay, dperf) in enumerate(layouts["decode"]):
             pairs = [(x * y[j], decode_residency(pperf, kv_handoff(pool, play, dlay, lab.model, opts).seconds, dperf,
-                                                 opts.traffic.output_len))
+                                                 opts.traffic.output_len, opts.decode_booking))
                      for (play, pperf), x, y in zip(layouts["prefill"], orch.prefill_share, orch.decode_share,
                                                     strict=True)]
             weight = sum(w for w, _ in pairs)

@@ -185,8 +185,10 @@ class Lab:
 
     def ts_options(self, traffic: str) -> ThunderServeOptions:
         """ThunderServe planned for the mean lengths of the trace the simulator draws from (issue 14: planned for
-        other lengths, the planner and the simulator disagree on which phase bounds a plan)."""
-        return ThunderServeOptions(traffic=trace_traffic(self.traces[traffic], PLAN_RATE), seed=self.seed)
+        other lengths, the planner and the simulator disagree on which phase bounds a plan), and for the decode
+        booking the runs use (the planner prices a decode replica's KV over the time that booking holds it)."""
+        return ThunderServeOptions(traffic=trace_traffic(self.traces[traffic], PLAN_RATE), seed=self.seed,
+                                   decode_booking=self.decode_booking)
 
     def thunderserve(self, c: ClusterSpec, opts: ThunderServeOptions) -> PlacementPlan:
         """Our planner's ThunderServe deployment on `c` (roofline profiles keeping its own share for KV)."""

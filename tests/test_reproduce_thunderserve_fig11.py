@@ -73,7 +73,13 @@ def test_only_fig11_reports_our_plan_and_the_papers(tmp_path: Path) -> None:
         replans = facts["replans"]
         assert [e["event"] for e in replans["none"]] == ["loss"]
         assert [e["event"] for e in replans["lightweight"]] == ["loss", "replan", "ready"]
-        assert replans["lightweight"][1]["reloaded"] == []  # no weights reloaded
+        light = replans["lightweight"][1]
+        if "searching anew" in light["note"]:
+            # The survivors cannot serve both phases (a plan whose one decode replica the loss took): the
+            # coordinator's rule is a full search then, which reloads.
+            assert light["reloaded"] and "Appendix F" not in key
+        else:
+            assert light["reloaded"] == []  # no weights reloaded
         assert replans["full"][2]["at"] >= replans["full"][1]["at"] + 103.0  # a reload, in the drain at --quick
     assert result["facts"]["code (Appendix F's plan)"]["gone"] == list(APPENDIX_G_GONE)
 

@@ -61,7 +61,9 @@ def test_losing_every_decode_gpu_makes_a_prefill_group_flip() -> None:
     light = reschedule(PLAN, CLOUD, MODEL, QUICK, gone=gone, steps=10)
     assert kept.orchestration is not None and kept.orchestration.slo_attainment == 0.0
     assert {r.role for r in light.replicas} == {PREFILL, DECODE}
-    assert light.orchestration is not None and light.orchestration.slo_attainment > 0.0
+    # The flipped group serves: whether it also attains the E2E SLO depends on the plan's layouts (a deep prefill
+    # pipeline's layout decoding may be too slow for it), not on the flip.
+    assert sustained_rate(kept, CLOUD, MODEL, QUICK) == 0.0 < sustained_rate(light, CLOUD, MODEL, QUICK)
     assert not set(gone) & {n for r in light.replicas for n in r.nodes}
     prefill = {r.nodes for r in PLAN.replicas if r.role == PREFILL}
     assert {r.nodes for r in light.replicas} == prefill

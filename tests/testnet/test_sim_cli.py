@@ -248,3 +248,16 @@ def test_sim_loses_gpus_and_reschedules_as_told(capsys: pytest.CaptureFixture[st
                  "roofline", "--trace", "code", "--rate", "1", "--duration", "20", "--warmup", "2",
                  "--lose", "4xa6000-0@5", "--reschedule", "lightweight", "--progress", "off"]) == 2
     assert "lightweight rescheduling is ThunderServe's" in capsys.readouterr().err
+
+
+def test_sim_plans_thunderserve_for_the_decode_booking_it_runs() -> None:
+    # The planner prices a decode replica's KV over the time the run's booking holds it (slo.decode_residency).
+    import argparse
+    from types import SimpleNamespace
+
+    from hetnode.testnet.sim.cli import _thunderserve_options
+
+    trace = SimpleNamespace(mean_input=1155.0, mean_output=211.0)
+    for booking in ("admission", "handoff"):
+        args = argparse.Namespace(rate=None, seed=0, decode_booking=booking)
+        assert _thunderserve_options(args, trace, 0.1).decode_booking == booking

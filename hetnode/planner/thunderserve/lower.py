@@ -83,7 +83,8 @@ class LowerLevel:
         traffic = self.options.traffic
         mu = [c.performance.prefill_rate for _, c in prefill]
         handoffs = tuple(tuple(self.handoff(p, d) for _, d in decode) for _, p in prefill)
-        residency = [[decode_residency(p.performance, handoffs[i][j].seconds, q.performance, traffic.output_len)
+        residency = [[decode_residency(p.performance, handoffs[i][j].seconds, q.performance, traffic.output_len,
+                                       self.options.decode_booking)
                       for j, (_, q) in enumerate(decode)] for i, (_, p) in enumerate(prefill)]
         nu = [c.performance.decode_rate for _, c in decode]
         # What each decode replica's KV sustains with requests from the prefill replicas in proportion to their
@@ -98,7 +99,7 @@ class LowerLevel:
         load_d = ([min(traffic.rate, u * sum(nu_mix)) * x / sum(nu_mix) for x in nu_mix] if nu_mix and sum(nu_mix) > 0
                   else [0.0] * len(nu))
         d = tuple(tuple(attainment(p.performance, load_p[i], q.performance, load_d[j], handoffs[i][j].seconds,
-                                   self.slo, traffic.output_len, nu_mix[j])
+                                   self.slo, traffic.output_len, nu_mix[j], self.options.objective)
                         for j, (_, q) in enumerate(decode))
                   for i, (_, p) in enumerate(prefill))
         routing = orchestrate(d, mu, nu, traffic.rate, self.options.utilization, self._lp,

@@ -14,10 +14,12 @@ every pair of every deployment the tabu search looks at:
   at that batch is the layout's decode cycle. Its KV holds each request longer than that, from admission to the
   last token (`decode_residency`), which bounds the rate it sustains.
 
-A request attains the SLO when TTFT = wait + prefill_s <= the TTFT SLO, TPOT <= the TPOT SLO, and wait +
-prefill_s + KV + output_len x TPOT <= the end-to-end SLO: with TPOT deterministic here, D_ij is the
-probability that the wait is within the tighter of the two slacks. A replica loaded at or past its capacity
-attains nothing. Lengths are the traffic's means: the variance of real lengths is not modelled.
+A request attains the SLO when its end-to-end time, wait + prefill_s + KV + output_len x TPOT, is within the
+E2E SLO (the paper's objective, `ThunderServeOptions.objective` "e2e"); with objective "all" it must also have
+TTFT = wait + prefill_s within the TTFT SLO and TPOT within the TPOT SLO. With TPOT deterministic here, D_ij is
+the probability that the wait is within the slack (the tighter of the two under "all"). A replica loaded at or
+past its capacity attains nothing. Lengths are the traffic's means: the variance of real lengths is not
+modelled.
 """
 
 from __future__ import annotations
@@ -110,22 +112,28 @@ def decode_tpot(perf: Performance, rate: float, output_len: float) -> float:
     return tpot
 
 
-def decode_residency(prefill: Performance, handoff_s: float, decode: Performance, output_len: float) -> float:
+def decode_residency(prefill: Performance, handoff_s: float, decode: Performance, output_len: float,
+                     booking: str = "admission") -> float:
     """r_ij: how many times its decode alone a request through this pair holds the decode replica's KV.
 
-    The scheduler (CLS, coordinator/split_scheduler.py) books the decode KV when it admits a request, so the KV is
-    held through the prefill (`prefill_s`) and the hand-off (`handoff_s`) before the decode (output_len x TPOT at
-    the batch `decode_rate` assumes, its largest). The prefill queue is left out: a request waits for a pair with
-    room before it is admitted, not after. inf: the pair cannot hand its KV over."""
+    Booked at admission (the scheduler's default, CLS in coordinator/split_scheduler.py), the KV is held through
+    the prefill (`prefill_s`) and the hand-off (`handoff_s`) before the decode (output_len x TPOT at the batch
+    `decode_rate` assumes, its largest). The prefill queue is left out: a request waits for a pair with room
+    before it is admitted, not after. Booked at the hand-off (ThunderServe's KV queues on the prefill replicas,
+    Appendix E: the decode replica takes a prompt's KV when it has room), it is held from the hand-off on.
+    inf: the pair cannot hand its KV over."""
     decode_s = output_len * decode.tpot[-1][1]
     if not math.isfinite(handoff_s):
         return math.inf
-    return (prefill.prefill_s + handoff_s + decode_s) / decode_s if decode_s > 0 else 1.0
+    before = handoff_s if booking == "handoff" else prefill.prefill_s + handoff_s
+    return (before + decode_s) / decode_s if decode_s > 0 else 1.0
 
 
 def attainment(prefill: Performance, prefill_load: float, decode: Performance, decode_load: float,
-               handoff_s: float, slo: Slo, output_len: float, decode_capacity: float | None = None) -> float:
-    """D_ij: the share of requests through this pair that meet every SLO, at these loads (requests/s).
+               handoff_s: float, slo: Slo, output_len: float, decode_capacity: float | None = None,
+               objective: str = "e2e") -> float:
+    """D_ij: the share of requests through this pair that attain, at these loads (requests/s): within the E2E SLO
+    (objective "e2e"), or within the TTFT, TPOT and E2E SLOs all three ("all").
     decode_capacity: the requests/s the decode replica's KV sustains at the mix it serves (`decode_rate` divided by
     the mix's residency ratio); None: its decode_rate."""
     mu = prefill.prefill_rate
@@ -133,9 +141,11 @@ def attainment(prefill: Performance, prefill_load: float, decode: Performance, d
     if prefill_load >= mu or decode_load >= nu or not math.isfinite(handoff_s):
         return 0.0
     tpot = decode_tpot(decode, decode_load, output_len)
-    if tpot > slo.tpot_s:
-        return 0.0
-    slack = min(slo.ttft_s - prefill.prefill_s, slo.e2e_s - prefill.prefill_s - handoff_s - output_len * tpot)
+    slack = slo.e2e_s - prefill.prefill_s - handoff_s - output_len * tpot
+    if objective == "all":
+        if tpot > slo.tpot_s:
+            return 0.0
+        slack = min(slack, slo.ttft_s - prefill.prefill_s)
     return waits_within(mu, prefill_load, slack)
 
 

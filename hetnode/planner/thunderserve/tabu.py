@@ -3,8 +3,9 @@
 Each step proposes N_neigh neighbours of the current deployment (neighbours.py; a failed move or memory check
 proposes nothing), drops those in the tabu list, and moves to the best of the rest even when it is worse than
 the current one (which is how tabu search leaves local optima); the best deployment seen is the answer. The
-tabu list holds the last N_mem deployments moved to. Everything random comes from one seeded generator, and
-the work is counted in steps and evaluations, never in seconds, so a seed gives one plan on any machine.
+tabu list holds the last N_mem deployments moved to, and starts empty (Algorithm 1, line 3): the first
+deployment is not tabu, so a walk may come back through it. Everything random comes from one seeded generator,
+and the work is counted in steps and evaluations, never in seconds, so a seed gives one plan on any machine.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ def tabu_search(start: Deployment, pool: GpuPool, model: ModelSpec, lower: Lower
     if first is None:
         raise ValueError("the first deployment has a group without a layout")
     current, best = first, first
-    tabu: list[Deployment] = [start]
+    tabu: list[Deployment] = []
     proposed = improvements = best_step = 0
     for step in range(1, steps + 1):
         seen: set[Deployment] = set()

@@ -371,7 +371,9 @@ def _thunderserve_options(args: argparse.Namespace, trace: Any, kv_share: float)
     defaults = ThunderServeOptions()
     traffic = Traffic(input_len=max(1.0, trace.mean_input), output_len=max(1.0, trace.mean_output),
                       rate=args.rate or defaults.traffic.rate)
-    return dataclasses.replace(defaults, traffic=traffic, seed=args.seed, kv_reserve=kv_share)
+    # The planner prices a decode replica's KV over the time the run's booking holds it (`slo.decode_residency`).
+    return dataclasses.replace(defaults, traffic=traffic, seed=args.seed, kv_reserve=kv_share,
+                               decode_booking=args.decode_booking)
 
 
 def _say(args: argparse.Namespace, text: str) -> None:
