@@ -20,7 +20,14 @@ baselines), the runtime's schedulers (iwrr, swarm, random, shortest-queue) and t
   the others. `--like hetnode` runs the simulator's own defaults (what predicts hetnode's testnet).
 - Offline (§6.2): Helix's loop under --like helix (20 requests, then one at each prompt's end and each
   request's end while the estimated KV use of the fullest layer is <= 0.8), else a saturating closed loop;
-  1 minute of warm-up, 10 minutes measured.
+  1 minute of warm-up, 10 minutes measured. Where the scheduler was not Helix's own (Swarm, random and
+  shortest-queue scheduling, which cannot refuse a request), Helix's artifact kept a hand-set number of requests
+  in flight instead, each one that ends replaced (`ARTIFACT_INFLIGHT`, cited there), and so do these rows.
+- Separate pipelines (--like helix): Helix's artifact ran each pipeline in a simulation of its own, SP's under
+  random scheduling with a hand-set count in flight by GPU type (`ARTIFACT_SP_INFLIGHT`), and Helix's own
+  placement where it is the separate pipelines' (LLaMA 30B) under its scheduler and loop; so does the script for
+  any plan whose connections keep its pipelines apart, adding up their throughputs and pooling their requests'
+  latencies. Online, each pipeline gets 75% of its own offline peak.
 - Online (§6.2): at 75% of the configuration's peak, 30 s of warm-up, 30 minutes measured; the arrivals are
   Helix's own generator under --like helix (`sampled`: 3 s bins of the trace's rate drawn at random, lengths drawn
   from the whole trace), else the trace's own arrivals scaled to the rate. "Peak" (--peak) is by default MEASURED:
