@@ -498,11 +498,12 @@ class Reproduction:
     def parts(self, setup: Setup, plan: PlacementPlan) -> list[tuple[PlacementPlan, str, int | None, str]]:
         """How the configuration runs: (plan, scheduler, hand-set count in flight offline or None, what that is) for
         one simulation, or for each separate pipeline as Helix's artifact ran them (--like helix)."""
-        offline_run = setup.mode == "offline" and self.like == "helix"
+        # The counts are Helix's offline feeder's: online every run takes the trace's arrivals.
+        counted = setup.mode == "offline" and self.like == "helix"
         pipelines = separate_pipelines(plan) if self.like == "helix" else [plan]
         if len(pipelines) == 1:
             inflight = ARTIFACT_INFLIGHT.get((setup.cluster, setup.model, setup.placement, setup.scheduler))
-            return [(plan, setup.scheduler, inflight if offline_run else None, "")]
+            return [(plan, setup.scheduler, inflight if counted else None, "")]
         cl = self.cluster(setup.cluster)
         sp_pipelines = setup.placement in ("sp", "sp+")
         out = []
@@ -511,7 +512,7 @@ class Reproduction:
             kind = devices.pop() if len(devices) == 1 else "mixed"
             count = ARTIFACT_SP_INFLIGHT.get((setup.cluster, setup.model), {}).get(kind) if sp_pipelines else None
             out.append((part, SP_SCHEDULER if sp_pipelines else setup.scheduler,
-                        count if offline_run else None, kind))
+                        count if counted else None, kind))
         return out
 
     def run(self, setup: Setup) -> Run:
