@@ -20,7 +20,14 @@ baselines), the runtime's schedulers (iwrr, swarm, random, shortest-queue) and t
   the others. `--like hetnode` runs the simulator's own defaults (what predicts hetnode's testnet).
 - Offline (§6.2): Helix's loop under --like helix (20 requests, then one at each prompt's end and each
   request's end while the estimated KV use of the fullest layer is <= 0.8), else a saturating closed loop;
-  1 minute of warm-up, 10 minutes measured.
+  1 minute of warm-up, 10 minutes measured. Where the scheduler was not Helix's own (Swarm, random and
+  shortest-queue scheduling, which cannot refuse a request), Helix's artifact kept a hand-set number of requests
+  in flight instead, each one that ends replaced (`ARTIFACT_INFLIGHT`, cited there), and so do these rows.
+- Separate pipelines (--like helix): Helix's artifact ran each pipeline in a simulation of its own, SP's under
+  random scheduling with a hand-set count in flight by GPU type (`ARTIFACT_SP_INFLIGHT`), and Helix's own
+  placement where it is the separate pipelines' (LLaMA 30B) under its scheduler and loop; so does the script for
+  any plan whose connections keep its pipelines apart, adding up their throughputs and pooling their requests'
+  latencies. Online, each pipeline gets 75% of its own offline peak.
 - Online (§6.2): at 75% of the configuration's peak, 30 s of warm-up, 30 minutes measured; the arrivals are
   Helix's own generator under --like helix (`sampled`: 3 s bins of the trace's rate drawn at random, lengths drawn
   from the whole trace), else the trace's own arrivals scaled to the rate. "Peak" (--peak) is by default MEASURED:
@@ -71,7 +78,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hetnode.planner.cluster import ClusterSpec, load_cluster
 from hetnode.planner.model import ModelSpec, model_spec
-from hetnode.planner.plan import PlacementPlan
+from hetnode.planner.plan import NodePlacement, PlacementPlan
 from hetnode.planner.profile import ProfileTable, Workload
 from hetnode.planner.profile_sources import profile_table_for
 from hetnode.planner.validate import validate_plan
@@ -100,6 +107,31 @@ SP70_KV_SHARE = 0.15  # see the module docstring: the largest share (in 0.05 ste
 # layers 491,900 token-layer slots (14 times the line) and an L4 holding 10 593,600 (1.2 times). Tokens per node,
 # by (GPU, layers held); the other nodes keep the line.
 SINGLE_SP70_POOLS = {("a100", 20): 491_900 // 20, ("l4", 10): 593_600 // 10}
+# How Helix's artifact ran its offline rows where its scheduler cannot refuse a request (Swarm, random, shortest-queue;
+# settings.py, `inflight`): a hand-set count in flight, each request that ends replaced, by (cluster, model,
+# placement, scheduler). The Swarm rows: artifact_evaluation/single_cluster/step3_simulation.py and
+# distributed_clusters/step3_simulation.py (`initial_feed_num`: 50 on LLaMA 30B, 180 on 70B), high_heterogeneity/
+# step3_simulation.py (500). §6.7 on Helix's placement: request_scheduling/setup1_start_host.py (the single cluster's
+# prototype, `initial_launch_num=240`) and request_scheduling/setup2_distributed.py (the geo simulation, 180). Rows
+# under Helix's own max-flow scheduler (and §6.6's placements, all under it) keep its KV-bounded loop.
+ARTIFACT_INFLIGHT: dict[tuple[str, str, str, str], int] = {
+    ("single", "30B", "swarm", "swarm"): 50, ("geo", "30B", "swarm", "swarm"): 50,
+    ("single", "70B", "swarm", "swarm"): 180, ("geo", "70B", "swarm", "swarm"): 180,
+    ("hetero", "70B", "swarm", "swarm"): 500,
+    ("single", "70B", "helix", "swarm"): 240, ("single", "70B", "helix", "random"): 240,
+    **{("geo", "70B", "helix", sched): 180 for sched in ("swarm", "random", "shortest-queue")},
+}
+# The separate pipelines as the artifact ran them: each pipeline in a simulation of its own under random ("Naive")
+# scheduling with a hand-set count in flight, by GPU type ("mixed": SP+'s pipeline of leftover types); the same
+# files, `simulate_heuristic_offline(..., initial_feed_num=N)`: 30/25/25 on LLaMA 30B and 18/40/3 on 70B (single and
+# geo), 1/60/35/110 and SP+'s v100_t4 pipeline 90 (hetero). A pipeline whose type the artifact did not run (hetero's
+# 2xT4, which the paper says cannot form one) keeps Helix's KV-bounded loop.
+ARTIFACT_SP_INFLIGHT: dict[tuple[str, str], dict[str, int]] = {
+    **{(cl, "30B"): {"a100": 30, "l4": 25, "t4": 25} for cl in ("single", "geo")},
+    **{(cl, "70B"): {"a100": 18, "l4": 40, "t4": 3} for cl in ("single", "geo")},
+    ("hetero", "70B"): {"a100": 1, "l4": 60, "2xl4": 35, "4xt4": 110, "mixed": 90},
+}
+SP_SCHEDULER = "random"  # the artifact's SchedulingMethod.Naive for every separate pipeline
 ONLINE_LOAD = 0.75
 # The schedulers' KV high-water mark under --like hetnode, and the KV share the planner's T_j expect in use: the
 # runtime's. (0.3, KV_CACHE_HWM in Helix's artifact, enters only its planner's T_j estimate; its scheduler masked at
@@ -255,6 +287,7 @@ class Run:
     worst_prompt_queue_link: Any
     wall_s: float
     kv_pools: str = ""  # where the nodes' KV pools came from
+    loop: str = ""  # how it ran: one simulation or one per separate pipeline, and the offline loop
 
     @property
     def flow_share(self) -> float:
@@ -270,28 +303,75 @@ def _mean(xs: Iterable[float]) -> float:
     return sum(vals) / len(vals) if vals else math.nan
 
 
-def summarize(setup: Setup, plan: PlacementPlan, rate: float | None, result: SimResult,
+def summarize(setup: Setup, plan: PlacementPlan, rate: float | None, results: list[SimResult],
               window: tuple[float, float]) -> Run:
     """Online: the requests that arrived in the window (the run drains them). Offline, a closed loop that
     stops at the end of the window: prompt latency over the requests whose first token came in the window,
-    decode latency over those that finished in it, depth over those admitted in it."""
-    s = result.summary
+    decode latency over those that finished in it, depth over those admitted in it. Separate pipelines run one
+    simulation each (as Helix's artifact ran them): throughputs add up, latencies and depth are over all their
+    requests, utilization over all their nodes."""
     lo, hi = window
+    requests = [r for result in results for r in result.requests]
     if setup.mode == "online":
-        measured = [r for r in result.requests if r.measured]
+        measured = [r for r in requests if r.measured]
         firsts = [r for r in measured if not math.isnan(r.first_token)]
         done = [r for r in measured if r.finished]
         admitted = [r for r in measured if r.depth > 0]
     else:
-        firsts = [r for r in result.requests if lo <= r.first_token < hi]
-        done = [r for r in result.requests if lo <= r.finish < hi]
-        admitted = [r for r in result.requests if lo <= r.admitted < hi and r.depth > 0]
+        firsts = [r for r in requests if lo <= r.first_token < hi]
+        done = [r for r in requests if lo <= r.finish < hi]
+        admitted = [r for r in requests if lo <= r.admitted < hi and r.depth > 0]
+    summaries = [result.summary for result in results]
+    used = [sum(1 for n in result.nodes if n.last_layer > n.first_layer) for result in results]
+    counts: dict[str, int] = {}
+    for summary in summaries:
+        for key, value in summary["requests"].items():
+            counts[key] = counts.get(key, 0) + value
+    worst = [q for summary in summaries if (q := summary["worst_prompt_queue_link"]) is not None]
     return Run(
-        setup=setup, plan_max_flow=plan.max_flow, rate=rate, decode_throughput=s["decode_throughput"],
-        prompt_throughput=s["prompt_throughput"], prompt_latency=_mean(r.ttft for r in firsts),
+        setup=setup, plan_max_flow=plan.max_flow, rate=rate,
+        decode_throughput=sum(x["decode_throughput"] for x in summaries),
+        prompt_throughput=sum(x["prompt_throughput"] for x in summaries), prompt_latency=_mean(r.ttft for r in firsts),
         decode_latency=_mean(r.tpot for r in done), depth=_mean(float(r.depth) for r in admitted),
-        requests=dict(s["requests"]), node_utilization_mean=s["node_utilization_mean"],
-        kv_peak_max=s["kv_peak_max"], worst_prompt_queue_link=s["worst_prompt_queue_link"], wall_s=result.wall_s)
+        requests=counts,
+        node_utilization_mean=sum(x["node_utilization_mean"] * k for x, k in zip(summaries, used, strict=True))
+        / max(1, sum(used)),
+        kv_peak_max=max(x["kv_peak_max"] for x in summaries),
+        worst_prompt_queue_link=max(worst, key=lambda q: q["mean_prompt_queue_s"], default=None),
+        wall_s=sum(result.wall_s for result in results))
+
+
+def separate_pipelines(plan: PlacementPlan) -> list[PlacementPlan]:
+    """The pipelines that a plan's connections keep apart (sp and sp+, and a Helix placement that is theirs, as on
+    30B), each a plan of its own with its share of the flow; [plan] when requests may cross between its nodes."""
+    if plan.connections is None:
+        return [plan]
+    parent = {p.node: p.node for p in plan.placements}
+
+    def root(n: str) -> str:
+        while parent[n] != n:
+            parent[n] = parent[parent[n]]
+            n = parent[n]
+        return n
+
+    for a, b in plan.connections:
+        if a in parent and b in parent:
+            parent[root(a)] = root(b)
+    groups: dict[str, list[NodePlacement]] = {}
+    for p in plan.placements:
+        groups.setdefault(root(p.node), []).append(p)
+    if len(groups) == 1:
+        return [plan]
+    out = []
+    for members in groups.values():
+        names = {p.node for p in members}
+        flows = {(a, b): f for (a, b), f in plan.flows.items()
+                 if (a in names or b in names) and a in names | {"source"} and b in names | {"sink"}}
+        out.append(replace(plan, placements=tuple(members), flows=flows, upper_bound=math.inf,
+                           max_flow=sum(f for (a, _), f in flows.items() if a == "source"),
+                           connections=tuple((a, b) for a, b in plan.connections if a in names and b in names),
+                           notes=(*plan.notes, f"one of its {len(groups)} separate pipelines")))
+    return out
 
 
 class Reproduction:
@@ -318,6 +398,9 @@ class Reproduction:
         self.plans: dict[tuple[str, str, str], PlacementPlan] = {}
         self.plan_info: dict[str, dict[str, Any]] = {}
         self.runs: dict[Setup, Run] = {}
+        # Each offline run's measured peak (prompt + generated tokens/s), per separate pipeline where it ran so: the
+        # online run of the same configuration is loaded to 75% of it, pipeline by pipeline.
+        self.peaks: dict[Setup, list[float]] = {}
 
     def cluster(self, key: str) -> ClusterSpec:
         if key not in self._clusters:
@@ -412,6 +495,26 @@ class Reproduction:
                  if (key := (cl.node(n).device, b - a)) in SINGLE_SP70_POOLS}
         return pools, "Helix's single-cluster SP files"
 
+    def parts(self, setup: Setup, plan: PlacementPlan) -> list[tuple[PlacementPlan, str, int | None, str]]:
+        """How the configuration runs: (plan, scheduler, hand-set count in flight offline or None, what that is) for
+        one simulation, or for each separate pipeline as Helix's artifact ran them (--like helix)."""
+        # The counts are Helix's offline feeder's: online every run takes the trace's arrivals.
+        counted = setup.mode == "offline" and self.like == "helix"
+        pipelines = separate_pipelines(plan) if self.like == "helix" else [plan]
+        if len(pipelines) == 1:
+            inflight = ARTIFACT_INFLIGHT.get((setup.cluster, setup.model, setup.placement, setup.scheduler))
+            return [(plan, setup.scheduler, inflight if counted else None, "")]
+        cl = self.cluster(setup.cluster)
+        sp_pipelines = setup.placement in ("sp", "sp+")
+        out = []
+        for part in pipelines:
+            devices = {cl.node(p.node).device for p in part.placements}
+            kind = devices.pop() if len(devices) == 1 else "mixed"
+            count = ARTIFACT_SP_INFLIGHT.get((setup.cluster, setup.model), {}).get(kind) if sp_pipelines else None
+            out.append((part, SP_SCHEDULER if sp_pipelines else setup.scheduler,
+                        count if counted else None, kind))
+        return out
+
     def run(self, setup: Setup) -> Run:
         if setup in self.runs:
             return self.runs[setup]
@@ -419,30 +522,55 @@ class Reproduction:
         cl, mo = self.cluster(setup.cluster), self.model(setup.model)
         profiles = self.profiles(setup.cluster, setup.model, setup.placement)
         warmup, measured = self.times[setup.mode]
-        rate: float | None = None
-        if setup.mode == "offline":
-            workload = offline(self.trace) if self.inflight is None else offline(self.trace, max_inflight=self.inflight)
-        else:
-            if self.peak == "maxflow":
-                peak = plan.max_flow
-            else:
-                twin = self.run(setup.offline_twin())
-                peak = twin.decode_throughput + twin.prompt_throughput
-            rate = helix_online_rate(peak, self.trace.mean_input, self.trace.mean_output, ONLINE_LOAD)
-            # Helix's own generator where its setup made the figures (validate_sim_helix.py: the trace's first
-            # requests in order carry longer outputs than the trace); the trace replayed otherwise.
-            workload = (sampled(self.trace, rate=rate, duration_s=warmup + measured, seed=self.seed)
-                        if self.like == "helix" else replay(self.trace, rate=rate, duration_s=warmup + measured))
         pools, origin = self.pools(setup, plan)
-        result = simulate(cl, mo, profiles, plan, workload=workload, scheduler=setup.scheduler,
-                          duration_s=warmup + measured, warmup_s=warmup, seed=self.seed,
-                          options=options_like(self.like, offline=setup.mode == "offline",
-                                               high_water=self.high_water, max_batch_tokens=self.max_batch_tokens,
-                                               kv_capacity=pools))
-        run = replace(summarize(setup, plan, rate, result, (warmup, warmup + measured)), kv_pools=origin)
+        parts = self.parts(setup, plan)
+        peaks: list[float] = []
+        if setup.mode == "online" and self.peak != "maxflow":
+            self.run(setup.offline_twin())
+            peaks = self.peaks[setup.offline_twin()]
+        results: list[SimResult] = []
+        rate: float | None = None
+        how: list[str] = []
+        for k, (part, scheduler, inflight, kind) in enumerate(parts):
+            loop = "" if setup.mode == "online" or self.like != "helix" else (
+                f"{inflight} in flight" if inflight is not None else "KV-bounded loop")
+            if setup.mode == "offline":
+                workload = (offline(self.trace) if self.inflight is None
+                            else offline(self.trace, max_inflight=self.inflight))
+            else:
+                peak = part.max_flow if self.peak == "maxflow" else peaks[k]
+                if not peak > 0:  # a pipeline that served nothing offline takes no load online
+                    how.append(f"{kind}: none (served nothing offline)")
+                    continue
+                part_rate = helix_online_rate(peak, self.trace.mean_input, self.trace.mean_output, ONLINE_LOAD)
+                rate = (rate or 0.0) + part_rate
+                # Helix's own generator where its setup made the figures (validate_sim_helix.py: the trace's first
+                # requests in order carry longer outputs than the trace); the trace replayed otherwise.
+                workload = (sampled(self.trace, rate=part_rate, duration_s=warmup + measured, seed=self.seed)
+                            if self.like == "helix" else
+                            replay(self.trace, rate=part_rate, duration_s=warmup + measured))
+            result = simulate(cl, mo, profiles, part, workload=workload, scheduler=scheduler,
+                              duration_s=warmup + measured, warmup_s=warmup, seed=self.seed,
+                              options=options_like(self.like, offline=setup.mode == "offline", inflight=inflight,
+                                                   high_water=self.high_water, max_batch_tokens=self.max_batch_tokens,
+                                                   kv_capacity=pools))
+            results.append(result)
+            if setup.mode == "offline":
+                peaks.append(result.summary["decode_throughput"] + result.summary["prompt_throughput"])
+            if len(parts) > 1:
+                how.append(f"{kind}: {scheduler}{', ' + loop if loop else ''}")
+            elif loop:
+                how.append(loop)
+        if setup.mode == "offline":
+            self.peaks[setup] = peaks
+        if not results:
+            raise SystemExit(f"{setup.label}: no pipeline served anything offline, so none can be loaded online")
+        shape = f"{len(parts)} pipelines run apart ({'; '.join(how)})" if len(parts) > 1 else "; ".join(how)
+        run = replace(summarize(setup, plan, rate, results, (warmup, warmup + measured)), kv_pools=origin, loop=shape)
         self.runs[setup] = run
         self.log(f"  {setup.label}: decode {run.decode_throughput:.1f} tok/s, prompt latency "
-                 f"{run.prompt_latency:.2f} s, decode latency {run.decode_latency:.3f} s ({result.wall_s:.1f} s)")
+                 f"{run.prompt_latency:.2f} s, decode latency {run.decode_latency:.3f} s "
+                 f"({sum(r.wall_s for r in results):.1f} s){' [' + shape + ']' if shape else ''}")
         return run
 
 
@@ -472,7 +600,8 @@ def format_table(runs: dict[Setup, Run], verdicts: list[dict[str, Any]], header:
     lines = [header, ""]
     w = max(len(s.label) for s in runs)
     lines.append(f"{'configuration':<{w}}  {'max flow':>8}  {'rate':>6}  {'decode tok/s':>12}  "
-                 f"{'prompt lat s':>12}  {'decode lat s':>12}  {'depth':>5}  {'util':>5}  {'of flow':>7}  KV pools")
+                 f"{'prompt lat s':>12}  {'decode lat s':>12}  {'depth':>5}  {'util':>5}  {'of flow':>7}  "
+                 "KV pools; how it ran")
     order = sorted(runs, key=lambda s: (list(CLUSTERS).index(s.cluster), s.model, s.mode != "offline",
                                        s.placement != "helix", s.placement, s.scheduler))
     for s in order:
@@ -480,7 +609,8 @@ def format_table(runs: dict[Setup, Run], verdicts: list[dict[str, Any]], header:
         lines.append(f"{s.label:<{w}}  {r.plan_max_flow:>8.0f}  {_f(r.rate, '6.2f'):>6}  "
                      f"{r.decode_throughput:>12.1f}  {_f(r.prompt_latency, '12.2f'):>12}  "
                      f"{_f(r.decode_latency, '12.3f'):>12}  {_f(r.depth, '5.1f'):>5}  "
-                     f"{r.node_utilization_mean:>5.0%}  {r.flow_share:>7.0%}  {r.kv_pools}")
+                     f"{r.node_utilization_mean:>5.0%}  {r.flow_share:>7.0%}  {r.kv_pools}"
+                     f"{'; ' + r.loop if r.loop else ''}")
     lines.append("")
     w = max(len(v["claim"]) for v in verdicts)
     lines.append(f"{'§':<4} {'ratio (helix / baseline)':<{w}}  {'paper':>7}  {'ours':>7}  same winner  within 25%  "
@@ -584,7 +714,8 @@ def main(argv: list[str] | None = None) -> int:
               f"wall {wall:.0f} s\n"
               "columns: plan max flow (tokens/s), online rate (req/s), decode throughput, mean TTFT, mean TPOT, "
               "mean stages per request, mean node utilization, (prompt + decode tokens/s) / max flow, where the "
-              "nodes' KV pools came from; ratio rows: "
+              "nodes' KV pools came from and how it ran (offline loop; separate pipelines one simulation each); "
+              "ratio rows: "
               "paper, ours, and the same ratio of the two plans' max flows")
     print(format_table(repro.runs, verdicts, header), end="")
     if args.json:

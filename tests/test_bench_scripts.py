@@ -109,6 +109,15 @@ def test_reproduce_helix_quick(tmp_path: Path) -> None:
     pools = {(s["setup"]["model"], s["setup"]["placement"]): s["kv_pools"] for s in result["runs"]}
     assert pools[("70B", "sp")] == "Helix's single-cluster SP files"
     assert pools[("70B", "helix")] == pools[("30B", "sp")] == "vLLM's table, past it its line"
+    # ... and how it ran, as Helix's artifact ran it: §6.7's random scheduling with 240 requests in flight, Swarm 180,
+    # Helix's own scheduler its KV-bounded loop; the separate pipelines one simulation each.
+    how = {(s["setup"]["model"], s["setup"]["placement"], s["setup"]["scheduler"], s["setup"]["mode"]): s["loop"]
+           for s in result["runs"]}
+    assert how[("70B", "helix", "random", "offline")] == "240 in flight"
+    assert how[("70B", "swarm", "swarm", "offline")] == "180 in flight"
+    assert how[("70B", "helix", "iwrr", "offline")] == "KV-bounded loop"
+    assert how[("30B", "sp", "iwrr", "offline")].startswith("3 pipelines run apart (a100: random, 30 in flight")
+    assert how[("30B", "sp", "iwrr", "online")].startswith("3 pipelines run apart")
     # §6.3, §6.6 and §6.7 single-cluster ratios, each judged against the paper's number.
     sections = {c["section"] for c in result["claims"]}
     assert sections == {"6.3", "6.6", "6.7"}

@@ -209,6 +209,64 @@ def test_helix_offline_loop_keeps_the_estimate_under_its_bound_and_queues_nothin
     assert requests["still_queued"] == 0 and requests["arrived"] > 20
 
 
+def test_the_fixed_count_loop_adds_one_per_end_whatever_the_estimate() -> None:
+    loop = OfflineLoop(start=240, every="replace")
+    assert not loop.bounded and not loop.on_prompt and OfflineLoop().bounded
+    assert loop.admits(5.0, 0) and not loop.admits(0.0, 1)  # the estimate does not count, one per end
+
+
+def _fixed(inflight: int | None, inputs: tuple[int, ...], **more: Any) -> Any:
+    wl = Workload(name="short", inputs=inputs, outputs=(6,) * len(inputs), offline=True)
+    cluster, model = load_cluster(CLUSTER), model_spec("llama-70b")
+    return simulate(cluster, model, profile_table_for(cluster, model, "helix"), _plan(), workload=wl,
+                    duration_s=20.0, warmup_s=1.0, options=options_like("helix", offline=True, inflight=inflight,
+                                                                         **more))
+
+
+def _in_flight(records: list[Any], t: float) -> int:
+    return sum(1 for r in records if not r.rejected and r.arrival <= t and not r.finish <= t)
+
+
+def test_helix_fixed_count_keeps_that_many_in_flight_each_end_replaced() -> None:
+    result = _fixed(7, tuple(range(100, 140)))
+    records = sorted(result.requests, key=lambda r: r.arrival)
+    finished = [r.finish for r in records if r.finish == r.finish]
+    assert len(finished) > 20
+    # Helix's feeder: the count at once (0.1 s apart), then one 0.1 s after each request's end, never more.
+    assert max(_in_flight(records, r.arrival) for r in records) == 7
+    later = [r.arrival for r in records[7:]]
+    assert later == pytest.approx([t + 0.1 for t in sorted(finished) if t + 0.1 < 20.0][:len(later)])
+    assert len(later) == sum(1 for t in finished if t + 0.1 < 20.0)
+
+
+def test_helix_fixed_count_is_not_bounded_by_the_kv_estimate() -> None:
+    # The KV-bounded loop stops adding at the estimate's bound; a hand-set count goes past it, and the scheduler
+    # queues what its mask does not let through.
+    inputs = tuple(range(1500, 1700))
+    bounded, fixed = _fixed(None, inputs), _fixed(150, inputs)
+    most = [max(_in_flight(r.requests, x.arrival) for x in r.requests) for r in (bounded, fixed)]
+    assert most[0] < 150 == most[1]
+    assert fixed.summary["requests"]["still_queued"] > 0 == bounded.summary["requests"]["still_queued"]
+
+
+def test_helix_fixed_count_replaces_a_request_the_scheduler_refuses() -> None:
+    # Pools of 2,000 tokens: the 3,000-token prompts can never fit and are refused; others take their places.
+    names = [n for n, _, _ in PIPELINE]
+    result = _fixed(5, (3000, 100, 110, 3000, 120, 130, 3000, 140), kv_capacity={n: 2000 for n in names})
+    refused = [r for r in result.requests if r.rejected]
+    assert refused and all(r.input_len == 3000 for r in refused)
+    starts = sorted(r.arrival for r in result.requests if not r.rejected)
+    assert len(starts) > 5 and max(_in_flight(result.requests, t) for t in starts) == 5
+
+
+def test_a_hand_set_count_in_flight_is_a_helix_setting() -> None:
+    assert like("helix", offline=True, inflight=240)["offline_loop"] == OfflineLoop(
+        start=240, kv_use=0.8, every="replace", measure="layer", lengths="drawn", delay_s=0.1)
+    assert "offline_loop" not in like("helix", offline=False, inflight=240)
+    with pytest.raises(ConfigError, match="Helix's feeder"):
+        like("hetnode", offline=True, inflight=240)
+
+
 # -- Helix's online generator ----------------------------------------------------------------------------------
 
 

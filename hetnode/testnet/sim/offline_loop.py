@@ -13,6 +13,11 @@ the first 30 s and queued the prompts there through the first measured minute. h
 (`workload.offline`) instead keeps a backlog queued at the scheduler, so a request's TTFT there includes
 queueing that Helix's never has.
 
+`every="replace"` is the feeder Helix's artifact runs for the schedulers that cannot refuse a request (its Swarm,
+random and shortest-queue schedulers; `check_launch_new_query`: "we can only set a manual max query count"): the
+`start` requests, and each request's end adds one in its place, whatever the KV holds, so that `start` requests
+stay in flight (a prompt's end adds none). `start` is then that hand-set count; `kv_use` and `measure` are unused.
+
 "Estimated KV use" is the scheduler's own estimate (prompt + expected output per running request, on every node
 of its pipeline; `PipelineScheduler.kv_estimate`), as a share of capacity: of the fullest node
 (`measure="max"`), of all nodes' tokens together (`measure="total"`), or Helix's `bottleneck_usage`
@@ -42,7 +47,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 MEASURES = ("max", "total", "layer")
-TRIGGERS = ("token", "finish", "prompt_or_end")
+TRIGGERS = ("token", "finish", "prompt_or_end", "replace")
 LENGTHS = ("order", "drawn")
 
 
@@ -51,7 +56,8 @@ class OfflineLoop:
     start: int = 20  # requests started at time 0
     kv_use: float = 0.8  # add requests while the estimated KV use is at or under this share
     # "token": each generated token may add one request; "finish": each end adds many; "prompt_or_end": a
-    # request's first token (its prompt done) and its last may each add one (Helix's)
+    # request's first token (its prompt done) and its last may each add one (Helix's); "replace": each end adds
+    # one whatever the KV holds, `start` staying in flight (Helix's feeder for the schedulers that cannot refuse)
     every: str = "prompt_or_end"
     # "max": the fullest node's share; "total": all nodes' tokens over all capacity; "layer": per layer over
     # the nodes holding it, the fullest layer (Helix's)
@@ -100,7 +106,15 @@ class OfflineLoop:
 
     def admits(self, use: float, added: int) -> bool:
         """Whether one completion, having added `added` requests already, adds another at estimated use `use`."""
+        if not self.bounded:
+            return added < 1
         return use <= self.kv_use and (self.every == "finish" or added < 1)
+
+    @property
+    def bounded(self) -> bool:
+        """Whether the KV estimate bounds the loop; one that replaces each finished request keeps a fixed count in
+        flight instead, and starts requests the scheduler has to queue."""
+        return self.every != "replace"
 
     def index(self, started: int, n: int, rng: random.Random) -> int:
         """Which of the workload's `n` requests the loop's `started`-th request takes."""

@@ -359,9 +359,12 @@ def simulate(cluster: ClusterSpec, model: ModelSpec, profiles: ProfileTable, pla
     description = workload.description
     if workload.offline and opts.offline_loop is not None:
         loop = opts.offline_loop
-        when = {"token": "token", "finish": "finish", "prompt_or_end": "prompt's end and request's end"}[loop.every]
-        description = (f"offline, Helix's loop: {loop.start} requests, then one per {when} while the "
-                       f"estimated KV use ({loop.measure}) <= {loop.kv_use:g}; lengths from {workload.name}"
+        when = {"token": "token", "finish": "finish", "prompt_or_end": "prompt's end and request's end",
+                "replace": "request's end"}[loop.every]
+        bound = (f" while the estimated KV use ({loop.measure}) <= {loop.kv_use:g}" if loop.bounded
+                 else ", whatever the KV holds")
+        description = (f"offline, Helix's loop: {loop.start} requests, then one per {when}{bound}; lengths from "
+                       f"{workload.name}"
                        f"{', drawn at random' if loop.lengths == 'drawn' else ', in order'}"
                        f"{f', each {loop.delay_s:g} s after what adds it' if loop.delay_s else ''}")
     config = {
@@ -531,42 +534,62 @@ def _kv_bound_loop(sim: Simulation, coord: SimCoordinator, sched: Scheduler, wor
     """Helix's offline loop (offline_loop.py): `loop.start` requests at 0 (or `loop.delay_s` apart), then at
     each token (or finish, or a prompt's end and a request's) new ones while the scheduler's KV estimate allows,
     each arriving `loop.delay_s` after the event that adds it; it stops at one the scheduler had to queue. Its
-    requests are the workload's in order, or drawn at random (`loop.lengths`)."""
+    requests are the workload's in order, or drawn at random (`loop.lengths`). A loop that is not bounded by the
+    KV (`every="replace"`) puts one request in place of each that ends, queued or not, and of each the scheduler
+    refuses (as the closed loop does, at most once per workload request in a run: a count that nothing can serve
+    stops)."""
     estimate = getattr(sched, "kv_estimate", None)
-    if estimate is None:
+    if estimate is None and loop.bounded:
         raise ConfigError(f"Helix's offline loop reads the scheduler's KV estimate; {type(sched).__name__} has none")
     n = len(workload)
     counter = [0]
+    refusals = [0]
     rng = random.Random(seed)
-    names = list(estimate())
+    names = list(estimate()) if estimate is not None else []
     layers = [ranges[name] for name in names] if loop.measure == "layer" else None
+
+    def replaces(r: SimRequest) -> bool:
+        # A fixed count in flight: a request the scheduler refused leaves its place to another.
+        if r.rejected and not loop.bounded and refusals[0] < n:
+            refusals[0] += 1
+            return True
+        return False
 
     def arrive(now: float, r: SimRequest, _: Any) -> None:
         r.arrival = now
         coord.arrive(r, now)
+        if replaces(r):
+            top_up(now)
 
     later = sim.register(arrive) if loop.delay_s > 0 else -1
 
     def start(now: float) -> bool:
-        i = counter[0]
-        counter[0] += 1
-        j = loop.index(i, n, rng)
-        r = SimRequest(i, now, workload.inputs[j], workload.outputs[j])
-        if later >= 0:
-            # It reaches the scheduler later, so the estimate cannot tell yet whether another fits: one per
-            # event (Helix's feeder adds one per event too; "finish" would otherwise add without end).
-            sim.events.push(now + loop.delay_s, later, r)
-            return False
-        coord.arrive(r, now)
-        return not coord.waiting and not r.rejected
+        """Start one request (one in its place while the scheduler refuses them, for a fixed count); whether
+        another may follow at once."""
+        while True:
+            i = counter[0]
+            counter[0] += 1
+            j = loop.index(i, n, rng)
+            r = SimRequest(i, now, workload.inputs[j], workload.outputs[j])
+            if later >= 0:
+                # It reaches the scheduler later, so the estimate cannot tell yet whether another fits: one per
+                # event (Helix's feeder adds one per event too; "finish" would otherwise add without end).
+                sim.events.push(now + loop.delay_s, later, r)
+                return False
+            coord.arrive(r, now)
+            if not replaces(r):
+                return not coord.waiting and not r.rejected
 
     def use() -> float:
+        if not loop.bounded:
+            return 0.0
+        assert estimate is not None
         kv = estimate()
         return loop.use(((kv[name].tokens, kv[name].capacity) for name in names), layers)
 
     def top_up(now: float) -> None:
         added = 0
-        while now < duration_s and not coord.waiting and loop.admits(use(), added):
+        while now < duration_s and (not coord.waiting or not loop.bounded) and loop.admits(use(), added):
             added += 1
             if not start(now):
                 return

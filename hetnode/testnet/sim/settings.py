@@ -17,6 +17,11 @@
   the prompt's end or request's end that adds it (`delay_s=0.1`). The two belong together: drawn lengths alone
   put throughput at 0.91-0.95x and the decode step p50 at 1.13-1.16x Helix's; with the delay 9, 8 and 9 of 9
   figures are within 5% (seeds 0, 1, 2; scripts/validate_sim_helix.py, docs/simulator.md).
+  Helix's artifact runs that loop only under its own max-flow scheduler. For its Swarm, random and shortest-queue
+  schedulers, which cannot refuse a request, its feeder keeps a hand-set number of requests in flight instead,
+  each one that ends replaced at once, whatever the KV holds (`OfflineRequestFeeder.check_launch_new_query`:
+  "we can only set a manual max query count"): `like("helix", offline=True, inflight=N)` is that feeder
+  (`OfflineLoop(every="replace")`, its lengths and delays the same), for the runs where the artifact set N.
   Two more costs read in the artifact are fields but not in "helix" (`solo_beside_prompts`, `copy_every_node`:
   Helix doubles the decode part of any layer batch with one decode item and copies the input at every node's
   first layer); measured with the rest, they move the offline figures out (docs/simulator.md).
@@ -29,6 +34,7 @@ builds the options, later keywords winning. The batch caps and marks are the run
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 from hetnode.errors import ConfigError
@@ -55,18 +61,26 @@ _HELIX_OFFLINE: dict[str, Any] = {"high_water": 0.85, "output_ratio": 1.0,
 _HELIX_ONLINE: dict[str, Any] = {"high_water": 0.9, "output_ratio": 0.6}
 
 
-def like(name: str, *, offline: bool) -> dict[str, Any]:
-    """The `SimOptions` fields that setting `name` sets, for an offline or an online run."""
+def like(name: str, *, offline: bool, inflight: int | None = None) -> dict[str, Any]:
+    """The `SimOptions` fields that setting `name` sets, for an offline or an online run; `inflight` (helix,
+    offline): the hand-set count Helix's feeder keeps in flight for a scheduler that cannot refuse a request."""
     if name == "hetnode":
+        if inflight is not None:
+            raise ConfigError("a hand-set count in flight is Helix's feeder's: a setting of --like helix",
+                              key="inflight")
         return {}
     if name == "helix":
-        return {**_HELIX, **(_HELIX_OFFLINE if offline else _HELIX_ONLINE)}
+        fields = {**_HELIX, **(_HELIX_OFFLINE if offline else _HELIX_ONLINE)}
+        if inflight is not None and offline:
+            fields["offline_loop"] = replace(fields["offline_loop"], start=inflight, every="replace")
+        return fields
     raise ConfigError(f"unknown simulator setting {name!r}; known: {', '.join(LIKES)}", key="--like")
 
 
-def options_like(name: str, *, offline: bool, **more: Any) -> SimOptions:
+def options_like(name: str, *, offline: bool, inflight: int | None = None, **more: Any) -> SimOptions:
     """SimOptions of setting `name`, with the fields in `more` set on top (None in `more`: the setting's)."""
-    fields: Mapping[str, Any] = {**like(name, offline=offline), **{k: v for k, v in more.items() if v is not None}}
+    fields: Mapping[str, Any] = {**like(name, offline=offline, inflight=inflight),
+                                 **{k: v for k, v in more.items() if v is not None}}
     try:
         return SimOptions(**fields)
     except TypeError as exc:
