@@ -104,3 +104,20 @@ def test_cli_runs_ecoserve(capsys: pytest.CaptureFixture[str]) -> None:
     assert not math.isnan(out["slo_attainment"])
     assert main(["sim", "--cluster", "ecoserve-l20", "--model", "codellama-34b", "--placement", "ecoserve",
                  "--tp", "16", "--trace", "sharegpt", "--rate", "2"]) == 2
+
+
+def test_cli_deploys_distserves_pairs_on_a_host_as_the_cluster_holds_them() -> None:
+    """The A800 testbed holds four TP=2 instances a host: DistServe-like's prefill/decode pairs stay on a host, two
+    pairs each, and nothing pretends there are more hosts than the cluster has."""
+    import argparse
+    from importlib.resources import files
+
+    from hetnode.planner.cluster import load_cluster
+    from hetnode.testnet.sim.padg_cli import options_for
+
+    cluster = load_cluster(str(files("hetnode.testnet") / "clusters" / "ecoserve-a800.toml"))
+    args = argparse.Namespace(method="fudg-distserve", tp=2, instances=0, prefill_instances=0, max_instances=0,
+                              n_lower=4, n_upper=16, token_budget=512)
+    got = options_for(cluster, args)
+    assert (got["device"], got["instances"], got["per_host"], got["nic_gbps"]) == ("a800", 8, 4, 25.0)
+    assert options_for(cluster, argparse.Namespace(**{**vars(args), "tp": 4}))["per_host"] == 2

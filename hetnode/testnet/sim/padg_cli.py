@@ -98,7 +98,8 @@ def options_for(cluster: Any, args: argparse.Namespace) -> dict[str, Any]:
     pcie = cluster.link(inside[0], inside[1]) if len(inside) > 1 else None
     out: dict[str, Any] = {
         "design": PLACEMENTS[args.method], "device": kinds.pop(), "tp": args.tp, "instances": instances,
-        "per_host": 2 if PLACEMENTS[args.method] == "distserve" else per_host,
+        # DistServe's prefill/decode pairs must not straddle hosts: an even count a host.
+        "per_host": per_host - per_host % 2 if PLACEMENTS[args.method] == "distserve" else per_host,
         "prefill": args.prefill_instances, "max_instances": args.max_instances, "n_lower": args.n_lower,
         "n_upper": args.n_upper, "token_budget": args.token_budget,
     }
