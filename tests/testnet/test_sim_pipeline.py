@@ -64,6 +64,23 @@ def test_one_request_on_an_idle_two_node_pipeline_takes_what_profiles_and_links_
     assert result.summary["requests"]["finished"] == 1
 
 
+def test_helixs_decode_loop_takes_each_token_through_the_coordinator() -> None:
+    """decode_loop "coordinator" (Helix's simulator issues each decode iteration anew from its source): a token goes
+    b -> coordinator -> a, both coordinator links' latency and bytes, instead of b -> a; the prompt is the same."""
+    (r,) = run(one_request(100, 4), options=SimOptions(decode_loop="coordinator")).requests
+    relayed = [2 * hop(1, TOKEN_BYTES, COORD_BPS, COORD_LAT) + PROFILE.decode_time(1, 2, p + 1)
+               + hop(1, ACT, MID_BPS, MID_LAT) + PROFILE.decode_time(1, 2, p + 1) for p in (100, 101, 102)]
+    assert r.ttft == pytest.approx(prompt_round_trip(100), rel=1e-12)
+    assert r.tpot == pytest.approx(sum(relayed) / 3, rel=1e-12)
+    assert r.generated == 4 and r.finished
+    links = {link.name: link for link in run(one_request(100, 4), options=SimOptions(decode_loop="coordinator")).links}
+    assert "b->a" not in links  # nothing goes straight back
+    # The coordinator sends the prompt and relays three tokens; the tokens it relays are the ones b streams to it.
+    assert links["coordinator->a"].messages == 1 + 3 and links["b->coordinator"].messages == 4
+    with pytest.raises(ConfigError, match="decode_loop"):
+        SimOptions(decode_loop="sink")
+
+
 def test_a_prompt_over_the_step_budget_runs_in_chunks_without_round_trips() -> None:
     """The coordinator sends the whole prompt; the first node's batch policy runs it in budget-sized chunks, each
     passed on as soon as it is done (the chunks pipeline through the nodes, no trip back to the coordinator)."""

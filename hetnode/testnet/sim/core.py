@@ -69,10 +69,14 @@ class Network:
 
 
 class Simulation:
-    def __init__(self, network: Network, events: EventQueue | None = None, *, per_item: bool = False) -> None:
+    def __init__(self, network: Network, events: EventQueue | None = None, *, per_item: bool = False,
+                 decode_loop: str = "hop") -> None:
         self.network = network
         # One link message per item rather than per step and next hop (SimOptions.link_messages "item").
         self.per_item = per_item
+        # A sampled token that goes on to its first hop travels by way of the coordinator (SimOptions.decode_loop
+        # "coordinator", Helix's simulator) rather than straight from the last hop (the runtime's).
+        self.via_coordinator = decode_loop == "coordinator"
         self.nodes = network.nodes
         self.events = events or EventQueue()
         self.coordinator: SimCoordinator | None = None
@@ -85,6 +89,7 @@ class Simulation:
                               (RELEASE, self._release)):
             if self.register(handler) != kind:
                 raise AssertionError("the built-in event kinds are registered in the order events.py numbers them")
+        self._relay_kind = self.register(self._relayed)
 
     # -- the wiring the coordinator uses --------------------------------------------------------------
 
@@ -109,6 +114,9 @@ class Simulation:
         """Token ids from a last hop back to its first hop (the decode loop): 4 bytes a token, not a hidden
         state, on a link between two nodes."""
         net = self.network
+        if self.via_coordinator:
+            self._relay(src, dst, items, now)
+            return
         if src == dst:
             # A one-node pipeline feeds its own queue, as the runtime's hop submits the token to its batch loop
             # before that loop forms its next step: the tokens join the very next step (this runs inside the
@@ -122,6 +130,22 @@ class Simulation:
         link = net.table[src][dst] or net.link(src, dst)
         arrive = link.send(now, sum(map(_NTOK, items)), len(items), 0, net.window, TOKEN_BYTES)
         heapq.heappush(self.events.heap, (arrive, next(self.events.seq), NODE_MESSAGE, dst, items))
+
+    def _relay(self, src: int, dst: int, items: list[Any], now: float) -> None:
+        """The decode loop as Helix's simulator runs it: each token goes from the last hop to the coordinator (its
+        sink), which issues the next iteration from its source to the first hop at once (`QueryManager.
+        collect_finished_request`), so a token pays both coordinator links' latencies, not the last->first one; a
+        one-node pipeline loops through the coordinator too. The token rides on the message that streams it to the
+        coordinator (`at_last_hop` has just queued that on the same link, so it arrives with it, and nothing is sent
+        twice); the second leg queues on the coordinator's link to the first hop like any message."""
+        link = self.network.table[src][self.network.coordinator] or self.network.link(src, self.network.coordinator)
+        arrive = max(now, link.free) + link.latency_s
+        heapq.heappush(self.events.heap, (arrive, next(self.events.seq), self._relay_kind, dst, items))
+
+    def _relayed(self, now: float, dst: int, items: list[Any]) -> None:
+        """Tokens relayed by the coordinator reached it: on to their first hop (`dst`), as token ids."""
+        if items:  # empty when every item of it moved meanwhile (`purge`)
+            self.send(self.network.coordinator, dst, items, now)
 
     def release(self, node: SimNode, session: int, now: float) -> None:
         """The coordinator's Release for a session: `node` frees its KV one link latency later."""
@@ -149,7 +173,7 @@ class Simulation:
             for session, held in list(node.kv_held.items()):
                 node.kv_held[session] = [x for x in held if id(x.origin) not in requests]
         for _, _, kind, _, items in self.events.heap:
-            if kind == NODE_MESSAGE:
+            if kind == NODE_MESSAGE or kind == self._relay_kind:
                 items[:] = [x for x in items if id(x.origin) not in requests]
 
     def arrive_at(self, time: float, workload_index: int) -> None:

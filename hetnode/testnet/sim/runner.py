@@ -62,6 +62,7 @@ from hetnode.testnet.sim.workload import Trace, Workload, offline
 SCHEDULERS = ("iwrr", "random", "shortest-queue", "swarm", "cls", "splitwise", "tstp", "random-pairs", "cronus")
 KV_POOLS = ("estimate", "measured")  # a node's KV: memory minus weights, or the profile's measured pool
 LINK_MESSAGES = ("step", "item")  # one message per step and next hop, or one per item
+DECODE_LOOPS = ("hop", "coordinator")  # a sampled token goes last hop -> first hop, or by way of the coordinator
 NAN = math.nan
 
 
@@ -132,6 +133,11 @@ class SimOptions:
     # message per item, each queued on the link behind the last (Helix's simulator sends one request at a
     # time per idle link, so a receiving node often starts a step with one item).
     link_messages: str = "step"
+    # Where a sampled token goes to run its next decode step: "hop", straight from the last hop to the first (the
+    # runtime's decode loop), or "coordinator", last hop -> coordinator -> first hop, as Helix's simulator issues
+    # each decode iteration anew from its source once the last one reached its sink (two coordinator links'
+    # latencies a token: 100 ms on its geo cluster, whose coordinator links all cross regions).
+    decode_loop: str = "hop"
     # Costs outside the profile tables that Helix's simulator charges: a one-item decode step costs this many
     # times the table's, and the node holding layer 0 spends this long per token copying its input in.
     solo_decode_factor: float = 1.0
@@ -171,6 +177,8 @@ class SimOptions:
             raise ConfigError(f"past_table must be one of {', '.join(PAST_TABLE)}, not {self.past_table!r}")
         if self.link_messages not in LINK_MESSAGES:
             raise ConfigError(f"link_messages must be one of {', '.join(LINK_MESSAGES)}, not {self.link_messages!r}")
+        if self.decode_loop not in DECODE_LOOPS:
+            raise ConfigError(f"decode_loop must be one of {', '.join(DECODE_LOOPS)}, not {self.decode_loop!r}")
         if not 0 < self.output_ratio < math.inf or not self.solo_decode_factor > 0 or not self.first_layer_copy_s >= 0:
             raise ConfigError(f"output_ratio and solo_decode_factor must be > 0, first_layer_copy_s >= 0: {self}")
         for codec, rates in (self.kv_codec_rates or {}).items():
@@ -281,7 +289,7 @@ def simulate(cluster: ClusterSpec, model: ModelSpec, profiles: ProfileTable, pla
                                     opts, window, bin_s, tokens)
 
     network = Network(links, model, nodes, window)
-    sim = Simulation(network, per_item=opts.link_messages == "item")
+    sim = Simulation(network, per_item=opts.link_messages == "item", decode_loop=opts.decode_loop)
     if isinstance(scheduler, str):
         expected = workload.mean_output if opts.output_len is None else opts.output_len
 
