@@ -12,7 +12,9 @@
   offline, 0.9 and 0.6 online) on a fixed expected output of 240 tokens (it does not learn from the outputs
   that end), one message per item on a link, each decode token back to the first hop by way of the coordinator
   (its query manager issues every decode iteration anew from its source: two coordinator links' latencies a
-  token, where the runtime's last hop feeds the first straight), and its costs outside the layer tables (a
+  token, where the runtime's last hop feeds the first straight), SWARM's scheduler drawing each next hop by the
+  time requests recently took over that link and its step (Helix's `SwarmNode.ema`; the runtime's draws by the
+  node's rate alone), and its costs outside the layer tables (a
   one-item decode step twice the table's, 7.4 us per token to copy a step's input in at layer 0).
   Its offline loop is Helix's feeder (`OfflineRequestFeeder`): each request's lengths drawn at random from the
   whole trace (`OfflineLoop.lengths="drawn"`), the first 20 issued 0.1 s apart and each later one 0.1 s after
@@ -53,6 +55,7 @@ _HELIX: dict[str, Any] = {
     "max_batch_tokens": WHOLE_PROMPTS,
     "link_messages": "item",
     "decode_loop": "coordinator",
+    "swarm_wiring": "link",
     "solo_decode_factor": 2.0,
     "first_layer_copy_s": 7.4e-6,
     "output_len": 240.0,
