@@ -35,7 +35,12 @@ baselines), the runtime's schedulers (iwrr, swarm, random, shortest-queue) and t
   `hetnode.testnet.sim.runner.measured_peak` computes; the offline run above is reused), so each system is loaded
   to 75% of its own peak. `--peak maxflow` takes the plan's max flow instead, which on these clusters is 3-10x
   what any configuration sustains (T_j assume full decode batches at every node; docs/simulator.md), so online
-  runs at "75%" of it are overloaded and measure queues, not serving.
+  runs at "75%" of it are overloaded and measure queues, not serving. Under --like helix the rows Helix's artifact
+  loaded by hand run at its rate instead (`ARTIFACT_ONLINE_RATE`, --online-rate artifact; its stored outputs at
+  those rates are the paper's online figures), the others at 75% of their measured peak.
+- Geo (--like helix): the coordinator in a region of its own, as Helix's artifact generated its geo cluster
+  (`ARTIFACT_COORDINATOR_APART`); with the setting's decode loop through the coordinator, each token crosses
+  regions twice more, as in Helix's simulator.
 - Metrics (§6.2): decode throughput = generated tokens per second in the measured window; average prompt
   latency = mean TTFT (arrival to first token); average decode latency = mean time between a request's
   tokens (TPOT). Online they cover the requests that arrived in the window (the run drains them); offline,
