@@ -70,3 +70,34 @@ def test_hetnodes_settings_run_every_row_as_one_simulation() -> None:
     assert [(p, n) for p, _, n, _ in repro.parts(Setup("single", "30B", "sp", "iwrr", "offline"), plan)] == [
         (plan, None)]
     assert repro.parts(Setup("single", "70B", "helix", "random", "offline"), plan)[0][2] is None
+
+
+def test_online_rows_run_at_the_artifacts_hand_set_rates(repro: Reproduction) -> None:
+    """Helix's artifact loaded each online system at a rate it set by hand (step3_simulation.py), not at 75% of its
+    peak: Swarm on geo 70B at 350 tokens/s, SP's pipelines each at their own; a row it set none for keeps 75%."""
+    assert repro.online_rate == "artifact"
+    assert repro.artifact_rate(Setup("geo", "70B", "swarm", "swarm", "online"), "") == 350
+    assert repro.artifact_rate(Setup("geo", "70B", "sp", "iwrr", "online"), "a100") == 240
+    assert repro.artifact_rate(Setup("single", "30B", "helix", "iwrr", "online"), "t4") == 170
+    assert repro.artifact_rate(Setup("hetero", "70B", "sp", "iwrr", "online"), "2xt4") is None  # not run there
+    assert repro.artifact_rate(Setup("single", "70B", "sp", "iwrr", "online"), "a100") is None  # not written
+    peak = Reproduction(times=PAPER_TIMES, time_limit=None, peak="measured", plans_dir=None, log=lambda _: None)
+    peak.online_rate = "peak"
+    assert peak.artifact_rate(Setup("geo", "70B", "swarm", "swarm", "online"), "") is None
+    hetnode = Reproduction(times=PAPER_TIMES, time_limit=None, peak="measured", plans_dir=None, log=lambda _: None,
+                           like="hetnode")
+    assert hetnode.online_rate == "peak"
+
+
+def test_the_geo_coordinator_is_in_no_region_as_the_artifact_generated_it(repro: Reproduction) -> None:
+    """Helix's geo cluster file has every coordinator link cross regions; the shipped helix-geo has it in region1.
+    Under --like helix the simulations take the artifact's; the single cluster and hetnode's settings do not."""
+    shipped, simulated = repro.cluster("geo"), repro.sim_cluster("geo")
+    assert shipped.link("coordinator", "a100-0").latency_ms == 1
+    assert simulated.link("coordinator", "a100-0") == simulated.link("t4-0", "coordinator") == shipped.link(
+        "a100-0", "t4-0")  # the cross-region link, 100 Mb/s and 50 ms
+    assert simulated.link("a100-0", "a100-1") == shipped.link("a100-0", "a100-1")
+    assert repro.sim_cluster("single") is repro.cluster("single")
+    hetnode = Reproduction(times=PAPER_TIMES, time_limit=None, peak="measured", plans_dir=None, log=lambda _: None,
+                           like="hetnode")
+    assert hetnode.sim_cluster("geo") is hetnode.cluster("geo")

@@ -7,7 +7,9 @@ in which unmasked candidate a vertex takes:
 - random: uniformly at random.
 - shortest-queue: the candidate with the shortest queue (Helix's "SQ"), from an injected `queue_len(node)`.
 - swarm: SWARM parallelism's stochastic wiring: at random, with probability proportional to the candidate's
-  recently measured throughput, from an injected `throughput(node)`.
+  recently measured throughput, from an injected `throughput(node)`; or, given `delay(a, b)`, inversely to the
+  time requests recently took from this vertex through the link to the candidate and its step (SWARM's own
+  per-peer estimate, which sees the network as well as the peer).
 
 By default the baselines walk every valid connection of the placement (`edges="topology"`), as they would
 when run on Helix's placement without its flows (§6.7: "all methods use the model placement found by
@@ -27,7 +29,7 @@ from hetnode.coordinator.pool_scheduler import PoolScheduler
 from hetnode.coordinator.scheduler import EdgeSet, IwrrScheduler, PipelineScheduler, QueuedScheduler, SchedulerOptions
 from hetnode.coordinator.split_scheduler import SplitScheduler
 from hetnode.errors import ConfigError
-from hetnode.planner.plan import PlacementPlan
+from hetnode.planner.plan import SOURCE, PlacementPlan
 
 
 class RandomScheduler(PipelineScheduler):
@@ -76,21 +78,34 @@ class SwarmScheduler(PipelineScheduler):
     the time each request took). A candidate with nothing measured yet (<= 0 or not finite) counts as the
     mean of its measured siblings, so that new nodes get tried; with nothing measured at all the draw is
     uniform. Without `throughput` it is always uniform.
+
+    `delay(a, b)`, where given, replaces the node's rate by what SWARM itself measures: seconds a request recently
+    took from `a` (a node, or SOURCE for the coordinator) through the link to candidate `b` until b's step ran it
+    (Appendix C of the SWARM paper; Helix's simulator keeps it per sender and link, `SwarmNode.ema`, and picks a
+    link as often as 1 / that). The network is in it: on geo-distributed clusters a candidate across a slow
+    region boundary is taken less often than one beside the sender, where the node's rate alone cannot tell them
+    apart. A delay <= 0 or not finite counts as unmeasured, as above.
     """
 
     name = "swarm"
 
     def __init__(self, plan: PlacementPlan, *, throughput: Callable[[str], float] | None = None,
-                 edges: EdgeSet = "topology", **options: Unpack[SchedulerOptions]) -> None:
+                 delay: Callable[[str, str], float] | None = None, edges: EdgeSet = "topology",
+                 **options: Unpack[SchedulerOptions]) -> None:
         super().__init__(plan, edges=edges, **options)
         self._throughput_of = throughput
+        self._delay_of = delay
 
     def _pick(self, vertex: int, eligible: list[int], work: float) -> int:
-        rate_of = self._throughput_of
-        if rate_of is None:
-            return self._rng.choice(eligible)
         cands, name = self._cands[vertex], self._node_name
-        rates = [rate_of(name(cands[p])) for p in eligible]
+        if self._delay_of is not None:
+            here = SOURCE if vertex == self._source else name(vertex)
+            delays = [self._delay_of(here, name(cands[p])) for p in eligible]
+            rates = [1.0 / d if 0 < d < math.inf else 0.0 for d in delays]
+        elif self._throughput_of is not None:
+            rates = [self._throughput_of(name(cands[p])) for p in eligible]
+        else:
+            return self._rng.choice(eligible)
         measured = [r for r in rates if 0 < r < math.inf]
         if not measured:
             return self._rng.choice(eligible)

@@ -126,6 +126,35 @@ def test_swarm_falls_back_to_uniform_and_fills_in_unmeasured_nodes() -> None:
         assert counts[node] / 20_000 == pytest.approx(share, abs=0.015)
 
 
+def test_swarm_given_link_delays_draws_each_hop_inversely_to_the_delay_from_where_it_is() -> None:
+    # Two stages: SOURCE -> {a1, a2} -> {b1, b2}. From a1, b1 is near (10 ms) and b2 far (90 ms); from a2 the other
+    # way round. The nodes' rates are equal, so only the links (SWARM's per-peer delays) can tell them apart.
+    plan = PlacementPlan("t", "m", 4, "given", tuple(NodePlacement(n, *r) for n, r in (
+        ("a1", (0, 2)), ("a2", (0, 2)), ("b1", (2, 4)), ("b2", (2, 4)))), flows={})
+    near = {("a1", "b1"), ("a2", "b2")}
+    calls: list[tuple[str, str]] = []
+
+    def delay(a: str, b: str) -> float:
+        calls.append((a, b))
+        return 0.05 if a == SOURCE else (0.01 if (a, b) in near else 0.09)
+
+    sched = SwarmScheduler(plan, throughput=lambda n: 100.0, delay=delay, seed=3)
+    pairs: Counter[tuple[str, str]] = Counter()
+    for i in range(20_000):
+        d = sched.submit(f"r{i}", 10, now=0.0)
+        assert d.pipeline is not None
+        pairs[(d.pipeline[0].node, d.pipeline[1].node)] += 1
+        sched.finish(f"r{i}", 10, now=0.0)
+    assert {a for a, _ in calls} == {SOURCE, "a1", "a2"}
+    for (a, b), n in pairs.items():  # each first hop half the time, then the near one 9 times in 10
+        assert n / 20_000 == pytest.approx(0.5 * (0.9 if (a, b) in near else 0.1), abs=0.015)
+    # By the nodes' equal rates alone, the second hop is a coin toss whatever the link.
+    plain = SwarmScheduler(plan, throughput=lambda n: 100.0, seed=3)
+    decisions = [plain.submit(f"r{i}", 10, now=0.0) for i in range(4000)]
+    share = sum(1 for d in decisions if d.pipeline is not None and (d.pipeline[0].node, d.pipeline[1].node) in near)
+    assert share / 4000 == pytest.approx(0.5, abs=0.03)
+
+
 def test_baselines_see_the_whole_placement_not_just_the_flows() -> None:
     # Helix routes everything over a1 -> a2; the cross connection a1 -> b2 is valid but carries no flow.
     plan = PlacementPlan("t", "m", 6, "given", (NodePlacement("a1", 0, 3), NodePlacement("a2", 3, 6),

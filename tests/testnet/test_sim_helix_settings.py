@@ -50,7 +50,7 @@ def _run(options: SimOptions) -> dict[str, object]:
 
 def test_like_helix_is_exactly_its_named_settings() -> None:
     explicit = SimOptions(kv_pool="measured", past_table="line", step_caps=True, max_batch_tokens=1 << 30,
-                          link_messages="item",
+                          link_messages="item", decode_loop="coordinator", swarm_wiring="link",
                           solo_decode_factor=2.0, first_layer_copy_s=7.4e-6, output_len=240.0, learn_output=False,
                           high_water=0.85, output_ratio=1.0,
                           offline_loop=OfflineLoop(start=20, kv_use=0.8, every="prompt_or_end", measure="layer",

@@ -11,7 +11,9 @@ from sim_helpers import PROFILE, PROFILES, TOY, two_node_cluster, two_node_plan
 import hetnode.coordinator.routing as routing
 from hetnode.coordinator.scheduler import IwrrScheduler
 from hetnode.errors import ConfigError
+from hetnode.planner.cluster import parse_cluster
 from hetnode.planner.model import TOKEN_BYTES
+from hetnode.planner.plan import SINK, SOURCE, NodePlacement, PlacementPlan
 from hetnode.planner.profile import ProfileTable
 from hetnode.testnet.sim import SimOptions, Workload, simulate
 from hetnode.testnet.sim.coordinator import SimulationError
@@ -62,6 +64,51 @@ def test_one_request_on_an_idle_two_node_pipeline_takes_what_profiles_and_links_
     assert r.generated == 4 and r.queue == 0.0 and r.kv_wait == 0.0 and r.depth == 2
     assert r.path == "a[0,2)>b[2,4)"
     assert result.summary["requests"]["finished"] == 1
+
+
+def test_helixs_decode_loop_takes_each_token_through_the_coordinator() -> None:
+    """decode_loop "coordinator" (Helix's simulator issues each decode iteration anew from its source): a token goes
+    b -> coordinator -> a, both coordinator links' latency and bytes, instead of b -> a; the prompt is the same."""
+    (r,) = run(one_request(100, 4), options=SimOptions(decode_loop="coordinator")).requests
+    relayed = [2 * hop(1, TOKEN_BYTES, COORD_BPS, COORD_LAT) + PROFILE.decode_time(1, 2, p + 1)
+               + hop(1, ACT, MID_BPS, MID_LAT) + PROFILE.decode_time(1, 2, p + 1) for p in (100, 101, 102)]
+    assert r.ttft == pytest.approx(prompt_round_trip(100), rel=1e-12)
+    assert r.tpot == pytest.approx(sum(relayed) / 3, rel=1e-12)
+    assert r.generated == 4 and r.finished
+    links = {link.name: link for link in run(one_request(100, 4), options=SimOptions(decode_loop="coordinator")).links}
+    assert "b->a" not in links  # nothing goes straight back
+    # The coordinator sends the prompt and relays three tokens; the tokens it relays are the ones b streams to it.
+    assert links["coordinator->a"].messages == 1 + 3 and links["b->coordinator"].messages == 4
+    with pytest.raises(ConfigError, match="decode_loop"):
+        SimOptions(decode_loop="sink")
+
+
+def test_swarm_by_link_delay_keeps_to_the_near_node_where_by_node_rate_it_does_not() -> None:
+    """swarm_wiring "link" (SWARM's own per-peer estimate, Helix's): the simulator measures each link's delay (send
+    to the end of the receiver's step) and the scheduler draws by it, so of two equal nodes b1 (1 ms from a) and b2
+    (100 ms) b1 takes most requests; by the nodes' rates ("node", the runtime's) they share them."""
+    cluster = parse_cluster({
+        "name": "fork", "coordinator": {"region": "r"},
+        "nodes": [{"name": n, "device": "a100", "region": "r"} for n in ("a", "b1", "b2")],
+        "links": {"default": {"bandwidth_mbps": 1000.0, "latency_ms": 1.0},
+                  "pairs": [{"a": "a", "b": "b2", "bandwidth_mbps": 1000.0, "latency_ms": 100.0}]},
+    }, "test")
+    plan = PlacementPlan(cluster="fork", model="toy", num_layers=4, method="given",
+                         placements=(NodePlacement("a", 0, 2), NodePlacement("b1", 2, 4), NodePlacement("b2", 2, 4)),
+                         flows={(SOURCE, "a"): 2.0, ("a", "b1"): 1.0, ("a", "b2"): 1.0, ("b1", SINK): 1.0,
+                                ("b2", SINK): 1.0}, max_flow=2.0)
+    wl = Workload(name="many", inputs=(20,) * 400, outputs=(4,) * 400, arrivals=tuple(0.05 * i for i in range(400)))
+
+    def share_of_b1(wiring: str) -> float:
+        result = simulate(cluster, TOY, PROFILES, plan, workload=wl, scheduler="swarm", duration_s=40.0,
+                          warmup_s=0.0, options=SimOptions(swarm_wiring=wiring))
+        paths = [r.path for r in result.requests if r.path]
+        return sum("b1" in p for p in paths) / len(paths)
+
+    assert share_of_b1("link") > 0.75
+    assert share_of_b1("node") == pytest.approx(0.5, abs=0.1)
+    with pytest.raises(ConfigError, match="swarm_wiring"):
+        SimOptions(swarm_wiring="peer")
 
 
 def test_a_prompt_over_the_step_budget_runs_in_chunks_without_round_trips() -> None:

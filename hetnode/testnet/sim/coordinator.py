@@ -82,10 +82,10 @@ class SimRequest:
     prefill_end). A piece split off a prompt chunk by a node's policy is a clone whose `origin` is the request."""
 
     __slots__ = ("admitted", "arrival", "booked_at", "decode_at", "depth", "done", "entry", "first", "first_token",
-                 "gen", "handed", "handoff", "handoff_end", "hops", "idx", "input_len", "kind", "kv_out", "kv_since",
-                 "kv_wait", "last_token", "max_tbt", "num_tokens", "nxt", "origin", "output_len", "path", "pf",
-                 "prefill_end", "prefilled_at", "pull", "ready", "received", "rejected", "restarts", "rid", "route",
-                 "sched", "seg", "session", "start", "told")
+                 "gen", "handed", "handoff", "handoff_end", "hop_from", "hop_sent", "hops", "idx", "input_len", "kind",
+                 "kv_out", "kv_since", "kv_wait", "last_token", "max_tbt", "num_tokens", "nxt", "origin", "output_len",
+                 "path", "pf", "prefill_end", "prefilled_at", "pull", "ready", "received", "rejected", "restarts",
+                 "rid", "route", "sched", "seg", "session", "start", "told")
 
     def __init__(self, idx: int, arrival: float, input_len: int, output_len: int) -> None:
         self.idx = idx
@@ -141,6 +141,10 @@ class SimRequest:
         # decode_booking "handoff"), and whether this session's KV waits on its prefill hops for that ("handoff").
         self.booked_at = -1.0
         self.pull = False
+        # Where and when the item was last sent (the sender's index, -1 once its step was counted), for SWARM's
+        # per-link delays (`Simulation.hop_delays`).
+        self.hop_from = -1
+        self.hop_sent = 0.0
 
     def piece(self, k: int) -> SimRequest:
         """Split the item: a clone runs its first `k` tokens now; this request keeps the rest, at its place."""

@@ -21,6 +21,7 @@ from typing import Any
 
 from hetnode.planner.cluster import COORDINATOR, ClusterSpec
 from hetnode.planner.model import TOKEN_BYTES, ModelSpec
+from hetnode.planner.plan import SOURCE
 from hetnode.testnet.sim.coordinator import SimCoordinator
 from hetnode.testnet.sim.events import (
     ARRIVAL,
@@ -36,6 +37,11 @@ from hetnode.testnet.sim.links import SimLink
 from hetnode.testnet.sim.node import SimNode
 
 Handler = Callable[[float, Any, Any], None]  # (now, a, b) of an event
+# SWARM's per-link delay estimate as Helix's simulator sets it up (`cluster_simulator.init_scheduler`:
+# `SwarmParameters(initial_priority=0.05, smoothing_parameter=0.8)`): an unmeasured link counts as 50 ms, and each
+# request moves the estimate 80% of the way to the time it took.
+SWARM_INITIAL_S = 0.05
+SWARM_SMOOTHING = 0.8
 _NTOK = attrgetter("num_tokens")
 _PF = attrgetter("pf")
 
@@ -50,6 +56,8 @@ class Network:
         self.coordinator = len(self.nodes)
         self.window = window
         self.names = [n.name for n in self.nodes] + [COORDINATOR]
+        # Endpoint indices by name, the coordinator also as the plan's SOURCE (where a scheduler's walk starts).
+        self.index = {name: i for i, name in enumerate(self.names)} | {SOURCE: self.coordinator}
         self._activation = model.activation_bytes
         size = len(self.names)
         self.table: list[list[SimLink | None]] = [[None] * size for _ in range(size)]
@@ -69,10 +77,18 @@ class Network:
 
 
 class Simulation:
-    def __init__(self, network: Network, events: EventQueue | None = None, *, per_item: bool = False) -> None:
+    def __init__(self, network: Network, events: EventQueue | None = None, *, per_item: bool = False,
+                 decode_loop: str = "hop") -> None:
         self.network = network
         # One link message per item rather than per step and next hop (SimOptions.link_messages "item").
         self.per_item = per_item
+        # A sampled token that goes on to its first hop travels by way of the coordinator (SimOptions.decode_loop
+        # "coordinator", Helix's simulator) rather than straight from the last hop (the runtime's).
+        self.via_coordinator = decode_loop == "coordinator"
+        # SWARM's per-link delays when a scheduler asks for them (SimOptions.swarm_wiring "link"; None: not kept):
+        # (sender index, receiver index) -> a moving average of the seconds from the sender's send to the end of the
+        # receiver's step that ran the item, as Helix's SwarmScheduler measures them (`update_weights`).
+        self.hop_delays: dict[tuple[int, int], float] | None = None
         self.nodes = network.nodes
         self.events = events or EventQueue()
         self.coordinator: SimCoordinator | None = None
@@ -85,6 +101,7 @@ class Simulation:
                               (RELEASE, self._release)):
             if self.register(handler) != kind:
                 raise AssertionError("the built-in event kinds are registered in the order events.py numbers them")
+        self._relay_kind = self.register(self._relayed)
 
     # -- the wiring the coordinator uses --------------------------------------------------------------
 
@@ -97,6 +114,10 @@ class Simulation:
             return
         link = net.table[src][dst] or net.link(src, dst)
         n = len(items)
+        if self.hop_delays is not None and dst != net.coordinator:
+            for item in items:
+                item.hop_from = src
+                item.hop_sent = now
         if dst == net.coordinator:  # one sampled token (or a chunk's done) per item
             arrive = link.send(now, n, n, sum(map(_PF, items)), net.window)
             kind = COORD_MESSAGE
@@ -109,6 +130,9 @@ class Simulation:
         """Token ids from a last hop back to its first hop (the decode loop): 4 bytes a token, not a hidden
         state, on a link between two nodes."""
         net = self.network
+        if self.via_coordinator:
+            self._relay(src, dst, items, now)
+            return
         if src == dst:
             # A one-node pipeline feeds its own queue, as the runtime's hop submits the token to its batch loop
             # before that loop forms its next step: the tokens join the very next step (this runs inside the
@@ -120,8 +144,28 @@ class Simulation:
                 self.send_ids(src, dst, [item], now)
             return
         link = net.table[src][dst] or net.link(src, dst)
+        if self.hop_delays is not None:
+            for item in items:
+                item.hop_from = src
+                item.hop_sent = now
         arrive = link.send(now, sum(map(_NTOK, items)), len(items), 0, net.window, TOKEN_BYTES)
         heapq.heappush(self.events.heap, (arrive, next(self.events.seq), NODE_MESSAGE, dst, items))
+
+    def _relay(self, src: int, dst: int, items: list[Any], now: float) -> None:
+        """The decode loop as Helix's simulator runs it: each token goes from the last hop to the coordinator (its
+        sink), which issues the next iteration from its source to the first hop at once (`QueryManager.
+        collect_finished_request`), so a token pays both coordinator links' latencies, not the last->first one; a
+        one-node pipeline loops through the coordinator too. The token rides on the message that streams it to the
+        coordinator (`at_last_hop` has just queued that on the same link, so it arrives with it, and nothing is sent
+        twice); the second leg queues on the coordinator's link to the first hop like any message."""
+        link = self.network.table[src][self.network.coordinator] or self.network.link(src, self.network.coordinator)
+        arrive = max(now, link.free) + link.latency_s
+        heapq.heappush(self.events.heap, (arrive, next(self.events.seq), self._relay_kind, dst, items))
+
+    def _relayed(self, now: float, dst: int, items: list[Any]) -> None:
+        """Tokens relayed by the coordinator reached it: on to their first hop (`dst`), as token ids."""
+        if items:  # empty when every item of it moved meanwhile (`purge`)
+            self.send(self.network.coordinator, dst, items, now)
 
     def release(self, node: SimNode, session: int, now: float) -> None:
         """The coordinator's Release for a session: `node` frees its KV one link latency later."""
@@ -149,7 +193,7 @@ class Simulation:
             for session, held in list(node.kv_held.items()):
                 node.kv_held[session] = [x for x in held if id(x.origin) not in requests]
         for _, _, kind, _, items in self.events.heap:
-            if kind == NODE_MESSAGE:
+            if kind == NODE_MESSAGE or kind == self._relay_kind:
                 items[:] = [x for x in items if id(x.origin) not in requests]
 
     def arrive_at(self, time: float, workload_index: int) -> None:
@@ -191,6 +235,8 @@ class Simulation:
         assert batch is not None
         if node.down or not batch:
             return  # the node went down during the step, or every item of it moved meanwhile (`purge`)
+        if self.hop_delays is not None:
+            self._observe_hops(index, batch, now)
         kv = None
         if node.kv_out:  # a prefill hop: the KV its step computed goes to the next phase
             assert self.handoff is not None
@@ -212,6 +258,26 @@ class Simulation:
                 return  # the node packs: its next step starts when that is done
         if node.queue:
             self._step(node, now)
+
+    def _observe_hops(self, index: int, batch: list[Any], now: float) -> None:
+        """Node `index` ran `batch`: each item's time from its sender's send to now updates that link's estimate."""
+        delays = self.hop_delays
+        assert delays is not None
+        for r in batch:
+            src = r.hop_from
+            if src < 0:
+                continue  # not sent since its last step counted (a piece of a prompt split here)
+            r.hop_from = -1
+            key = (src, index)
+            old = delays.get(key, SWARM_INITIAL_S)
+            delays[key] = old + SWARM_SMOOTHING * (now - r.hop_sent - old)
+
+    def hop_delay(self, a: str, b: str) -> float:
+        """SWARM's delay estimate from endpoint `a` (a node's name, or SOURCE for the coordinator) to node `b`."""
+        names = self.network.index
+        delays = self.hop_delays
+        assert delays is not None
+        return delays.get((names[a], names[b]), SWARM_INITIAL_S)
 
     def _forward(self, src: int, dst: int, items: list[Any], now: float) -> None:
         # A last hop's results do not go to the coordinator: the hop samples, loops back, and streams.

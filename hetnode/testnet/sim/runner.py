@@ -62,6 +62,8 @@ from hetnode.testnet.sim.workload import Trace, Workload, offline
 SCHEDULERS = ("iwrr", "random", "shortest-queue", "swarm", "cls", "splitwise", "tstp", "random-pairs", "cronus")
 KV_POOLS = ("estimate", "measured")  # a node's KV: memory minus weights, or the profile's measured pool
 LINK_MESSAGES = ("step", "item")  # one message per step and next hop, or one per item
+SWARM_WIRINGS = ("node", "link")  # SWARM's draw: by the candidate node's rate, or by the link's measured delay
+DECODE_LOOPS = ("hop", "coordinator")  # a sampled token goes last hop -> first hop, or by way of the coordinator
 NAN = math.nan
 
 
@@ -132,6 +134,15 @@ class SimOptions:
     # message per item, each queued on the link behind the last (Helix's simulator sends one request at a
     # time per idle link, so a receiving node often starts a step with one item).
     link_messages: str = "step"
+    # Where a sampled token goes to run its next decode step: "hop", straight from the last hop to the first (the
+    # runtime's decode loop), or "coordinator", last hop -> coordinator -> first hop, as Helix's simulator issues
+    # each decode iteration anew from its source once the last one reached its sink (two coordinator links'
+    # latencies a token: 100 ms on its geo cluster, whose coordinator links all cross regions).
+    decode_loop: str = "hop"
+    # How the swarm scheduler weighs its candidates: "node", by the candidate's measured throughput (what a node's
+    # heartbeat reports, the runtime's), or "link", by the time requests recently took from the sender through the
+    # link to the candidate and its step (SWARM's per-peer estimate, Helix's `SwarmNode.ema`: it sees the network).
+    swarm_wiring: str = "node"
     # Costs outside the profile tables that Helix's simulator charges: a one-item decode step costs this many
     # times the table's, and the node holding layer 0 spends this long per token copying its input in.
     solo_decode_factor: float = 1.0
@@ -171,6 +182,10 @@ class SimOptions:
             raise ConfigError(f"past_table must be one of {', '.join(PAST_TABLE)}, not {self.past_table!r}")
         if self.link_messages not in LINK_MESSAGES:
             raise ConfigError(f"link_messages must be one of {', '.join(LINK_MESSAGES)}, not {self.link_messages!r}")
+        if self.swarm_wiring not in SWARM_WIRINGS:
+            raise ConfigError(f"swarm_wiring must be one of {', '.join(SWARM_WIRINGS)}, not {self.swarm_wiring!r}")
+        if self.decode_loop not in DECODE_LOOPS:
+            raise ConfigError(f"decode_loop must be one of {', '.join(DECODE_LOOPS)}, not {self.decode_loop!r}")
         if not 0 < self.output_ratio < math.inf or not self.solo_decode_factor > 0 or not self.first_layer_copy_s >= 0:
             raise ConfigError(f"output_ratio and solo_decode_factor must be > 0, first_layer_copy_s >= 0: {self}")
         for codec, rates in (self.kv_codec_rates or {}).items():
@@ -188,7 +203,8 @@ def _nice_bin(span: float) -> float:
 def make_runtime_scheduler(name: str, plan: PlacementPlan, nodes: Mapping[str, SimNode], *, seed: int,
                            avg_output_len: float, kv_capacity: Mapping[str, int], options: SimOptions,
                            regions: Mapping[str, str] | None = None, model: ModelSpec | None = None,
-                           devices: Mapping[str, DeviceSpec] | None = None) -> Scheduler:
+                           devices: Mapping[str, DeviceSpec] | None = None,
+                           hop_delay: Callable[[str, str], float] | None = None) -> Scheduler:
     """The runtime's scheduler by name, with the simulated nodes' queues and throughput where it asks; a
     phase-split plan gets CLS (or Splitwise's pools) with the nodes' regions, and a Cronus plan its pairs'
     balancers fitted on the nodes' devices and refitted as they serve, as the coordinator's deployment builds
@@ -213,6 +229,10 @@ def make_runtime_scheduler(name: str, plan: PlacementPlan, nodes: Mapping[str, S
         for n in nodes.values():
             n.track_throughput = True
         kwargs["throughput"] = lambda node: float(nodes[node].rate.value)
+        if options.swarm_wiring == "link":
+            if hop_delay is None:
+                raise ConfigError("swarm_wiring 'link' needs the simulation's per-link delays")
+            kwargs["delay"] = hop_delay
     if name in ("cls", "splitwise", "tstp", "random-pairs"):  # the phase-split policies
         kwargs["regions"] = dict(regions or {})
     if options.decode_booking != ADMISSION:
@@ -281,7 +301,9 @@ def simulate(cluster: ClusterSpec, model: ModelSpec, profiles: ProfileTable, pla
                                     opts, window, bin_s, tokens)
 
     network = Network(links, model, nodes, window)
-    sim = Simulation(network, per_item=opts.link_messages == "item")
+    sim = Simulation(network, per_item=opts.link_messages == "item", decode_loop=opts.decode_loop)
+    if opts.swarm_wiring == "link" and scheduler == "swarm":  # kept only where a scheduler reads them
+        sim.hop_delays = {}
     if isinstance(scheduler, str):
         expected = workload.mean_output if opts.output_len is None else opts.output_len
 
@@ -290,7 +312,8 @@ def simulate(cluster: ClusterSpec, model: ModelSpec, profiles: ProfileTable, pla
                 str(scheduler), p, named, seed=seed, avg_output_len=expected,
                 kv_capacity={n: tokens[named[n].index] for n in p.ranges()}, options=opts,
                 regions={s.name: s.region for s in links.nodes}, model=model,
-                devices={s.name: replace(s.device_spec, memory_gb=s.memory_gb) for s in links.nodes})
+                devices={s.name: replace(s.device_spec, memory_gb=s.memory_gb) for s in links.nodes},
+                hop_delay=sim.hop_delay if sim.hop_delays is not None else None)
 
         sched = runtime_scheduler(plan, by_name)
         if change is not None:

@@ -10,8 +10,12 @@
   step), its offline loop (20 requests, then one at each prompt's end and each request's end while the estimated KV
   use of the fullest layer is <= 0.8), its KV high-water marks and output-length ratios (0.85 and 1.0
   offline, 0.9 and 0.6 online) on a fixed expected output of 240 tokens (it does not learn from the outputs
-  that end), one message per item on a link, and its costs outside the layer tables (a one-item decode step
-  twice the table's, 7.4 us per token to copy a step's input in at layer 0).
+  that end), one message per item on a link, each decode token back to the first hop by way of the coordinator
+  (its query manager issues every decode iteration anew from its source: two coordinator links' latencies a
+  token, where the runtime's last hop feeds the first straight), SWARM's scheduler drawing each next hop by the
+  time requests recently took over that link and its step (Helix's `SwarmNode.ema`; the runtime's draws by the
+  node's rate alone), and its costs outside the layer tables (a
+  one-item decode step twice the table's, 7.4 us per token to copy a step's input in at layer 0).
   Its offline loop is Helix's feeder (`OfflineRequestFeeder`): each request's lengths drawn at random from the
   whole trace (`OfflineLoop.lengths="drawn"`), the first 20 issued 0.1 s apart and each later one 0.1 s after
   the prompt's end or request's end that adds it (`delay_s=0.1`). The two belong together: drawn lengths alone
@@ -50,6 +54,8 @@ _HELIX: dict[str, Any] = {
     "step_caps": True,
     "max_batch_tokens": WHOLE_PROMPTS,
     "link_messages": "item",
+    "decode_loop": "coordinator",
+    "swarm_wiring": "link",
     "solo_decode_factor": 2.0,
     "first_layer_copy_s": 7.4e-6,
     "output_len": 240.0,
