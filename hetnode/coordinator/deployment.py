@@ -36,6 +36,7 @@ from hetnode.coordinator.pool_scheduler import PoolScheduler
 from hetnode.coordinator.registry import NodeRecord, Registry
 from hetnode.coordinator.routing import Scheduler, make_scheduler, policy_names, scheduler_for
 from hetnode.coordinator.scheduler import Decision
+from hetnode.coordinator.split_scheduler import ADMISSION, DECODE_BOOKINGS, HANDOFF, SplitScheduler
 from hetnode.errors import ConfigError
 from hetnode.ids import NodeId
 from hetnode.models.config import ModelConfig
@@ -85,6 +86,10 @@ _RESEND_FIRST_S = 0.5
 _RESEND_MAX_S = 8.0
 
 
+def _books_at_handoff(scheduler: Scheduler | None) -> bool:
+    return isinstance(scheduler, SplitScheduler) and scheduler.decode_booking == HANDOFF
+
+
 def _wire_role(role: str) -> str:
     """The role a node is told: an EcoServe instance (role "macro<k>") runs both phases, as a "mixed" node."""
     return "mixed" if role.startswith(MACRO) else _WIRE_ROLES.get(role, role)
@@ -120,6 +125,10 @@ class PlanningConfig:
     # Prompt tokens a step of a prefill replica's node batches (policy/role_batching.py); None: no cap. The
     # command line's default is the placement's (`prefill_tokens_of`).
     prefill_tokens: int | None = None
+    # When a phase-split plan's scheduler books the decode replica's KV (split_scheduler.py): "admission" (the
+    # decode hops reserve before the prefill) or "handoff" (ThunderServe's KV queues: the prefill hops keep the KV
+    # until the decode replica has room, and the decode hops reserve then).
+    decode_booking: str = ADMISSION
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -147,6 +156,9 @@ class PlanningConfig:
         if not (0 < self.scale_target <= 1 and 0 < self.scale_low_use <= 1):
             raise ConfigError(f"the scaling target ({self.scale_target}) and low use ({self.scale_low_use}) are "
                               "shares in (0, 1]", key="scale_target")
+        if self.decode_booking not in DECODE_BOOKINGS:
+            raise ConfigError(f"decode booking must be one of {', '.join(DECODE_BOOKINGS)}, not "
+                              f"{self.decode_booking!r}", key="decode_booking")
         if not self.reschedule_shift >= 0 or not self.workload_window_s > 0:
             raise ConfigError(f"the reschedule shift must be >= 0 ({self.reschedule_shift}) and the workload "
                               f"window > 0 ({self.workload_window_s})", key="reschedule_shift")
@@ -293,6 +305,9 @@ class Deployment:
                                         rate=_RATE_UNSEEN if self.planning.method == "thunderserve" else None)
         # Told each plan that starts serving (a coordinator with --state-dir saves it).
         self.on_serving: Callable[[Plan], None] | None = None
+        # Told each request whose KV hand-off may start now (a scheduler that books the decode KV at the
+        # hand-off names them: `take_handoffs`); the generator then has the decode hops reserve.
+        self.on_handoff: Callable[[str], None] | None = None
         # The plan that served before a restart, served again once its nodes are back (restore()).
         self._restored: PlacementPlan | None = None
         self._restore_wait_s = 0.0
@@ -457,7 +472,8 @@ class Deployment:
             return {"splitters": cronus_splitters(placement, self.spec, {
                 str(r.peer_id): r.profile for r in self.registry.nodes.values()}), "refit_window": REFIT_WINDOW}
         if placement.replicas:
-            return {"regions": {str(r.peer_id): r.region for r in self.registry.nodes.values()}}
+            return {"regions": {str(r.peer_id): r.region for r in self.registry.nodes.values()},
+                    "decode_booking": self.planning.decode_booking}
 
         def load(node: str) -> Load:
             record = self.registry.nodes.get(NodeId(node))
@@ -675,6 +691,11 @@ class Deployment:
             now = trio.current_time()
             self._wake(scheduler, scheduler.partial_done(key, now), now)
 
+    def books_at_handoff(self, key: str) -> bool:
+        """Whether the scheduler that routed session `key` books its decode KV at the hand-off ("handoff"): its
+        prefill hops then keep the KV until `on_handoff` names it."""
+        return _books_at_handoff(self._routed.get(key))
+
     def route_progress(self, key: str, output_len: int) -> None:
         """The session `key` has generated `output_len` tokens (EcoServe's saved TPOT reads decodes' progress)."""
         scheduler = self._routed.get(key)
@@ -702,7 +723,9 @@ class Deployment:
         self._wake(plan.scheduler, plan.scheduler.set_capacity(str(peer), total * load.kv_block_size, now), now)
 
     def _wake(self, scheduler: Scheduler, admitted: list[Decision], now: float) -> None:
-        """Hand queued requests that the scheduler let go (started or refused) to their waiters."""
+        """Hand queued requests that the scheduler let go (started or refused) to their waiters; then the
+        hand-offs it lets start (every call that can free KV ends here, as the simulated coordinator's
+        `_admit_queued` does)."""
         for d in admitted:
             waiting = self._waiting.pop(d.request_id, None)
             if waiting is None:
@@ -714,6 +737,12 @@ class Deployment:
             else:
                 self._outcome[d.request_id] = d.reason
             waiting[1].set()
+        if not _books_at_handoff(scheduler):
+            return
+        assert isinstance(scheduler, SplitScheduler)
+        for key in scheduler.take_handoffs():
+            if self._routed.get(key) is scheduler and self.on_handoff is not None:
+                self.on_handoff(key)
 
     def on_status(self, peer: NodeId, status: AssignmentStatus) -> None:
         plan = self.plan
