@@ -17,6 +17,16 @@ plus every token generated so far, sampling the next token of the same stream (g
 undisturbed run). After `max_reroutes` moves, or when no route of live nodes appears in time, the request ends
 with a clear error; a hop whose whole KV pool is too small for the context ends it at once (a 400). Those
 decisions are the lifecycle policy's (`hetnode.policy.Lifecycle`), which the simulator asks too.
+
+A phase-split route hands the prompt's KV from the prefill phase to the decode phase. Where the scheduler books
+the decode KV at admission, the decode hops reserve it at the Install and the context goes out once they are all
+Ready. Where it books it at the hand-off (decode_booking "handoff", ThunderServe's KV queues), the context goes
+out at once and the Install says `kv_queued`: the prefill hops keep the KV they compute, and the first token still
+streams at once. When the scheduler names the request's hand-off (`Deployment.on_handoff`, after any event that
+can free the decode replica's KV) the decode hops get a Reserve, each reserves (waiting for room if it must) and
+answers Ready, and the last Ready sends every prefill hop a SendKV; each sends the KV and says HandedOver, which
+frees the prefill side in the scheduler. While the hand-off waits to be named, the request waits without the step
+deadline (it is in the scheduler's queue, as at admission); once named, the deadline holds again.
 """
 
 from __future__ import annotations
@@ -29,7 +39,7 @@ import time
 from collections import Counter, deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager, suppress
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import msgspec
 import trio
@@ -405,6 +415,9 @@ class PipelineGenerator:
     async def _tell(self, session: _Session, peers: set[NodeId], msg: Reserve | SendKV) -> None:
         """Send `msg` to every one of `peers` at once; one that cannot be reached fails the session (the request
         then moves as the lifecycle says)."""
+        if self._sessions.get(session.id) is not session:
+            return  # it ended meanwhile (a first token that was also its last): its Release frees everything
+
         async def one(peer: NodeId) -> None:
             try:
                 await self.mailbox.send(peer, msg)
@@ -830,9 +843,6 @@ class PipelineGenerator:
                     if isinstance(msg, Token):
                         return msg
                     if isinstance(msg, _Leaving):
-                        if session.queued and session.handed < session.handers:
-                            # Its decode hops have no KV yet: nothing to move with, it re-prefills elsewhere.
-                            return replace(self._leaving(session), code="node_down")
                         if session.prefilled:  # else at its first token: a prompt half-way through cannot move
                             return self._leaving(session)
                         continue
@@ -844,7 +854,8 @@ class PipelineGenerator:
 
     def _leaving(self, session: _Session) -> _Lost:
         """Why the session moves with its KV: nodes that leave are avoided by its next route, nodes whose
-        layers a re-plan changed are not (the new plan routes through them)."""
+        layers a re-plan changed are not (the new plan routes through them). A queued hand-off that has not
+        reached its decode hops leaves them nothing to move with: it re-prefills elsewhere instead."""
         gone = session.leaving - session.replaced
         why = []
         if gone:
@@ -852,7 +863,8 @@ class PipelineGenerator:
                        "leaving")
         if session.replaced:
             why.append(f"a re-plan changed the layers of {', '.join(sorted(self._name(p) for p in session.replaced))}")
-        return _Lost("; ".join(why), "leaving", frozenset(gone))
+        handed = not session.queued or session.handed >= session.handers
+        return _Lost("; ".join(why), "leaving" if handed else "node_down", frozenset(gone))
 
     def _lost(self, msg: Failed | str) -> _Lost:
         if isinstance(msg, str):
