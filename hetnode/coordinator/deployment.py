@@ -184,6 +184,8 @@ class Plan:
     scheduler: Scheduler
     ready: set[NodeId] = field(default_factory=set)
     failed: dict[NodeId, str] = field(default_factory=dict)
+    # Nodes whose real KV pool (a heartbeat after their ready report) replaced the planner's estimate.
+    kv_reported: set[NodeId] = field(default_factory=set)
 
     @property
     def is_ready(self) -> bool:
@@ -197,6 +199,7 @@ class Plan:
         roles = {n: r.role for r in self.placement.replicas for n in r.nodes}
         return {
             "version": self.version, "reason": self.reason, "created_at": self.created_at, "ready": self.is_ready,
+            "kv_reported": self.peers() <= self.kv_reported,
             "shards": [
                 {"peer_id": s.peer, "name": n, "first_layer": s.first_layer, "last_layer": s.last_layer,
                  "role": roles.get(s.peer, "mixed"), "ready": NodeId(s.peer) in self.ready,
@@ -208,11 +211,22 @@ class Plan:
             "status": self.placement.status, "solve_time_s": self.placement.solve_time_s,
             "flows": [{"from": _short(a, names), "to": _short(b, names), "flow": f}
                       for (a, b), f in sorted(self.placement.flows.items()) if f > 0],
-            "scheduler": {"name": type(self.scheduler).name, "queued": self.scheduler.queue_len,
-                          "running": self.scheduler.running},
+            "scheduler": self._scheduler_json(names),
             "replicas": self._replicas_json(names),
             "notes": list(self.placement.notes),  # the planner's own account (a ThunderServe plan's estimates)
         }
+
+    def _scheduler_json(self, names: dict[str, str]) -> dict[str, object]:
+        out: dict[str, object] = {"name": type(self.scheduler).name, "queued": self.scheduler.queue_len,
+                                  "running": self.scheduler.running}
+        if isinstance(self.scheduler, SplitScheduler):
+            # When the decode KV is booked, the prefilled requests still waiting for their decode replica's room,
+            # and each node's KV pool as the scheduler counts it (the planner's estimate until the node reports
+            # its real one).
+            out["decode_booking"] = self.scheduler.decode_booking
+            out["waiting_handoffs"] = self.scheduler.waiting_handoffs()
+            out["kv_capacity"] = {_short(n, names): kv.capacity for n, kv in self.scheduler.kv_estimate().items()}
+        return out
 
     def _replicas_json(self, names: dict[str, str]) -> list[dict[str, object]]:
         """Each replica's role, and under Splitwise's pools its home role and the pool it is in now."""
@@ -721,6 +735,9 @@ class Deployment:
             return
         now = trio.current_time()
         self._wake(plan.scheduler, plan.scheduler.set_capacity(str(peer), total * load.kv_block_size, now), now)
+        if peer not in plan.kv_reported:
+            plan.kv_reported.add(peer)
+            self._notify()  # (GET /v1/plan?kv_reported=true waits for every node's)
 
     def _wake(self, scheduler: Scheduler, admitted: list[Decision], now: float) -> None:
         """Hand queued requests that the scheduler let go (started or refused) to their waiters; then the
