@@ -757,10 +757,9 @@ class PipelineGenerator:
                                            self.model_config.head_dim)}
                      for hop in phase.hops for t in kv_targets(session.route, p, hop)]
             self.handoffs.append({"at": time.time(), "session": session.id, "tokens": end, "links": links})
-            log.info("session %s hands over the KV of %d tokens%s: %s", session.id, end,
-                     " when its decode replica has room" if session.queued else "", ", ".join(
+            log.info("session %s hands over the KV of %d tokens: %s%s", session.id, end, ", ".join(
                 f"{k['from']}>{k['to']} layers [{k['layers'][0]},{k['layers'][1]}) {k['codec']} {k['bytes']} bytes"
-                for k in links))
+                for k in links), "; when its decode replica has room" if session.queued else "")
         install = Install(session=session.id, route=session.route, sampling=wire_sampling(request.params.sampling),
                           prefill_end=left.prefill_end, max_tokens=left.max_tokens, lease_s=self.lease_s,
                           adopts=adopts.id if adopts is not None else None, trace=request.trace.id,
