@@ -159,6 +159,9 @@ class PlanningConfig:
         if self.decode_booking not in DECODE_BOOKINGS:
             raise ConfigError(f"decode booking must be one of {', '.join(DECODE_BOOKINGS)}, not "
                               f"{self.decode_booking!r}", key="decode_booking")
+        if self.decode_booking != ADMISSION and self.scheduler == PoolScheduler.name:
+            raise ConfigError(f"--decode-booking {self.decode_booking} is a setting of the phase-split schedulers "
+                              "cls, tstp and random-pairs: Splitwise's pools book at admission", key="decode_booking")
         if not self.reschedule_shift >= 0 or not self.workload_window_s > 0:
             raise ConfigError(f"the reschedule shift must be >= 0 ({self.reschedule_shift}) and the workload "
                               f"window > 0 ({self.workload_window_s})", key="reschedule_shift")
@@ -486,8 +489,15 @@ class Deployment:
             return {"splitters": cronus_splitters(placement, self.spec, {
                 str(r.peer_id): r.profile for r in self.registry.nodes.values()}), "refit_window": REFIT_WINDOW}
         if placement.replicas:
-            return {"regions": {str(r.peer_id): r.region for r in self.registry.nodes.values()},
-                    "decode_booking": self.planning.decode_booking}
+            inputs: dict[str, object] = {"regions": {str(r.peer_id): r.region for r in self.registry.nodes.values()}}
+            if self.planning.decode_booking != ADMISSION:
+                name = scheduler_for(placement, self.planning.scheduler)
+                if name == PoolScheduler.name:  # its pools lend replicas across roles; it books at admission
+                    raise ConfigError(f"--decode-booking {self.planning.decode_booking} is a setting of the "
+                                      f"phase-split schedulers cls, tstp and random-pairs, not of {name!r}",
+                                      key="decode_booking")
+                inputs["decode_booking"] = self.planning.decode_booking
+            return inputs
 
         def load(node: str) -> Load:
             record = self.registry.nodes.get(NodeId(node))
