@@ -231,33 +231,47 @@ async def test_the_decode_nodes_real_pool_binds_reservations_wait_there_and_neve
 
 async def test_a_client_that_leaves_while_its_hand_off_waits_frees_the_kept_kv(
         tiny_model: Path, reference: list[list[int]]) -> None:
+    # d's room (by the scheduler) is one request's: a first client holds it (it reads its first token, then waits:
+    # its request runs until the client is done), so the second one's hand-off waits with its KV on p.
     async with network(tiny_model, ["p"], ["d"], kv_blocks={}, kv_capacity={"p": 2000, "d": 90}) as net:
-        first = trio.Event()
+        holding, done, waiting = trio.Event(), trio.Event(), trio.Event()
+        got: list[int] = []
+        params = GenerationParams(max_tokens=MAX_TOKENS, sampling=SamplingParams())
 
-        async def blocker() -> list[int]:
-            return await collect(net.gen, PROMPTS[0], MAX_TOKENS)
+        async def blocker() -> None:
+            async with net.gen.generate(PROMPTS[0], params) as events, aclosing(events.__aiter__()) as it:
+                async for event in it:
+                    got.append(event.token)
+                    holding.set()
+                    await done.wait()
 
         async def leaver() -> None:
-            params = GenerationParams(max_tokens=MAX_TOKENS, sampling=SamplingParams())
             async with net.gen.generate(PROMPTS[4], params) as events, aclosing(events.__aiter__()) as it:
                 async for _ in it:
-                    first.set()
+                    waiting.set()
                     await trio.sleep_forever()  # a client that stops reading; cancelled below
 
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(blocker)
-            await trio.testing.wait_all_tasks_blocked()
-            with trio.move_on_after(60) as scope:
+        with trio.fail_after(60):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(blocker)
+                await holding.wait()
                 async with trio.open_nursery() as inner:
                     inner.start_soon(leaver)
-                    await first.wait()
-                    # Its first token came; with d taken by the first request, its KV waits on p.
-                    kept = [s for s in net.nodes["p"].sessions.values() if len(PROMPTS[4]) == s.prefill_end]
-                    if net.scheduler.waiting_handoffs():
-                        assert kept and kept[0].kv_queued and not kept[0].kv_booked
-                    inner.cancel_scope.cancel()
-            assert not scope.cancelled_caught
-        assert net.scheduler.running == 0 and net.scheduler.waiting_handoffs() == 0
+                    await waiting.wait()
+                    # Its first token came; d is the first request's, so its KV waits on p, handed nowhere.
+                    assert net.scheduler.waiting_handoffs() == 1
+                    (kept,) = [s for s in net.nodes["p"].sessions.values() if s.prefill_end == len(PROMPTS[4])]
+                    assert kept.kv_queued and not kept.kv_booked and net.nodes["p"].loop.ledger.held(kept.id) > 0
+                    assert kept.id in net.nodes["d"].sessions and kept.id not in net.nodes["d"].loop.ledger
+                    inner.cancel_scope.cancel()  # the client goes
+                await net.gen.wait_released()
+                await trio.testing.wait_all_tasks_blocked()
+                # Its KV is freed on p, and d never reserved any; the first request runs on.
+                assert kept.id not in net.nodes["p"].sessions and kept.id not in net.nodes["p"].loop.ledger
+                assert kept.id not in net.nodes["d"].sessions and net.scheduler.waiting_handoffs() == 0
+                done.set()
+        assert got == reference[0]
+        assert net.scheduler.running == 0
         await all_free(net)
         assert await collect(net.gen, PROMPTS[1], MAX_TOKENS) == reference[1]  # serving goes on
         await all_free(net)
