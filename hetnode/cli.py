@@ -99,6 +99,12 @@ def _planning_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--route-wait", type=_positive, default=30.0, metavar="S",
                    help="how long a request waits for a pipeline of live nodes (at start, or to move to after a "
                         "node fails) before it is answered 503 (default: 30)")
+    p.add_argument("--decode-booking", default="admission", choices=["admission", "handoff"],
+                   help="when a phase-split plan's scheduler books the decode replica's KV for a request: admission "
+                        "(the default, Splitwise's: when it is admitted; the decode hops reserve before the prefill "
+                        "starts) or handoff (ThunderServe's KV queues: admission is limited by the prefill side, "
+                        "the prefill hops keep the prompt's KV until the decode replica has room, and the decode "
+                        "hops reserve it then)")
     p.add_argument("--kv-codec", default="auto", choices=list(OPERATOR_CHOICES),
                    help="how KV travels between the phases of a phase-split route (default: auto, the cheapest "
                         "of packing, sending and unpacking at each link's measured bandwidth)")
@@ -241,6 +247,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "modelled step time, or the real time if longer (default: the node's, 100)")
     up.add_argument("--kv-transfer", default="policy", choices=list(TRANSFER_CHOICES),
                     help="every node's --kv-transfer (default: policy)")
+    up.add_argument("--kv-cache-mb", type=_positive, default=None, metavar="MB",
+                    help="every node's --kv-cache-mb, the size of its KV pool (default: the node's, 256)")
     up.add_argument("--netns", action="store_true",
                     help="every process in its own Linux network namespace on a bridge, with its own address, "
                          "the cluster's bandwidths enforced by the kernel (tc htb); needs root")
@@ -592,7 +600,8 @@ async def _run_coordinator(args: argparse.Namespace) -> None:
                               macro_bounds=args.macro_bounds, scale_from=args.scale_from,
                               scale_window_s=args.scale_window, scale_target=args.scale_target,
                               scale_low_use=args.scale_low_use, scale_idle_windows=args.scale_idle,
-                              prefill_tokens=prefill_tokens_of(args.placement, args.prefill_tokens))
+                              prefill_tokens=prefill_tokens_of(args.placement, args.prefill_tokens),
+                              decode_booking=args.decode_booking)
     identity = args.identity or (store.identity if store is not None else DEFAULT_HOME / "coordinator.key")
     key = load_or_create_identity(identity)
     serving = None

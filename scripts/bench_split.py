@@ -2,6 +2,8 @@
 
     python scripts/bench_split.py                # all modes, prompts of 128 to 2048 tokens
     python scripts/bench_split.py --quick        # a smoke run: two modes, short prompts
+    python scripts/bench_split.py --modes "mixed,split fp16,split fp16 handoff" --lengths 256 \
+        --burst 12 --kv-cache-mb 64               # the decode KV booked at admission against at the hand-off
 
 Two emulated nodes in two regions (an L4 in "us", where the coordinator is, and an A100 in "eu"), joined by
 the issue's cross-region link (100 Mbit/s, 50 ms one way). Under `--placement split` the L4 prefills (the most
@@ -15,6 +17,16 @@ on the decode side instead. For each mode and prompt length, greedy streaming re
   it): under split it holds the KV transfer (pack, send, unpack), under mixed one decode step;
 - TPOT over the tokens after the second;
 - the KV bytes each hand-off moved (from the coordinator's per-session log line).
+
+"split fp16 handoff" books the decode replica's KV when the hand-off starts (`--decode-booking handoff`,
+ThunderServe's KV queues) instead of at admission: one request at a time, that costs the hand-off a round trip
+(Reserve, Ready, SendKV) and the layer-wise overlap with the prefill (the KV is sent from the cache after it).
+What it is for shows under load: with `--burst N`, N requests of each length go at once, each mode's nodes' KV
+pools cut to `--kv-cache-mb` so that the decode replica holds fewer than N (by the scheduler's estimate: the
+prompt and the average output it starts from, 240 tokens). Booked at admission, the requests the decode side
+cannot take wait before their prefill; booked at the hand-off, they are prefilled (their first token streams) and
+wait with their KV on the prefill node. Per mode: TTFT (median and 90th percentile), the first gap, the time to
+the last token, output tokens per second over the burst, and how many hand-offs waited for room.
 
 Ratios are side by side in one run (this machine is shared: absolute times drift). Compute is real (SmolLM2 on
 this CPU, `--compute-dilation 1`): both nodes share its cores, so a node's step also waits for the other's.
@@ -72,7 +84,9 @@ MODES = {  # name: testnet up arguments
     "split int8": ["--placement", "split", "--kv-codec", "int8"],
     "split int4": ["--placement", "split", "--kv-codec", "int4"],
     "split auto": ["--placement", "split", "--kv-codec", "auto"],
+    "split fp16 handoff": ["--placement", "split", "--kv-codec", "fp16", "--decode-booking", "handoff"],
 }
+WAITED = re.compile(r'^hetnode_kv_queue_handoffs_total\{start="waited"\} (\S+)$', re.M)
 HANDOFF = re.compile(r"hands over the KV of (\d+) tokens: .* (\w+) (\d+) bytes")
 
 
@@ -104,20 +118,43 @@ def stream(api: str, prompt: str, max_tokens: int) -> tuple[float, list[float], 
     return t0, times, prompt_tokens
 
 
+def burst(api: str, prompt: str, n: int, max_tokens: int) -> dict[str, Any]:
+    """`n` streaming requests at once: each one's TTFT, first gap and time to its last token, and the output
+    tokens per second from the first request sent to the last token received."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    waited = WAITED.search(httpx.get(f"{api}/metrics", timeout=30).text)
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(n) as pool:
+        runs = list(pool.map(lambda _: stream(api, prompt, max_tokens), range(n)))
+    wall = max(start + times[-1] for start, times, _ in runs) - t0
+    after = WAITED.search(httpx.get(f"{api}/metrics", timeout=30).text)
+    ttft = sorted(times[0] for _, times, _ in runs)
+    return {"ttft": statistics.median(ttft), "ttft_p90": ttft[int(0.9 * (n - 1))],
+            "gap": statistics.median(times[1] - times[0] for _, times, _ in runs),
+            "e2e": statistics.median(times[-1] for _, times, _ in runs),
+            "tokens_per_s": sum(len(times) for _, times, _ in runs) / wall,
+            "waited": float(after[1]) - float(waited[1]) if waited and after else 0.0}
+
+
 def run_mode(name: str, args: list[str], lengths: list[int], repeats: int, max_tokens: int,
-             workdir: Path) -> dict[str, Any]:
+             workdir: Path, bursts: int = 0, kv_cache_mb: float | None = None) -> dict[str, Any]:
     state_dir = workdir / name.replace(" ", "-")
     cluster = workdir / "cluster.toml"
+    pool = ["--kv-cache-mb", str(kv_cache_mb)] if kv_cache_mb else []
     up = subprocess.run([*HETNODE, "testnet", "up", "--cluster", str(cluster), "--detach", "--state-dir",
-                         str(state_dir), "--model", MODEL, "--compute-dilation", "1", *args],
+                         str(state_dir), "--model", MODEL, "--compute-dilation", "1", *pool, *args],
                         capture_output=True, text=True, timeout=300)
     if up.returncode != 0:
         raise SystemExit(f"testnet up failed for {name}:\n{up.stdout}\n{up.stderr}")
     api = json.loads((state_dir / "state.json").read_text())["api"]
     log = state_dir / "logs" / "coordinator.log"
     rows = []
+    loads = []
     try:
         stream(api, english(64), 4)  # waits for the plan; warms both nodes
+        # The scheduler counts the nodes' real pools (--kv-cache-mb) from their first heartbeats after ready.
+        httpx.get(f"{api}/v1/plan", params={"kv_reported": "true", "timeout": 60}, timeout=90)
         for length in lengths:
             prompt = english(length)
             samples = []
@@ -136,6 +173,13 @@ def run_mode(name: str, args: list[str], lengths: list[int], repeats: int, max_t
             print(f"  {name:11s} {rows[-1]['tokens']:5d} tokens: TTFT {rows[-1]['ttft'] * 1e3:7.0f} ms, "
                   f"first gap {rows[-1]['gap'] * 1e3:6.0f} ms, TPOT {rows[-1]['tpot'] * 1e3:5.0f} ms, "
                   f"KV {rows[-1]['kv_bytes'] / 1e6:6.2f} MB ({rows[-1]['codec']})", flush=True)
+            if bursts:
+                b = rows[-1]["burst"] = burst(api, prompt, bursts, max_tokens)
+                loads.append(os.getloadavg()[0])
+                print(f"  {name:11s} {bursts} at once: TTFT {b['ttft'] * 1e3:7.0f} ms (p90 {b['ttft_p90'] * 1e3:.0f}), "
+                      f"first gap {b['gap'] * 1e3:6.0f} ms, last token {b['e2e'] * 1e3:7.0f} ms, "
+                      f"{b['tokens_per_s']:5.1f} tokens/s, {b['waited']:.0f} hand-offs waited (load "
+                      f"{loads[-1]:.2f})", flush=True)
     finally:
         subprocess.run([*HETNODE, "testnet", "down", "--state-dir", str(state_dir)], capture_output=True,
                        timeout=120)
@@ -143,15 +187,31 @@ def run_mode(name: str, args: list[str], lengths: list[int], repeats: int, max_t
 
 
 def report(results: list[dict[str, Any]]) -> None:
+    by = {r["mode"]: {row["length"]: row for row in r["rows"]} for r in results}
+    if any("burst" in row for r in results for row in r["rows"]):
+        print("\nbursts (medians over the burst's requests; tokens/s over the burst):")
+        print(f"{'mode':19s} {'prompt':>6s} {'TTFT':>7s} {'p90':>7s} {'1st gap':>8s} {'last':>7s} {'tok/s':>6s} "
+              f"{'waited':>6s}")
+        for res in results:
+            for row in res["rows"]:
+                b = row["burst"]
+                print(f"{res['mode']:19s} {row['tokens']:6d} {b['ttft']:7.2f} {b['ttft_p90']:7.2f} {b['gap']:8.2f} "
+                      f"{b['e2e']:7.2f} {b['tokens_per_s']:6.1f} {b['waited']:6.0f}")
+        if "split fp16" in by and "split fp16 handoff" in by:
+            print("\nbooked at the hand-off / at admission (split fp16):")
+            for n, row in by["split fp16 handoff"].items():
+                a, h = by["split fp16"][n]["burst"], row["burst"]
+                print(f"  {row['tokens']:5d} tokens: TTFT {h['ttft'] / a['ttft']:.2f}, p90 TTFT "
+                      f"{h['ttft_p90'] / a['ttft_p90']:.2f}, last token {h['e2e'] / a['e2e']:.2f}, "
+                      f"throughput {h['tokens_per_s'] / a['tokens_per_s']:.2f}")
     base = {r["length"]: r for r in results[0]["rows"]}
     print("\nagainst mixed serving on the same nodes (ratio of medians; > 1: slower than mixed)")
-    print(f"{'mode':12s} {'prompt':>6s} {'TTFT':>6s} {'1st gap':>8s} {'TPOT':>6s} {'KV MB':>7s}")
+    print(f"{'mode':19s} {'prompt':>6s} {'TTFT':>6s} {'1st gap':>8s} {'TPOT':>6s} {'KV MB':>7s}")
     for res in results[1:]:
         for row in res["rows"]:
             b = base[row["length"]]
-            print(f"{res['mode']:12s} {row['tokens']:6d} {row['ttft'] / b['ttft']:6.2f} {row['gap'] / b['gap']:8.2f} "
+            print(f"{res['mode']:19s} {row['tokens']:6d} {row['ttft'] / b['ttft']:6.2f} {row['gap'] / b['gap']:8.2f} "
                   f"{row['tpot'] / b['tpot']:6.2f} {row['kv_bytes'] / 1e6:7.2f}")
-    by = {r["mode"]: {row["length"]: row for row in r["rows"]} for r in results}
     if "split fp16" in by and "split fp16 whole" in by:
         # What streaming hides of the serialized transfer: the first gap beyond mixed serving's (one decode step)
         # layer-wise, against the same whole after the prefill step.
@@ -177,6 +237,10 @@ def main() -> None:
     parser.add_argument("--modes", default=",".join(MODES), help=f"of: {', '.join(MODES)} (mixed first)")
     parser.add_argument("--quick", action="store_true", help="mixed and split fp16, prompts of 64 and 256, once")
     parser.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
+    parser.add_argument("--burst", type=int, default=0, metavar="N",
+                        help="after each length's one-at-a-time requests, N of them at once (0: none)")
+    parser.add_argument("--kv-cache-mb", type=float, default=None, metavar="MB",
+                        help="every node's KV pool (default: the node's, 256), so that the decode side binds a burst")
     args = parser.parse_args()
     modes = ["mixed", "split fp16"] if args.quick else [m.strip() for m in args.modes.split(",")]
     lengths = [64, 256] if args.quick else [int(x) for x in args.lengths.split(",")]
@@ -188,7 +252,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-split-") as tmp:
         workdir = Path(tmp)
         (workdir / "cluster.toml").write_text(CLUSTER)
-        results = [run_mode(m, MODES[m], lengths, repeats, args.max_tokens, workdir) for m in modes]
+        results = [run_mode(m, MODES[m], lengths, repeats, args.max_tokens, workdir, args.burst, args.kv_cache_mb)
+                   for m in modes]
     report(results)
     print(f"machine load: {os.getloadavg()[0]:.2f}")
     if args.json:

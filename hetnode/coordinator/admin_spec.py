@@ -56,6 +56,9 @@ def plan(max_wait_s: float) -> Operation:
             QueryParam("ready", {"type": "boolean"}, "wait until the newest plan is (true) or is not (false) ready"),
             QueryParam("min_nodes", count, "wait until the newest plan places at least this many nodes"),
             QueryParam("min_version", count, "wait until the newest plan's version is at least this"),
+            QueryParam("kv_reported", {"type": "boolean"},
+                       "wait until every node of the newest plan has (true) or has not (false) reported its real KV "
+                       "pool, which the scheduler then counts instead of the planner's estimate"),
             QueryParam("timeout", {"type": "number", "minimum": 0, "maximum": max_wait_s},
                        "seconds to wait at most (default 10, or the maximum where lower)"),
         ],

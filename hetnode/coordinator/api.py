@@ -135,24 +135,28 @@ def build_app(coordinator: Coordinator, *, api_key: str | None = None,
         return error_response(500, f"internal error: {type(exc).__name__}", type_="server_error")
 
     async def plan(request: Request) -> Response:
-        """With ready / min_nodes / min_version and timeout (seconds, at most 60), wait until the newest plan
-        matches: a client waiting for a ready plan (or for a re-plan) needs no polling loop."""
+        """With ready / min_nodes / min_version / kv_reported and timeout (seconds, at most 60), wait until the
+        newest plan matches: a client waiting for a ready plan (or for a re-plan, or for the scheduler to count
+        the nodes' real KV pools) needs no polling loop."""
         deployment = coordinator.deployment
         if deployment is None:
             return error_response(404, "this coordinator serves no model", type_="not_found_error")
-        asked = _long_poll(request, {"ready": _flag, "min_nodes": int, "min_version": int}, max_wait_s)
+        asked = _long_poll(request, {"ready": _flag, "min_nodes": int, "min_version": int, "kv_reported": _flag},
+                           max_wait_s)
         if isinstance(asked, Response):
             return asked
         conditions, timeout = asked
-        ready, min_nodes, min_version = (conditions.get(k) for k in ("ready", "min_nodes", "min_version"))
+        ready, min_nodes, min_version, kv_reported = (conditions.get(k) for k in (
+            "ready", "min_nodes", "min_version", "kv_reported"))
 
         def matches() -> bool:
             newest = deployment.plan
             if newest is None:
-                return ready is False and min_nodes is None and min_version is None
+                return ready is False and min_nodes is None and min_version is None and kv_reported is None
             return ((ready is None or newest.is_ready == ready)
                     and (min_nodes is None or len(newest.peers()) >= min_nodes)
-                    and (min_version is None or newest.version >= min_version))
+                    and (min_version is None or newest.version >= min_version)
+                    and (kv_reported is None or (newest.peers() <= newest.kv_reported) == kv_reported))
 
         satisfied = await deployment.wait_until(matches, timeout) if conditions else True
         view = deployment.to_json()

@@ -36,6 +36,7 @@ from hetnode.coordinator.pool_scheduler import PoolScheduler
 from hetnode.coordinator.registry import NodeRecord, Registry
 from hetnode.coordinator.routing import Scheduler, make_scheduler, policy_names, scheduler_for
 from hetnode.coordinator.scheduler import Decision
+from hetnode.coordinator.split_scheduler import ADMISSION, DECODE_BOOKINGS, HANDOFF, SplitScheduler
 from hetnode.errors import ConfigError
 from hetnode.ids import NodeId
 from hetnode.models.config import ModelConfig
@@ -85,6 +86,10 @@ _RESEND_FIRST_S = 0.5
 _RESEND_MAX_S = 8.0
 
 
+def _books_at_handoff(scheduler: Scheduler | None) -> bool:
+    return isinstance(scheduler, SplitScheduler) and scheduler.decode_booking == HANDOFF
+
+
 def _wire_role(role: str) -> str:
     """The role a node is told: an EcoServe instance (role "macro<k>") runs both phases, as a "mixed" node."""
     return "mixed" if role.startswith(MACRO) else _WIRE_ROLES.get(role, role)
@@ -120,6 +125,10 @@ class PlanningConfig:
     # Prompt tokens a step of a prefill replica's node batches (policy/role_batching.py); None: no cap. The
     # command line's default is the placement's (`prefill_tokens_of`).
     prefill_tokens: int | None = None
+    # When a phase-split plan's scheduler books the decode replica's KV (split_scheduler.py): "admission" (the
+    # decode hops reserve before the prefill) or "handoff" (ThunderServe's KV queues: the prefill hops keep the KV
+    # until the decode replica has room, and the decode hops reserve then).
+    decode_booking: str = ADMISSION
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -147,6 +156,12 @@ class PlanningConfig:
         if not (0 < self.scale_target <= 1 and 0 < self.scale_low_use <= 1):
             raise ConfigError(f"the scaling target ({self.scale_target}) and low use ({self.scale_low_use}) are "
                               "shares in (0, 1]", key="scale_target")
+        if self.decode_booking not in DECODE_BOOKINGS:
+            raise ConfigError(f"decode booking must be one of {', '.join(DECODE_BOOKINGS)}, not "
+                              f"{self.decode_booking!r}", key="decode_booking")
+        if self.decode_booking != ADMISSION and self.scheduler == PoolScheduler.name:
+            raise ConfigError(f"--decode-booking {self.decode_booking} is a setting of the phase-split schedulers "
+                              "cls, tstp and random-pairs: Splitwise's pools book at admission", key="decode_booking")
         if not self.reschedule_shift >= 0 or not self.workload_window_s > 0:
             raise ConfigError(f"the reschedule shift must be >= 0 ({self.reschedule_shift}) and the workload "
                               f"window > 0 ({self.workload_window_s})", key="reschedule_shift")
@@ -172,6 +187,8 @@ class Plan:
     scheduler: Scheduler
     ready: set[NodeId] = field(default_factory=set)
     failed: dict[NodeId, str] = field(default_factory=dict)
+    # Nodes whose real KV pool (a heartbeat after their ready report) replaced the planner's estimate.
+    kv_reported: set[NodeId] = field(default_factory=set)
 
     @property
     def is_ready(self) -> bool:
@@ -185,6 +202,7 @@ class Plan:
         roles = {n: r.role for r in self.placement.replicas for n in r.nodes}
         return {
             "version": self.version, "reason": self.reason, "created_at": self.created_at, "ready": self.is_ready,
+            "kv_reported": self.peers() <= self.kv_reported,
             "shards": [
                 {"peer_id": s.peer, "name": n, "first_layer": s.first_layer, "last_layer": s.last_layer,
                  "role": roles.get(s.peer, "mixed"), "ready": NodeId(s.peer) in self.ready,
@@ -196,11 +214,22 @@ class Plan:
             "status": self.placement.status, "solve_time_s": self.placement.solve_time_s,
             "flows": [{"from": _short(a, names), "to": _short(b, names), "flow": f}
                       for (a, b), f in sorted(self.placement.flows.items()) if f > 0],
-            "scheduler": {"name": type(self.scheduler).name, "queued": self.scheduler.queue_len,
-                          "running": self.scheduler.running},
+            "scheduler": self._scheduler_json(names),
             "replicas": self._replicas_json(names),
             "notes": list(self.placement.notes),  # the planner's own account (a ThunderServe plan's estimates)
         }
+
+    def _scheduler_json(self, names: dict[str, str]) -> dict[str, object]:
+        out: dict[str, object] = {"name": type(self.scheduler).name, "queued": self.scheduler.queue_len,
+                                  "running": self.scheduler.running}
+        if isinstance(self.scheduler, SplitScheduler):
+            # When the decode KV is booked, the prefilled requests still waiting for their decode replica's room,
+            # and each node's KV pool as the scheduler counts it (the planner's estimate until the node reports
+            # its real one).
+            out["decode_booking"] = self.scheduler.decode_booking
+            out["waiting_handoffs"] = self.scheduler.waiting_handoffs()
+            out["kv_capacity"] = {_short(n, names): kv.capacity for n, kv in self.scheduler.kv_estimate().items()}
+        return out
 
     def _replicas_json(self, names: dict[str, str]) -> list[dict[str, object]]:
         """Each replica's role, and under Splitwise's pools its home role and the pool it is in now."""
@@ -293,6 +322,9 @@ class Deployment:
                                         rate=_RATE_UNSEEN if self.planning.method == "thunderserve" else None)
         # Told each plan that starts serving (a coordinator with --state-dir saves it).
         self.on_serving: Callable[[Plan], None] | None = None
+        # Told each request whose KV hand-off may start now (a scheduler that books the decode KV at the
+        # hand-off names them: `take_handoffs`); the generator then has the decode hops reserve.
+        self.on_handoff: Callable[[str], None] | None = None
         # The plan that served before a restart, served again once its nodes are back (restore()).
         self._restored: PlacementPlan | None = None
         self._restore_wait_s = 0.0
@@ -457,7 +489,15 @@ class Deployment:
             return {"splitters": cronus_splitters(placement, self.spec, {
                 str(r.peer_id): r.profile for r in self.registry.nodes.values()}), "refit_window": REFIT_WINDOW}
         if placement.replicas:
-            return {"regions": {str(r.peer_id): r.region for r in self.registry.nodes.values()}}
+            inputs: dict[str, object] = {"regions": {str(r.peer_id): r.region for r in self.registry.nodes.values()}}
+            if self.planning.decode_booking != ADMISSION:
+                name = scheduler_for(placement, self.planning.scheduler)
+                if name == PoolScheduler.name:  # its pools lend replicas across roles; it books at admission
+                    raise ConfigError(f"--decode-booking {self.planning.decode_booking} is a setting of the "
+                                      f"phase-split schedulers cls, tstp and random-pairs, not of {name!r}",
+                                      key="decode_booking")
+                inputs["decode_booking"] = self.planning.decode_booking
+            return inputs
 
         def load(node: str) -> Load:
             record = self.registry.nodes.get(NodeId(node))
@@ -675,6 +715,11 @@ class Deployment:
             now = trio.current_time()
             self._wake(scheduler, scheduler.partial_done(key, now), now)
 
+    def books_at_handoff(self, key: str) -> bool:
+        """Whether the scheduler that routed session `key` books its decode KV at the hand-off ("handoff"): its
+        prefill hops then keep the KV until `on_handoff` names it."""
+        return _books_at_handoff(self._routed.get(key))
+
     def route_progress(self, key: str, output_len: int) -> None:
         """The session `key` has generated `output_len` tokens (EcoServe's saved TPOT reads decodes' progress)."""
         scheduler = self._routed.get(key)
@@ -700,9 +745,14 @@ class Deployment:
             return
         now = trio.current_time()
         self._wake(plan.scheduler, plan.scheduler.set_capacity(str(peer), total * load.kv_block_size, now), now)
+        if peer not in plan.kv_reported:
+            plan.kv_reported.add(peer)
+            self._notify()  # (GET /v1/plan?kv_reported=true waits for every node's)
 
     def _wake(self, scheduler: Scheduler, admitted: list[Decision], now: float) -> None:
-        """Hand queued requests that the scheduler let go (started or refused) to their waiters."""
+        """Hand queued requests that the scheduler let go (started or refused) to their waiters; then the
+        hand-offs it lets start (every call that can free KV ends here, as the simulated coordinator's
+        `_admit_queued` does)."""
         for d in admitted:
             waiting = self._waiting.pop(d.request_id, None)
             if waiting is None:
@@ -714,6 +764,12 @@ class Deployment:
             else:
                 self._outcome[d.request_id] = d.reason
             waiting[1].set()
+        if not _books_at_handoff(scheduler):
+            return
+        assert isinstance(scheduler, SplitScheduler)
+        for key in scheduler.take_handoffs():
+            if self._routed.get(key) is scheduler and self.on_handoff is not None:
+                self.on_handoff(key)
 
     def on_status(self, peer: NodeId, status: AssignmentStatus) -> None:
         plan = self.plan

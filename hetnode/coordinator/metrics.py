@@ -153,6 +153,14 @@ class _Live(Collector):
             for (src_name, dst_name, codec), n in sorted(g.kv_moved.items()):
                 kv.add_metric([src_name, dst_name, codec], n)
             yield kv
+            queued = CounterMetricFamily("hetnode_kv_queue_handoffs",
+                                         "Hand-offs booked when they start (--decode-booking handoff, ThunderServe's "
+                                         "KV queues), by whether the decode replica had room at the first token "
+                                         "(at_once) or the prefill hops kept the KV until it had (waited)",
+                                         labels=["start"])
+            for start in ("at_once", "waited"):
+                queued.add_metric([start], g.kv_queue[start])
+            yield queued
             traces = GaugeMetricFamily("hetnode_traces_remembered", "Requests GET /v1/requests/{id} can show")
             traces.add_metric([], len(g.traces))
             yield traces

@@ -17,12 +17,23 @@ plus every token generated so far, sampling the next token of the same stream (g
 undisturbed run). After `max_reroutes` moves, or when no route of live nodes appears in time, the request ends
 with a clear error; a hop whose whole KV pool is too small for the context ends it at once (a 400). Those
 decisions are the lifecycle policy's (`hetnode.policy.Lifecycle`), which the simulator asks too.
+
+A phase-split route hands the prompt's KV from the prefill phase to the decode phase. Where the scheduler books
+the decode KV at admission, the decode hops reserve it at the Install and the context goes out once they are all
+Ready. Where it books it at the hand-off (decode_booking "handoff", ThunderServe's KV queues), the context goes
+out at once and the Install says `kv_queued`: the prefill hops keep the KV they compute, and the first token still
+streams at once. When the scheduler names the request's hand-off (`Deployment.on_handoff`, after any event that
+can free the decode replica's KV) the decode hops get a Reserve, each reserves (waiting for room if it must) and
+answers Ready, and the last Ready sends every prefill hop a SendKV; each sends the KV and says HandedOver, which
+frees the prefill side in the scheduler. While the hand-off waits to be named, the request waits without the step
+deadline (it is in the scheduler's queue, as at admission); once named, the deadline holds again.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import math
 import secrets
 import time
 from collections import Counter, deque
@@ -71,14 +82,24 @@ from hetnode.protocol.messages import (
     Ready,
     Release,
     Renew,
+    Reserve,
     Route,
     Sampling,
+    SendKV,
     TensorMeta,
     Token,
     Tokens,
     infer_decoder,
 )
-from hetnode.protocol.routes import describe, kv_targets, phase_span, pipeline_route, route_peers, route_problem
+from hetnode.protocol.routes import (
+    describe,
+    kv_targets,
+    phase_span,
+    pipeline_route,
+    queues_kv,
+    route_peers,
+    route_problem,
+)
 from hetnode.protocol.transport import Transport
 from hetnode.sampling_params import SamplingParams
 
@@ -124,6 +145,15 @@ class _Session:
         self.replaced: set[NodeId] = set()  # those of them that stay, with other layers after a re-plan
         self.frozen: dict[NodeId, int] = {}  # answers to Freeze: each hop's computed positions
         self.handed: set[NodeId] = set()  # hops of its earlier phases done with it (HandedOver)
+        # ThunderServe's KV queues (Install.kv_queued): its prefill hops keep the KV until the scheduler lets the
+        # hand-off start; then its decode hops reserve (`booked`: Reserve sent) and, once all are Ready, the
+        # prefill hops send (`sending`: SendKV sent).
+        self.queued = False
+        self.booked = False
+        self.sending = False
+        # The wait for its next message (`_next`): while a queued hand-off waits for the decode replica's room it
+        # has no deadline (the scheduler's queue, as at admission); booking the hand-off starts the step timeout.
+        self.wait: trio.CancelScope | None = None
         # Tokens that came before an earlier one: a decode phase's second token may overtake the prefill phase's
         # first (they come from different hops, over different streams).
         self.early: dict[int, Token] = {}
@@ -212,6 +242,10 @@ class PipelineGenerator:
         self.traces = TraceStore(trace_history)
         # Packed KV bytes the hops reported sending, by (sender, receiver, codec) node names, since start.
         self.kv_moved: Counter[tuple[str, str, str]] = Counter()
+        # Hand-offs booked when they start (decode_booking "handoff"): at the first token, or after waiting for
+        # the decode replica's KV room (/metrics).
+        self.kv_queue: Counter[str] = Counter()
+        deployment.on_handoff = self._handoff_may_start
 
     def hop_reports(self, peer: NodeId, reports: list[HopReport]) -> None:
         """A heartbeat's reports of sessions that ended on `peer`: into their traces and the KV totals."""
@@ -337,7 +371,14 @@ class PipelineGenerator:
                         self._name(peer))
             return
         if isinstance(msg, Ready):
+            if session.queued and not session.booked:
+                log.warning("session %s: Ready from %s before its hand-off was booked", session_id, self._name(peer))
+                return
             session.ready.add(peer)
+            if session.queued and not session.sending and session.receivers <= session.ready:
+                session.sending = True
+                self._nursery_soon(self._tell, session, {NodeId(h.peer) for h in session.route.phases[0].hops},
+                                   SendKV(session=session.id))
         elif isinstance(msg, Frozen):
             session.frozen[peer] = msg.end
         try:
@@ -358,6 +399,36 @@ class PipelineGenerator:
         if session.handed >= session.handers:
             self.traces.handed_over(session.id, trio.current_time())
             self.deployment.route_partial_done(session.id)
+
+    def _handoff_may_start(self, key: str) -> None:
+        """The scheduler booked the decode KV of session `key` (its hand-off may start): its decode hops reserve
+        it, waiting there for room if they must, and say Ready; the last Ready lets the prefill hops send."""
+        session = self._sessions.get(SessionId(key))
+        if session is None or not session.queued or session.booked:
+            return  # ended or moved meanwhile, or a route that hands nothing over (re-prefilled on the decode side)
+        session.booked = True
+        if session.wait is not None:
+            session.wait.deadline = trio.current_time() + self.step_timeout_s
+        log.debug("session %s: its decode KV is booked; the hand-off starts", key)
+        self._nursery_soon(self._tell, session, session.receivers, Reserve(session=session.id))
+
+    async def _tell(self, session: _Session, peers: set[NodeId], msg: Reserve | SendKV) -> None:
+        """Send `msg` to every one of `peers` at once; one that cannot be reached fails the session (the request
+        then moves as the lifecycle says)."""
+        if self._sessions.get(session.id) is not session:
+            return  # it ended meanwhile (a first token that was also its last): its Release frees everything
+
+        async def one(peer: NodeId) -> None:
+            try:
+                await self.mailbox.send(peer, msg)
+            except HetnodeError as exc:
+                with suppress(trio.WouldBlock):
+                    session.send.send_nowait(f"hop {self._name(peer)} is unreachable: {exc}")
+
+        with trio.move_on_after(self.step_timeout_s):
+            async with trio.open_nursery() as nursery:
+                for peer in peers:
+                    nursery.start_soon(one, peer)
 
     def node_leaving(self, peer: NodeId) -> None:
         """`peer` drains before it leaves: every session whose KV it holds moves with that KV to other nodes
@@ -392,7 +463,7 @@ class PipelineGenerator:
         has not come), at most `timeout_s`: a node that leaves gracefully stays a member until then, so that
         the KV it sent is not refused as a non-member's. True if none waits."""
         def waiting() -> bool:
-            return any(not s.prefilled and any(NodeId(h.peer) == peer for ph in s.route.phases[:-1] for h in ph.hops)
+            return any(peer in s.handers and (not s.prefilled or (s.queued and peer not in s.handed))
                        for s in self._sessions.values())
 
         with trio.move_on_after(timeout_s):
@@ -405,7 +476,8 @@ class PipelineGenerator:
         simulator asks too): its request moves to another route."""
         for session in self._sessions.values():
             phases = [{h.peer for h in phase.hops} for phase in session.route.phases]
-            if self.lifecycle.fails_when_down(str(peer), phases, left=reason == "left"):
+            holding = {str(p) for p in session.handers - session.handed} if session.queued else set()
+            if self.lifecycle.fails_when_down(str(peer), phases, left=reason == "left", holding=holding):
                 with suppress(trio.WouldBlock):
                     session.send.send_nowait(f"node {self._name(peer)} went down ({reason})")
         self._nursery_soon(self.mailbox.forget, peer)
@@ -584,7 +656,9 @@ class PipelineGenerator:
         if not request.session.prefilled:
             self.traces.first_token(request.trace, request.session.id, trio.current_time())
             request.session.prefilled = True
-            self.deployment.route_prefilled(request.session.id)
+            self.deployment.route_prefilled(request.session.id)  # may book its queued hand-off at once
+            if request.session.queued:
+                self.kv_queue["waited" if not request.session.booked else "at_once"] += 1
             self._progressed()
         else:
             self.deployment.route_progress(request.session.id, len(request.generated))
@@ -671,6 +745,7 @@ class PipelineGenerator:
         context = request.prompt + request.generated
         left = self.lifecycle.restart(len(request.prompt), len(request.generated), request.params.max_tokens)
         session.set_route(self.with_codecs(session.route, left.prefill_end))
+        session.queued = adopts is None and queues_kv(session.route) and self.deployment.books_at_handoff(session.id)
         self.traces.session(request.trace, session.id, route_json(session.route, {
             str(p): self._name(p) for p in session.peers}), trio.current_time())
         for p, phase in enumerate(session.route.phases[:-1]):
@@ -682,12 +757,13 @@ class PipelineGenerator:
                                            self.model_config.head_dim)}
                      for hop in phase.hops for t in kv_targets(session.route, p, hop)]
             self.handoffs.append({"at": time.time(), "session": session.id, "tokens": end, "links": links})
-            log.info("session %s hands over the KV of %d tokens: %s", session.id, end, ", ".join(
+            log.info("session %s hands over the KV of %d tokens: %s%s", session.id, end, ", ".join(
                 f"{k['from']}>{k['to']} layers [{k['layers'][0]},{k['layers'][1]}) {k['codec']} {k['bytes']} bytes"
-                for k in links))
+                for k in links), "; when its decode replica has room" if session.queued else "")
         install = Install(session=session.id, route=session.route, sampling=wire_sampling(request.params.sampling),
                           prefill_end=left.prefill_end, max_tokens=left.max_tokens, lease_s=self.lease_s,
-                          adopts=adopts.id if adopts is not None else None, trace=request.trace.id)
+                          adopts=adopts.id if adopts is not None else None, trace=request.trace.id,
+                          kv_queued=session.queued)
         try:
             # Exactly the checks the hops make on arrival: a value they would refuse (a NaN that slipped past
             # the API) fails this request here, instead of resetting a stream other requests share.
@@ -721,12 +797,14 @@ class PipelineGenerator:
 
         # Under the step deadline: a stream to a dying peer can block before it fails. The other hops need not
         # have their Install before the first items reach them; they hold such items until it comes. Hops that
-        # start from handed-over KV reserve it first, so the context goes out only when all of them are Ready.
+        # start from handed-over KV reserve it first, so the context goes out only when all of them are Ready;
+        # with queued KV they reserve when the hand-off may start, and the context goes out at once.
+        ready_first = bool(session.receivers) and not session.queued
         with trio.move_on_after(self.step_timeout_s) as scope:
             async with trio.open_nursery() as nursery:
                 for peer in installed:
-                    nursery.start_soon(send_to, peer, install, not session.receivers)
-            if not unreachable and session.receivers:
+                    nursery.start_soon(send_to, peer, install, not ready_first)
+            if not unreachable and ready_first:
                 lost = await self._wait_ready(session)
                 if lost is not None:
                     return lost
@@ -755,22 +833,28 @@ class PipelineGenerator:
         return None
 
     async def _next(self, session: _Session) -> Token | _Lost:
-        with trio.move_on_after(self.step_timeout_s):
-            while True:
-                msg = await session.recv.receive()
-                if isinstance(msg, Token):
-                    return msg
-                if isinstance(msg, _Leaving):
-                    if session.prefilled:  # else at its first token: a prompt half-way through cannot move
-                        return self._leaving(session)
-                    continue
-                if not isinstance(msg, Ready | Frozen):  # a Ready that came after the wait for it changes nothing
-                    return self._lost(msg)
+        waiting = session.queued and session.prefilled and not session.booked
+        with trio.move_on_at(math.inf if waiting else trio.current_time() + self.step_timeout_s) as wait:
+            session.wait = wait
+            try:
+                while True:
+                    msg = await session.recv.receive()
+                    if isinstance(msg, Token):
+                        return msg
+                    if isinstance(msg, _Leaving):
+                        if session.prefilled:  # else at its first token: a prompt half-way through cannot move
+                            return self._leaving(session)
+                        continue
+                    if not isinstance(msg, Ready | Frozen):  # a Ready after the wait for it changes nothing
+                        return self._lost(msg)
+            finally:
+                session.wait = None
         return _Lost(f"no token from the route within {self.step_timeout_s:g} s", "timeout")
 
     def _leaving(self, session: _Session) -> _Lost:
         """Why the session moves with its KV: nodes that leave are avoided by its next route, nodes whose
-        layers a re-plan changed are not (the new plan routes through them)."""
+        layers a re-plan changed are not (the new plan routes through them). A queued hand-off that has not
+        reached its decode hops leaves them nothing to move with: it re-prefills elsewhere instead."""
         gone = session.leaving - session.replaced
         why = []
         if gone:
@@ -778,7 +862,8 @@ class PipelineGenerator:
                        "leaving")
         if session.replaced:
             why.append(f"a re-plan changed the layers of {', '.join(sorted(self._name(p) for p in session.replaced))}")
-        return _Lost("; ".join(why), "leaving", frozenset(gone))
+        handed = not session.queued or session.handed >= session.handers
+        return _Lost("; ".join(why), "leaving" if handed else "node_down", frozenset(gone))
 
     def _lost(self, msg: Failed | str) -> _Lost:
         if isinstance(msg, str):

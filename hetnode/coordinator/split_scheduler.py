@@ -32,7 +32,8 @@ Where the decode side's KV is booked is a setting, `decode_booking`:
 
 The public API is `PipelineScheduler`'s (submit, prefilled, finish, cancel, node_down, set_capacity, largest_kv,
 queue_len, running, down, kv_estimate, pipeline_of), so the coordinator and the simulator drive it unchanged;
-with "handoff" the executor also calls `partial_done` and `take_handoffs` (only the simulator does, so far).
+with "handoff" the executor also calls `partial_done` and `take_handoffs`, after every call that can free KV (both
+do: the runtime's `Deployment._wake`, the simulator's `SimCoordinator._admit_queued`).
 Pure: no I/O, no clock (every call passes `now`).
 """
 

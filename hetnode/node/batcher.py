@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -88,6 +88,19 @@ Pace = Callable[[Sequence[StepItem]], float]
 LayerHook = Callable[[Sequence[Work]], LayerDone | None]
 
 
+class _Waiter:
+    """A reservation waiting for KV room (`BatchLoop.reserve_queued`): granted in the ledger when it reaches the
+    head of the queue and fits, or given up (released, the loop stopping)."""
+
+    __slots__ = ("done", "granted", "session", "tokens")
+
+    def __init__(self, session: SessionId, tokens: int) -> None:
+        self.session = session
+        self.tokens = tokens
+        self.granted = False
+        self.done = trio.Event()
+
+
 class BatchLoop:
     def __init__(self, engine: Engine, *, deliver: Deliver, fail: Fail, pace: Pace | None = None,
                  queue_size: int = 4096, min_chunk: int = MIN_CHUNK,
@@ -128,6 +141,8 @@ class BatchLoop:
         self._busy = False
         self._stopping: str | None = None
         self._stopped = trio.Event()
+        # Reservations that wait for KV room, first come first granted (`reserve_queued`).
+        self._waiters: deque[_Waiter] = deque()
 
     async def wait_idle(self) -> None:
         """Until nothing is queued, deferred or waiting to be released (tests and graceful shutdown)."""
@@ -187,6 +202,48 @@ class BatchLoop:
             return False
         return True
 
+    async def reserve_queued(self, session: SessionId, tokens: int) -> bool:
+        """`reserve`, but waiting for room instead of failing (a hand-off booked when it starts, ThunderServe's
+        KV queues): behind every reservation that waits already, until released KV lets it in. The sessions
+        already running here keep growing meanwhile; only new hand-offs wait. False when the session is
+        released while it waits, the loop stops, or the pool could never hold `tokens`."""
+        if self._stopping is not None or self.ledger.blocks_for(tokens) > self.ledger.capacity:
+            return False
+        waiter = _Waiter(session, tokens)
+        self._waiters.append(waiter)
+        self._grant()
+        await waiter.done.wait()
+        if not waiter.granted or session in self._released:
+            return False  # (released after its grant: the release frees the grant in the ledger)
+        releases = self._take_releases()
+        try:
+            await trio.to_thread.run_sync(self._reserve_sync, releases, session, tokens, limiter=self._limiter)
+        except (KVCacheFull, EngineError) as exc:
+            log.error("reserving %d tokens of KV for %s failed where the ledger had room: %s", tokens, session, exc)
+            self.ledger.release(session)
+            return False
+        return True
+
+    @property
+    def waiting_reservations(self) -> int:
+        return len(self._waiters)
+
+    def _grant(self) -> None:
+        """Let in the waiting reservations at the head of the queue while the ledger has room for them (after
+        every release, and before the next step's batch takes any of the room freed)."""
+        while self._waiters:
+            head = self._waiters[0]
+            if not self.ledger.reserve(head.session, head.tokens):
+                return
+            self._waiters.popleft()
+            head.granted = True
+            head.done.set()
+
+    def _drop_waiter(self, session: SessionId) -> None:
+        for waiter in [w for w in self._waiters if w.session == session]:
+            self._waiters.remove(waiter)
+            waiter.done.set()
+
     def _reserve_sync(self, releases: list[SessionId], session: SessionId, tokens: int) -> None:
         self._release_sync(releases)
         self.engine.reserve_kv(session, tokens)
@@ -226,6 +283,7 @@ class BatchLoop:
 
     def release(self, session: SessionId) -> None:
         """Free the session's KV before the next step, and drop its work still queued."""
+        self._drop_waiter(session)
         self._releases.append(session)
         self._released[session] = None
         if len(self._released) > _RELEASED_MEMORY:
@@ -261,6 +319,9 @@ class BatchLoop:
                     self._busy = False
             await self._fail_pending(self._stopping or "the batch loop stopped")
         finally:
+            waiters, self._waiters = self._waiters, deque()
+            for waiter in waiters:
+                waiter.done.set()
             self._stopped.set()
             self._idle.set()
 
@@ -319,6 +380,7 @@ class BatchLoop:
             self.ledger.release(session)
         releases = self._engine_releases + self._releases
         self._releases, self._engine_releases = [], []
+        self._grant()
         return releases
 
     def _receive(self, work: Work | None) -> None:
@@ -336,11 +398,13 @@ class BatchLoop:
             except (trio.WouldBlock, trio.EndOfChannel):
                 break
             self._receive(work)
-        # Released sessions leave the ledger now (and the engine before the step), so the step may use their KV.
+        # Released sessions leave the ledger now (and the engine before the step), so the step may use their KV;
+        # hand-offs waiting for room get it first, as the simulator's hops grant them at a release.
         for session in self._releases:
             self.ledger.release(session)
         self._engine_releases += self._releases
         self._releases = []
+        self._grant()
         queue = [q for q in self._deferred if q.session not in self._released]
         step = self.policy.form(queue)
         for q in step.refused:

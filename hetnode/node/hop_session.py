@@ -56,6 +56,12 @@ class HopSession:
     computed: int = 0
     kv_streamed: dict[str, int] = field(default_factory=dict)
     kv_stream_end: int = 0
+    # ThunderServe's KV queues (Install.kv_queued): the hand-off waits for the coordinator. A prefill hop keeps
+    # its KV until SendKV; a hop of the next phase reserves its KV only on Reserve (`kv_reserved` from then; at
+    # the Install otherwise), and takes no KV frame before. `kv_booked`: that word came (once per session).
+    kv_queued: bool = False
+    kv_booked: bool = False
+    kv_reserved: bool = False
     trace: str = ""  # the request's trace id (Install), for logs and the hop's report
     stats: HopStats = field(default_factory=lambda: HopStats(trio.current_time()))
 

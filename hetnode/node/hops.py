@@ -68,13 +68,15 @@ from hetnode.protocol.messages import (
     Ready,
     Release,
     Renew,
+    Reserve,
+    SendKV,
     Token,
     Tokens,
     infer_decoder,
     kv_decoder,
 )
 from hetnode.protocol.outbox import Outbox
-from hetnode.protocol.routes import kv_sources, kv_targets, phase_span, places_of, route_problem
+from hetnode.protocol.routes import kv_sources, kv_targets, phase_span, places_of, queues_kv, route_problem
 from hetnode.protocol.tensors import from_wire, to_wire
 from hetnode.protocol.transport import Transport
 
@@ -281,6 +283,10 @@ class HopServer(KVHandoffs):
                 # The coordinator may release a session whose Install never got here (refused, or lost): its
                 # late items are then dropped. Anyone else's release of an unknown session changes nothing.
                 self._drop(SessionId(msg.session))
+        elif isinstance(msg, Reserve):
+            self._on_reserve(peer, msg)
+        elif isinstance(msg, SendKV):
+            self._on_send_kv(peer, msg)
         elif isinstance(msg, Freeze):
             self._on_freeze(peer, msg)
         elif isinstance(msg, Export):
@@ -318,6 +324,8 @@ class HopServer(KVHandoffs):
             pass
         elif msg.adopts is not None and len(msg.route.phases) != 2:
             problem = "a session that adopts another's KV has two phases: its hops, then the new ones"
+        elif msg.kv_queued and (msg.adopts is not None or not queues_kv(msg.route)):
+            problem = "only a prefill of the whole context, then a decode phase, keeps its KV queued"
         elif len(places) != 1:
             problem = "this node is not on the route" if not places else "this node is on the route twice"
         else:
@@ -338,10 +346,11 @@ class HopServer(KVHandoffs):
             id=sid, coordinator=peer, route=route, place=place, sampling=sampling_params(msg.sampling),
             prefill_end=msg.prefill_end, max_tokens=msg.max_tokens, lease_s=msg.lease_s, loop=loop,
             deadline=trio.current_time() + msg.lease_s, next_start=start, span_end=end, kv_sent=start,
-            kv_to=kv_targets(route, place.phase, hop), trace=msg.trace)
+            kv_to=kv_targets(route, place.phase, hop), trace=msg.trace, kv_queued=msg.kv_queued)
         if start > 0:
-            # This phase starts from the previous one's KV: hold the memory for it before the prefill starts
-            # (the coordinator waits for Ready), so a transfer never fails half-way for want of memory.
+            # This phase starts from the previous one's KV: hold the memory for it before any of it is sent (the
+            # coordinator waits for Ready: before the prefill, or with kv_queued once the hand-off may start), so a
+            # transfer never fails half-way for want of memory.
             session.kv_end = start
             for source in kv_sources(route, place.phase, hop):
                 for layer in range(source.first_layer, source.last_layer):
@@ -349,6 +358,7 @@ class HopServer(KVHandoffs):
                     session.kv_from[layer] = NodeId(source.peer)
             # A decode phase after a whole prefill continues the stream from the first token, sampled there.
             session.generated = 1 if start == msg.prefill_end else 0
+        if start > 0 and not msg.kv_queued:  # (queued: it reserves on the coordinator's Reserve)
             if not await loop.reserve(sid, start):
                 self._unpark(sid)
                 self._report(peer, sid, f"no KV memory free here for the {start} tokens handed over", cause="full")
@@ -359,10 +369,11 @@ class HopServer(KVHandoffs):
                 self._unpark(sid)
                 self._report(peer, sid, "the session changed while its KV was reserved")
                 return
+            session.kv_reserved = True
         parked = self._unpark(sid)
         self.sessions[sid] = session
         log.debug("session %s (trace %s) installed: phase %d hop %d", sid, msg.trace or "-", place.phase, place.hop)
-        if start > 0:
+        if session.kv_reserved:
             self.outbox.post(peer, Ready(session=sid))
         by_sender: dict[NodeId, list[Work]] = {}
         for sender, item, rows in parked.items if parked else []:
@@ -484,7 +495,7 @@ class HopServer(KVHandoffs):
             session.stats.step(item.num_tokens, session.loop.last_step_s, trio.current_time())
             if session.frozen:
                 continue  # its results would race the move: the session goes on from its KV elsewhere
-            if session.kv_to:
+            if session.kv_to and not session.kv_queued:  # (queued: the KV stays here until SendKV)
                 handing.append((session, end))
             if not session.is_last:
                 assert result.hidden is not None

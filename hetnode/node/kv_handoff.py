@@ -35,7 +35,18 @@ from hetnode.node.engine import Engine, EngineError, LayerDone, TorchEngine
 from hetnode.node.hop_session import HopSession
 from hetnode.node.metrics import NodeMetrics
 from hetnode.policy import KVTransferPolicy
-from hetnode.protocol.messages import KV, ErrorReply, Export, Freeze, Frozen, HandedOver, TensorMeta
+from hetnode.protocol.messages import (
+    KV,
+    ErrorReply,
+    Export,
+    Freeze,
+    Frozen,
+    HandedOver,
+    Ready,
+    Reserve,
+    SendKV,
+    TensorMeta,
+)
 from hetnode.protocol.outbox import Outbox
 from hetnode.protocol.routes import KVPeer, kv_targets, places_of, route_problem
 from hetnode.protocol.transport import Transport
@@ -86,7 +97,7 @@ class KVHandoffs:
         engine: Engine | None = None
         for work in works:
             session: HopSession = work.ctx
-            if not session.kv_to or self.sessions.get(session.id) is not session:
+            if not session.kv_to or session.kv_queued or self.sessions.get(session.id) is not session:
                 continue
             start, end = session.kv_sent, _handoff_end(session, work.item.start + work.item.num_tokens)
             if end <= start:
@@ -206,13 +217,114 @@ class KVHandoffs:
                        for t, lo, data in parts):
                 continue  # the session failed at the first KV it could not queue
             if session.span_end is not None and end >= session.span_end:
-                # Everything this hop computed for the session is on its way: its KV is not needed here.
-                # Its coordinator is remembered a while, so a send that fails later is still reported.
-                self._drop(session.id, "handed_over")
-                self.outbox.post(session.coordinator, HandedOver(session=session.id, end=end))
-                self._handed[session.id] = session.coordinator
-                if len(self._handed) > _HANDED_MEMORY:
-                    self._handed.popitem(last=False)
+                self._handed_over(session, end)
+
+    def _handed_over(self, session: HopSession, end: int) -> None:
+        """Everything this hop computed for the session is on its way: its KV is not needed here. Its coordinator
+        is remembered a while, so a send that fails later is still reported."""
+        self._drop(session.id, "handed_over")
+        self.outbox.post(session.coordinator, HandedOver(session=session.id, end=end))
+        self._handed[session.id] = session.coordinator
+        if len(self._handed) > _HANDED_MEMORY:
+            self._handed.popitem(last=False)
+
+    # -- KV queues (ThunderServe's): the hand-off starts on the coordinator's word ----------------------------
+
+    def _on_reserve(self, peer: NodeId, msg: Reserve) -> None:
+        """The coordinator booked a kv_queued session's decode KV: reserve it here, waiting for room (in the
+        background: the coordinator's stream also carries the releases that make the room)."""
+        sid = SessionId(msg.session)
+        session = self.sessions.get(sid)
+        if session is None or session.coordinator != peer:
+            self._refuse(peer, "not_yours", f"session {sid} is not the sender's to reserve KV for here")
+            return
+        if not session.kv_queued or session.kv_end == 0 or session.kv_booked:
+            why = "it reserved already" if session.kv_booked else "it is handed no queued KV here"
+            self._refuse(peer, "unexpected", f"Reserve for session {sid}: {why}")
+            return
+        assert self._nursery is not None  # (sessions exist only while the server runs)
+        session.kv_booked = True
+        self._nursery.start_soon(self._reserve_queued, session)
+
+    async def _reserve_queued(self, session: HopSession) -> None:
+        loop = session.loop
+        ok = await loop.reserve_queued(session.id, session.kv_end)
+        if self.sessions.get(session.id) is not session:
+            if ok:
+                loop.release(session.id)  # released or failed while it waited: the room goes back
+            return
+        if not ok:
+            # The pool could never hold it (the scheduler's estimate was larger than the real pool), or the shard
+            # stopped: another route may serve it.
+            self._fail_session(session, f"no KV memory here can hold the {session.kv_end} tokens handed over",
+                               cause="full")
+            return
+        session.kv_reserved = True
+        self.outbox.post(session.coordinator, Ready(session=session.id))
+
+    def _on_send_kv(self, peer: NodeId, msg: SendKV) -> None:
+        """Every decode hop of a kv_queued session has reserved: send the KV kept here since its prefill."""
+        sid = SessionId(msg.session)
+        session = self.sessions.get(sid)
+        if session is None or session.coordinator != peer:
+            self._refuse(peer, "not_yours", f"session {sid} is not the sender's to hand over here")
+            return
+        problem = ""
+        if not session.kv_queued or not session.kv_to:
+            problem = "this hop keeps no queued KV for it"
+        elif session.kv_booked:
+            problem = "its KV is on its way already"
+        elif session.span_end is None or session.computed < session.span_end:
+            problem = f"this hop has computed [0, {session.computed}) of [0, {session.span_end}) so far"
+        if problem:
+            self._refuse(peer, "unexpected", f"SendKV for session {sid}: {problem}")
+            return
+        assert self._nursery is not None
+        session.kv_booked = True
+        # In the background: the export waits for the worker (a step may be running), and the coordinator's
+        # stream must not wait with it.
+        self._nursery.start_soon(self._send_kept, session)
+
+    async def _send_kept(self, session: HopSession) -> None:
+        """Send each target its layers of positions [kv_sent, span_end), read back from the paged cache: layer
+        group by layer group (the transfer policy's groups, as a prefill step would stream them), each group in
+        chunks of positions; then free the KV here (HandedOver)."""
+        assert session.span_end is not None
+        start, end = session.kv_sent, session.span_end
+        loop = session.loop
+        cfg = loop.engine.config
+        parts: list[tuple[KVPeer, int, int]] = []
+        for t in session.kv_to:
+            layers = t.last_layer - t.first_layer
+            per = CODECS[t.codec].packed_size(layers, end - start, cfg.num_kv_heads, cfg.head_dim) / (
+                layers * (end - start))
+            try:
+                group = self.kv_transfer.choose(end - start, layers, per, self.link_mbps(NodeId(t.peer))).group_layers
+            except ValueError:
+                group = layers  # a measured bandwidth the policy cannot use: one group
+            parts += [(t, lo, min(lo + group, t.last_layer)) for lo in range(t.first_layer, t.last_layer, group)]
+
+        def export(engine: Engine) -> list[tuple[KVPeer, int, int, int, int, memoryview]]:
+            out = []
+            for t, lo, hi in parts:
+                for a in range(start, end, _EXPORT_CHUNK):
+                    b = min(end, a + _EXPORT_CHUNK)
+                    keys, values = engine.export_kv(session.id, a, b, (lo, hi))
+                    out.append((t, lo, hi, a, b, CODECS[t.codec].pack(keys, values)))
+            return out
+
+        try:
+            packed = await loop.run_engine(export)
+        except (EngineError, ValueError) as exc:
+            self._fail_local(session.id, f"could not export the queued KV to hand over: {exc}")
+            return
+        if self.sessions.get(session.id) is not session:
+            return  # released meanwhile
+        session.kv_sent = end
+        for t, lo, hi, a, b, data in packed:
+            if not self._post_kv(session, t.peer, t.codec, lo, hi, a, b, data):
+                return  # the session failed at the first KV it could not queue
+        self._handed_over(session, end)
 
     async def _on_kv(self, peer: NodeId, msg: object, payload: bytes | None) -> None:
         """One frame of handed-over KV: any layers the sender shares with this hop, the positions that continue
@@ -229,6 +341,8 @@ class KVHandoffs:
                 self.kv_outbox.post(peer, ErrorReply(code="released", message=f"session {sid} was released"))
                 return
             raise ProtocolError(f"KV for session {sid}, which is not installed here")
+        if not session.kv_reserved:
+            raise ProtocolError(f"session {sid} has no KV reserved here yet (its hand-off has not started)")
         layers = range(msg.first_layer, msg.first_layer + msg.layers)
         for layer in layers:
             if session.kv_from.get(layer) != peer:

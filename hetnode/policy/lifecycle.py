@@ -79,12 +79,15 @@ class Lifecycle:
         return stopped or received >= max_tokens
 
     @staticmethod
-    def fails_when_down(node: str, phases: Sequence[Collection[str]], *, left: bool) -> bool:
+    def fails_when_down(node: str, phases: Sequence[Collection[str]], *, left: bool,
+                        holding: Collection[str] = ()) -> bool:
         """Whether a request whose route runs its phases on the nodes `phases` (each phase's, in route order) fails
         for cause "lost" when `node` goes down. A node that died takes every session it is part of, an earlier
         phase's included (KV it computed may still have been on its way); one that left gracefully finished
-        sending the KV it computed before it went, so only a session whose last phase runs through it fails."""
-        if left:
+        sending the KV it computed before it went, so only a session whose last phase runs through it fails,
+        unless the node is one of `holding`: those that keep KV the next phase still waits for (a hand-off booked
+        when it starts, ThunderServe's KV queues, that had not started when the node's drain ran out)."""
+        if left and node not in holding:
             return bool(phases) and node in phases[-1]
         return any(node in phase for phase in phases)
 

@@ -357,6 +357,10 @@ class Install(_Msg, tag="install", frozen=True, kw_only=True):
     # hand over on an Export: a hop that is on both phases serves the last.
     adopts: SessionStr | None = None
     trace: TraceStr = ""  # the request's trace id: the hop logs it and reports it back (HopReport)
+    # ThunderServe's KV queues (the phase-split schedulers' decode_booking "handoff"): the prefill phase's hops
+    # keep the KV they compute until the coordinator's SendKV, and the next phase's hops reserve theirs on its
+    # Reserve, not at this Install. Only for a prefill phase of the whole context followed by a decode phase.
+    kv_queued: bool = False
 
 
 class Item(msgspec.Struct, frozen=True, array_like=True):
@@ -415,6 +419,20 @@ class HandedOver(_Msg, tag="handed_over", frozen=True, kw_only=True):
     end: Count  # the positions [0, end) it computed
 
 
+class Reserve(_Msg, tag="reserve", frozen=True, kw_only=True):
+    """The hand-off of a kv_queued `session` may start: reserve the KV handed to this hop now, waiting for room
+    behind earlier such reservations, and answer Ready (coordinator -> a hop of the decode phase)."""
+
+    session: SessionStr
+
+
+class SendKV(_Msg, tag="send_kv", frozen=True, kw_only=True):
+    """Every hop of the decode phase of a kv_queued `session` has reserved its KV: send the KV this hop kept
+    since the prefill, then free it and answer HandedOver (coordinator -> a hop of the prefill phase)."""
+
+    session: SessionStr
+
+
 class Release(_Msg, tag="release", frozen=True, kw_only=True):
     """Free the session's KV on this hop (the coordinator sends it to every hop when the session ends)."""
 
@@ -450,8 +468,8 @@ class Export(_Msg, tag="export", frozen=True, kw_only=True):
     route: Route
 
 
-InferMessage = (Install | Items | Tokens | Failed | Ready | HandedOver | Release | Renew | Freeze | Frozen | Export
-                | ErrorReply)
+InferMessage = (Install | Items | Tokens | Failed | Ready | HandedOver | Reserve | SendKV | Release | Renew | Freeze
+                | Frozen | Export | ErrorReply)
 infer_decoder = msgspec.msgpack.Decoder(InferMessage)
 
 
@@ -475,5 +493,5 @@ kv_decoder = msgspec.msgpack.Decoder(KVMessage)
 ALL_MESSAGE_TYPES: tuple[type[msgspec.Struct], ...] = (
     ErrorReply, Join, Welcome, Refuse, Heartbeat, Members, ProbeOrder, LinkReport, Assignment, AssignmentStatus, Leave,
     Ping, Pong, BulkStart, BulkDone, DiscoverRequest, DiscoverReply,
-    Install, Items, Tokens, Failed, Ready, HandedOver, Release, Renew, KV,
+    Install, Items, Tokens, Failed, Ready, HandedOver, Reserve, SendKV, Release, Renew, Freeze, Frozen, Export, KV,
 )

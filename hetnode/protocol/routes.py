@@ -74,6 +74,15 @@ def route_problem(route: Route, num_layers: int) -> str:
     return ""
 
 
+def queues_kv(route: Route) -> bool:
+    """Whether a session on `route` may keep its KV on the prefill hops until its decode side has room
+    (Install.kv_queued, ThunderServe's KV queues): a prefill of the whole context, then a decode phase. A partial
+    prefill (Cronus) or a move that adopts KV hands over as it goes."""
+    phases = route.phases
+    return (len(phases) == 2 and phases[0].kind == "prefill" and phases[0].last_token is None
+            and phases[1].kind == "decode")
+
+
 def _overlap(a: Hop, b: Hop) -> tuple[int, int] | None:
     lo, hi = max(a.first_layer, b.first_layer), min(a.last_layer, b.last_layer)
     return (lo, hi) if lo < hi else None

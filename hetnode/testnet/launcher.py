@@ -183,7 +183,7 @@ _FORWARDED = (("split_workload", "--split-workload"), ("reschedule_shift", "--re
               ("workload_window", "--workload-window"), ("slo", "--slo"), ("macro_bounds", "--macro-bounds"),
               ("scale_from", "--scale-from"), ("scale_window", "--scale-window"), ("scale_target", "--scale-target"),
               ("scale_low_use", "--scale-low-use"), ("scale_idle", "--scale-idle"),
-              ("prefill_tokens", "--prefill-tokens"))
+              ("prefill_tokens", "--prefill-tokens"), ("decode_booking", "--decode-booking"))
 
 
 def _workload_args(args: argparse.Namespace) -> list[str]:
@@ -215,6 +215,8 @@ def join_args(args: argparse.Namespace, spec: NodeSpec, bootstrap: str, state_di
            "--region", spec.region, "--log-level", args.log_level, *emulate,
            "--kv-transfer", getattr(args, "kv_transfer", "policy"),
            "--batching", _batching(args)]
+    if getattr(args, "kv_cache_mb", None) is not None:
+        cmd += ["--kv-cache-mb", str(args.kv_cache_mb)]
     if getattr(args, "metrics", False):
         cmd += ["--metrics", f"{listen.split('/')[2]}:0"]  # the node's own address (its namespace's, with --netns)
     if spec.device != "cpu":

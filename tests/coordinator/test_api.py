@@ -142,4 +142,7 @@ async def test_plan_long_poll_waits_for_a_ready_plan_and_checks_its_query(tiny_m
             assert r.json()["satisfied"] is False and r.json()["plan"]["version"] == version
             r = await client.get("/v1/plan?min_nodes=2&timeout=0.2", headers=auth)
             assert r.json()["satisfied"] is False
+            # Its real KV pool comes with a heartbeat after its ready report: the scheduler counts it from then.
+            r = await client.get("/v1/plan?kv_reported=true&timeout=30", headers=auth)
+            assert r.json()["satisfied"] is True and r.json()["plan"]["kv_reported"] is True
         nursery.cancel_scope.cancel()

@@ -10,13 +10,15 @@ import pytest
 from hetnode.cli import build_parser
 from hetnode.coordinator.deployment import PlanningConfig
 from hetnode.coordinator.routing import SCHEDULERS, SPLIT_SCHEDULERS
+from hetnode.coordinator.split_scheduler import ADMISSION, DECODE_BOOKINGS
+from hetnode.errors import ConfigError
 
 
-def _choices(parser: argparse.ArgumentParser, *path: str) -> set[str]:
+def _choices(parser: argparse.ArgumentParser, *path: str, dest: str = "scheduler") -> set[str]:
     for name in path:
         sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
         parser = sub.choices[name]
-    action = next(a for a in parser._actions if a.dest == "scheduler")
+    action = next(a for a in parser._actions if a.dest == dest)
     assert action.choices is not None
     return set(action.choices)
 
@@ -35,3 +37,17 @@ def test_bad_slos_are_refused_with_the_reason(capsys: pytest.CaptureFixture[str]
         with pytest.raises(SystemExit):
             build_parser().parse_args(["coordinator", "--slo", bad])
         assert why in capsys.readouterr().err
+
+
+def test_the_cli_offers_every_decode_booking_and_splitwises_pools_refuse_the_hand_off() -> None:
+    for path in (("coordinator",), ("testnet", "up")):
+        assert _choices(build_parser(), *path, dest="decode_booking") == set(DECODE_BOOKINGS)
+        assert build_parser().parse_args([*path]).decode_booking == ADMISSION
+    for name in set(SCHEDULERS) | set(SPLIT_SCHEDULERS):
+        if name == "splitwise":  # its pools lend replicas across roles: it books at admission only
+            with pytest.raises(ConfigError, match="Splitwise's pools book at admission"):
+                PlanningConfig(scheduler=name, decode_booking="handoff")
+        else:  # a non-split plan's scheduler ignores it; a split plan's cls, tstp and random-pairs take it
+            PlanningConfig(scheduler=name, decode_booking="handoff")
+    with pytest.raises(ConfigError, match="decode booking must be one of"):
+        PlanningConfig(decode_booking="later")

@@ -24,6 +24,7 @@ import trio
 from hetnode.coordinator.daemon import Coordinator, CoordinatorConfig
 from hetnode.coordinator.deployment import PlanningConfig
 from hetnode.coordinator.generation import GenerationParams
+from hetnode.coordinator.local import LocalGenerator
 from hetnode.errors import StreamReset
 from hetnode.ids import NodeId, ProtocolId
 from hetnode.models.resolve import load_config
@@ -209,3 +210,83 @@ async def test_every_handler_survives_hostile_frames_from_members_and_strangers(
 
 def _member_check(nodes: list[NodeDaemon], i: int) -> Callable[[NodeId], bool]:
     return lambda peer: nodes[i].is_member(peer)
+
+
+# The data path's messages that start a queued KV hand-off (ThunderServe's KV queues), malformed: fields of the
+# wrong type, a session id over its bound, the field missing. (Fields a message does not have are ignored, as
+# msgspec does for every message: a newer peer may add some.)
+QUEUE_TAGS = ("reserve", "send_kv")
+MALFORMED = [{"session": 7}, {"session": "s" * 129}, {}, {"session": None}, {"session": ["s"]}, {"session": b"s"}]
+
+
+async def test_the_queued_hand_off_messages_malformed_or_out_of_turn_get_an_error_and_touch_no_kv(
+        tiny_model: Path) -> None:
+    """A node's data path fed Reserve and SendKV (and an Install that queues KV) by a member that is not the
+    coordinator, malformed and well-formed, and by a stranger: each malformed one gets an ErrorReply
+    (bad_message) and its stream ends; a well-formed one from anyone but the session's coordinator gets
+    not_yours (not_coordinator for the Install) and changes nothing; the stranger is turned away unread; the node
+    reserves no KV for any of it and serves its coordinator's session afterwards as before."""
+    import torch
+    from raw_peer import RawPeer
+
+    from hetnode.node.engine import EngineConfig
+    from hetnode.protocol.routes import pipeline_route
+    from hetnode.protocol.tensors import to_wire
+
+    layers = load_config(tiny_model).num_layers
+    net = MemoryNetwork()
+    async with (trio.open_nursery() as nursery, net.transport("coord") as ct, net.transport("n1") as t1,
+                net.transport("n2") as t2, net.transport("stranger") as ts):
+        hops = HopServer(t1, lambda peer: peer in ("coord", "n2"), engine_config=EngineConfig(num_kv_blocks=64,
+                                                                                              block_size=4))
+        hops.is_coordinator = lambda peer: peer == "coord"
+        await nursery.start(hops.run)
+
+        async def report(status: m.AssignmentStatus) -> None:
+            assert status.state != "failed", status.detail
+
+        await hops.assign(m.Assignment(plan_version=1, model=str(tiny_model), first_layer=0, last_layer=layers,
+                                       role="mixed"), report)
+        coord, member = RawPeer(ct), RawPeer(t2)
+        route = pipeline_route([m.Hop(peer="n1", first_layer=0, last_layer=layers)])
+        meta, raw = to_wire(torch.tensor(PROMPT))
+        with trio.fail_after(60):
+            await coord.send("n1", m.Install(session="s", route=route, sampling=m.Sampling(),
+                                             prefill_end=len(PROMPT), max_tokens=3, lease_s=30))
+            await coord.send("n1", m.Items(items=[m.Item("s", 0, len(PROMPT))], tensor=meta), raw)
+            _, first = await coord.next_of(m.Tokens)
+            codes: list[str] = []
+            for tag in QUEUE_TAGS:
+                for fields in MALFORMED:
+                    for sender in (t2, ts):
+                        framed = FramedStream(await sender.open_stream(t1.peer_id, m.INFER_PROTOCOL))
+                        await framed.send_frame(msgspec.msgpack.encode({"t": tag, **fields}))
+                        reply = await framed.receive_msg(_error_decoder)
+                        assert isinstance(reply, m.ErrorReply), (tag, fields)
+                        codes.append(reply.code)
+                        with suppress(StreamReset):
+                            await framed.stream.close()  # (the node waits a moment for our side's end)
+                            assert await framed.receive_frame() is None
+            assert set(codes) == {"bad_message", "not_member"}
+            assert codes.count("not_member") == len(codes) // 2  # every stranger's stream, unread
+            for msg in (m.Reserve(session="s"), m.SendKV(session="s"), m.Reserve(session="unknown")):
+                await member.send("n1", msg)
+                assert (await member.next_of(m.ErrorReply))[1].code == "not_yours"
+            split = m.Route(phases=[m.Phase(kind="prefill", hops=route.phases[0].hops),
+                                    m.Phase(kind="decode", hops=[m.Hop(peer="n2", first_layer=0,
+                                                                       last_layer=layers)])])
+            await member.send("n1", m.Install(session="q", route=split, sampling=m.Sampling(), prefill_end=3,
+                                              max_tokens=3, lease_s=30, kv_queued=True))
+            assert (await member.next_of(m.ErrorReply))[1].code == "not_coordinator"
+            # Nothing of it reached the KV: the one session holds what its prefill took, and runs on.
+            assert set(hops.sessions) == {"s"} and hops.loop is not None
+            assert list(hops.loop.ledger.sessions()) == ["s"] and hops.kv_bytes_sent == 0
+            got = [first.tokens[0].token]
+            while len(got) < 3:
+                _, more = await coord.next_of(m.Tokens)
+                got += [t.token for t in more.tokens]
+        nursery.cancel_scope.cancel()
+    async with LocalGenerator.open(tiny_model) as local:
+        params = GenerationParams(max_tokens=3, sampling=SamplingParams())
+        async with local.generate(PROMPT, params) as events:
+            assert got == [e.token async for e in events]

@@ -1,4 +1,6 @@
-"""The batch loop's stop: what was running is delivered, what was waiting is failed, nothing is left hanging."""
+"""The batch loop's stop: what was running is delivered, what was waiting is failed, nothing is left hanging; and
+its reservations that wait for KV room (ThunderServe's KV queues): first come first granted, given up only when
+released or stopped."""
 
 from __future__ import annotations
 
@@ -114,3 +116,68 @@ async def test_a_message_of_items_lands_in_one_step() -> None:
         await loop.wait_idle()
         nursery.cancel_scope.cancel()
     assert [len(step) for step in engine.steps] == [6]
+
+
+class _PoolEngine:
+    """An engine that only holds reservations: 8 blocks of 16 tokens."""
+
+    engine_config = EngineConfig()
+
+    def __init__(self) -> None:
+        self.held: dict[SessionId, int] = {}
+
+    def reserve_kv(self, session: SessionId, tokens: int) -> None:
+        self.held[session] = -(-tokens // 16)
+        assert sum(self.held.values()) <= 8
+
+    def release(self, session: SessionId) -> int:
+        return self.held.pop(session, 0)
+
+    def kv_usage(self) -> KVUsage:
+        used = sum(self.held.values())
+        return KVUsage(block_size=16, total_blocks=8, used_blocks=used, free_blocks=8 - used, sessions=len(self.held),
+                       tokens=16 * used)
+
+
+async def test_queued_reservations_wait_for_room_in_order_and_give_up_only_when_released_or_stopped() -> None:
+    async def nothing(*_: object) -> None:
+        return None
+
+    engine = _PoolEngine()
+    loop = BatchLoop(engine, deliver=nothing, fail=nothing)  # type: ignore[arg-type]
+    got: dict[str, bool] = {}
+    done: dict[str, trio.Event] = {}
+
+    async def reserve(name: str, tokens: int) -> None:
+        done.setdefault(name, trio.Event())
+        got[name] = await loop.reserve_queued(SessionId(name), tokens)
+        done[name].set()
+
+    async def answered(*names: str) -> None:  # (the engine's part runs in the worker thread)
+        for name in names:
+            await done.setdefault(name, trio.Event()).wait()
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(loop.run)
+        await reserve("a", 100)  # 7 of 8 blocks, at once
+        assert not await loop.reserve_queued(SessionId("huge"), 200)  # more than the whole pool: never
+        nursery.start_soon(reserve, "b", 32)  # 2 blocks: waits
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.start_soon(reserve, "c", 16)  # 1 block, which is free: still waits behind b
+        nursery.start_soon(reserve, "d", 16)
+        await trio.testing.wait_all_tasks_blocked()
+        assert got == {"a": True} and loop.waiting_reservations == 3
+        loop.release(SessionId("c"))  # gone while it waited: it gives up, and holds nothing
+        await answered("c")
+        assert got == {"a": True, "c": False} and loop.waiting_reservations == 2
+        loop.release(SessionId("a"))  # the room comes back: b, then d, in order
+        await answered("b", "d")
+        assert got == {"a": True, "c": False, "b": True, "d": True}
+        assert engine.held == {"b": 2, "d": 1} and loop.ledger.used == 3
+        nursery.start_soon(reserve, "e", 96)  # 6 blocks, 5 free: waits until the loop stops
+        await trio.testing.wait_all_tasks_blocked()
+        assert "e" not in got
+        await loop.stop("shard replaced")
+        await answered("e")
+        assert got["e"] is False and "e" not in engine.held
+    assert not await loop.reserve_queued(SessionId("late"), 16)

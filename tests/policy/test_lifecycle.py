@@ -56,3 +56,7 @@ def test_a_node_that_died_fails_every_route_through_it_one_that_left_only_its_la
     assert not Lifecycle.fails_when_down("p1", split, left=True)  # it sent its KV before it went
     assert Lifecycle.fails_when_down("d0", split, left=True)
     assert not Lifecycle.fails_when_down("d0", [], left=True)
+    # A prefill node that left still keeping KV the decode phase waits for (a queued hand-off not started) takes
+    # the session with it; one that had sent it does not.
+    assert Lifecycle.fails_when_down("p1", split, left=True, holding={"p1"})
+    assert not Lifecycle.fails_when_down("p1", split, left=True, holding={"p0"})

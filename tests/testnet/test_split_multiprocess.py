@@ -10,6 +10,7 @@ file, decides how many nodes a replica needs, and the nodes' prefill/decode affi
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -114,3 +115,48 @@ def test_tiny_models_split_greedy_match_transformers(arch: str, nodes: Nodes, sh
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     prompts = [[5, 6, 7], list(range(20, 45)), list(range(100, 170))]
     serve_and_check(tmp_path, str(model_dir), nodes, shape, hf, tok, prompts, 16)
+
+
+def test_kv_queues_greedy_output_matches_with_more_requests_than_the_decode_kv_holds(tmp_path: Path) -> None:
+    """ThunderServe's KV queues on the testnet (--decode-booking handoff): every node's KV pool is small (a quarter
+    of a megabyte and a bit), so the decode replica's holds one request's estimate (its prompt and the average
+    output the scheduler starts from) at a time. Six requests at once: all are admitted and prefilled (the
+    prefill side's KV holds every prompt), their first tokens stream at once, and all but the first keep their KV
+    on the prefill nodes until the decode replica has room. Greedy output still equals transformers'."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hetnode.models.tiny import write_tiny_model
+
+    model_dir = write_tiny_model(tmp_path / "llama", "llama")
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    prompts = [list(range(100, 170)), [5, 6, 7], list(range(20, 45)), list(range(200, 241)), list(range(230, 288)),
+               list(range(40, 73))]
+    state_dir = tmp_path / "tn"
+    cluster = cluster_file(tmp_path / "cluster.toml", str(model_dir), P2_D1)
+    state = start_testnet(state_dir, str(model_dir), cluster=cluster, extra=(
+        "--placement", "split", "--decode-booking", "handoff", "--kv-codec", "fp16", "--compute-dilation", "1",
+        "--kv-cache-mb", "0.55"))
+    api = state["api"]
+    try:
+        assert split_shape(api) == ([2], [1])
+        # The scheduler counts the nodes' real pools (their heartbeats after the ready report), not the planner's.
+        view = httpx.get(f"{api}/v1/plan", params={"kv_reported": "true", "timeout": 60}, timeout=90).json()
+        assert view["satisfied"], view
+        scheduler = view["plan"]["scheduler"]
+        assert scheduler["name"] == "cls" and scheduler["decode_booking"] == "handoff", scheduler
+        decode = scheduler["kv_capacity"]["big"]
+        assert 70 + 240 <= 0.9 * decode < 2 * (3 + 240), scheduler  # one request's estimate at a time
+        check_against_transformers(api, str(model_dir), hf, tok, prompts, 16)
+        metrics = httpx.get(f"{api}/metrics", timeout=10).text
+        waited = re.search(r'^hetnode_kv_queue_handoffs_total\{start="waited"\} (\S+)$', metrics, re.M)
+        at_once = re.search(r'^hetnode_kv_queue_handoffs_total\{start="at_once"\} (\S+)$', metrics, re.M)
+        assert waited and at_once, metrics
+        assert float(waited[1]) >= 3 and float(waited[1]) + float(at_once[1]) == len(prompts)
+        log = (state_dir / "logs" / "coordinator.log").read_text()
+        assert log.count("when its decode replica has room") == len(prompts)
+        assert "moved to" not in log  # no request was re-routed: no hand-off failed for want of room
+        plan = httpx.get(f"{api}/v1/plan", timeout=10).json()["plan"]
+        assert plan["scheduler"]["waiting_handoffs"] == 0 and plan["scheduler"]["running"] == 0
+    finally:
+        stop_testnet(state_dir)
