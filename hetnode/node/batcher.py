@@ -193,6 +193,10 @@ class BatchLoop:
         in the ledger and in the engine, or in neither (False: no room now)."""
         if not self.ledger.reserve(session, tokens):
             return False
+        return await self._reserve_engine(session, tokens)
+
+    async def _reserve_engine(self, session: SessionId, tokens: int) -> bool:
+        """The engine's side of a reservation the ledger has made (undone in the ledger when the engine fails)."""
         releases = self._take_releases()  # blocks the ledger already counts free must be free in the engine too
         try:
             await trio.to_thread.run_sync(self._reserve_sync, releases, session, tokens, limiter=self._limiter)
@@ -215,14 +219,7 @@ class BatchLoop:
         await waiter.done.wait()
         if not waiter.granted or session in self._released:
             return False  # (released after its grant: the release frees the grant in the ledger)
-        releases = self._take_releases()
-        try:
-            await trio.to_thread.run_sync(self._reserve_sync, releases, session, tokens, limiter=self._limiter)
-        except (KVCacheFull, EngineError) as exc:
-            log.error("reserving %d tokens of KV for %s failed where the ledger had room: %s", tokens, session, exc)
-            self.ledger.release(session)
-            return False
-        return True
+        return await self._reserve_engine(session, tokens)
 
     @property
     def waiting_reservations(self) -> int:
