@@ -310,8 +310,7 @@ def _macro_run(instances: int, prompts: list[int], decisions: int, seed: int) ->
 
     def state(now: float, routed: int) -> InstanceState:
         decodes = tuple(Decoding(rng.randrange(1, 400), now - rng.uniform(0, 30)) for _ in range(64))
-        pending = tuple(rng.choice(prompts) for _ in range(rng.randrange(0, 4)))
-        return InstanceState(now - 1.0, pending, decodes, 400_000, routed)
+        return InstanceState(decodes, 400_000, routed)
 
     for k in range(instances):
         sched.add(k, state(0.0, 0))
@@ -324,7 +323,7 @@ def _macro_run(instances: int, prompts: list[int], decisions: int, seed: int) ->
         k = sched.route(prompts[i & 4095], prompts[i & 4095], now)
         routed[k] += 1  # type: ignore[index]
         r = reports[i & 63]
-        sched.update(k, InstanceState(r.switched_at, r.pending_prefills, r.decodes, r.free_kv_tokens, routed[k]))
+        sched.update(k, InstanceState(r.decodes, r.free_kv_tokens, routed[k]))
     elapsed = time.process_time() - start
     return {"decisions_s": decisions / elapsed, "us_per_decision": elapsed / decisions * 1e6}
 

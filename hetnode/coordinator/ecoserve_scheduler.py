@@ -6,10 +6,12 @@ the same objects the PaDG simulator routes with.
 A plan for it (`planner/ecoserve_plan.py`) lists every instance as a replica. Algorithm 2 reads each instance's
 state (`InstanceState`), which the instance's nodes reveal to the coordinator as it happens:
 
-- a request routed there joins its prefill phase (its prompt in `pending_prefills`);
-- a request's first token (streamed to the coordinator at once) ends its prefill; when every prompt of the
-  phase has its first token, the node's batcher (`policy.temporal_batching`) has no prompt left and switches to
-  decoding: that instant is the instance's t_switch, and the phase's requests become its decodes;
+- a request routed there joins the instance's burst (the macro-instance scheduler's own record, since Algorithm
+  1 last moved on to it: its t_switch, `policy.ecoserve`);
+- a request's first token (streamed to the coordinator at once) ends its prefill and makes it one of the
+  instance's decodes; when every prompt routed there has its first token, the node's batcher
+  (`policy.temporal_batching`) has no prompt left and switches to decoding: EcoServe's TTFT of those requests
+  ends there (§3.3);
 - each later token (`progress`) is a decode's output so far, for the saved TPOT;
 - free KV: the node's KV pool, as its heartbeats report it (`set_capacity`), under the high-water mark, less
   the prompts and expected outputs of the requests it holds (the charges every policy here keeps).
@@ -41,7 +43,7 @@ from hetnode.coordinator.scheduler import Decision, NamedCapacityScheduler, Node
 from hetnode.errors import ConfigError
 from hetnode.planner.ecoserve_plan import N_LOWER, N_UPPER, macro_of
 from hetnode.planner.plan import PlacementPlan
-from hetnode.policy.ecoserve import Decoding, InstanceState, PhasePrompts, PrefillTime, Slos
+from hetnode.policy.ecoserve import Decoding, InstanceState, PrefillTime, Slos
 from hetnode.policy.ecoserve_overall import Overall, Scaler, Scaling, ScalingTrigger, attainment
 from hetnode.policy.macro_scheduler import MacroScheduler
 
@@ -69,16 +71,12 @@ class _Held:
 @dataclass(slots=True)
 class _Instance:
     hops: tuple[PipelineHop, ...]  # one node holding the model, or a pipeline of nodes
-    switched_at: float = 0.0
+    switched_at: float = 0.0  # when its last prefill phase ended (its requests' decode phase began)
     held: dict[str, _Held] = field(default_factory=dict)
-    routed: PhasePrompts = field(default_factory=PhasePrompts)
     down: bool = False
     busy_s: float = 0.0  # time it held a request, up to busy_at
     busy_at: float = 0.0
     busy_mark: float = 0.0  # busy_s as the last window ended
-
-    def phase_prompts(self) -> tuple[int, ...]:
-        return self.routed.since(self.switched_at)
 
 
 class EcoServeScheduler(NamedCapacityScheduler):
@@ -126,7 +124,7 @@ class EcoServeScheduler(NamedCapacityScheduler):
             raise ConfigError(f"none of the active instances {sorted(active or ())} is an instance of the plan "
                               f"({', '.join(sorted(self._instances))})")
         for node in serving:  # the plan's order of addition: its macro-instances again
-            self.overall.add(node, InstanceState(switched_at=0.0))
+            self.overall.add(node, InstanceState())
         # The spare instances join in name order; without a trigger there are none (every instance serves).
         self.scaler = None if trigger is None else Scaler(self.overall, trigger, list(sorted(self._instances)))
         self.scalings: list[Scaling] = []  # the latest changes, oldest first
@@ -259,15 +257,13 @@ class EcoServeScheduler(NamedCapacityScheduler):
     def state(self, node: str, now: float) -> InstanceState:
         """Instance `node`'s state as Algorithm 2 reads it (see the module docstring)."""
         inst = self._instances[node]
-        decodes = tuple(Decoding(h.output, h.first_token_at) for h in inst.held.values()
-                        if h.routed_at < inst.switched_at and h.first_token_at >= 0)
+        decodes = tuple(Decoding(h.output, h.first_token_at) for h in inst.held.values() if h.first_token_at >= 0)
         free = self.high_water * self._room(node) - self._charged(inst)
         try:
             routed = self.overall.macros[self.overall.macro_of(node)].counts[node]
         except KeyError:  # a spare instance
             routed = 0
-        return InstanceState(switched_at=inst.switched_at, pending_prefills=inst.phase_prompts(),
-                             decodes=decodes, free_kv_tokens=int(max(0.0, min(free, 1 << 40))), routed=routed)
+        return InstanceState(decodes=decodes, free_kv_tokens=int(max(0.0, min(free, 1 << 40))), routed=routed)
 
     # -- the policy -----------------------------------------------------------------------------------------
 
@@ -310,7 +306,6 @@ class EcoServeScheduler(NamedCapacityScheduler):
         inst = self._instances[node]
         inst.busy_s, inst.busy_at = self._busy(inst, now), now
         inst.held[request_id] = _Held(input_len, now, now - waited)
-        inst.routed.add(now, input_len)
         self._running[request_id] = node
         self.decisions += 1
         return Decision(request_id, self._instances[node].hops, waited_s=waited)

@@ -42,7 +42,7 @@ def macro_groups(instances: list[str], lower: int = N_LOWER, upper: int = N_UPPE
     the grouping the coordinator's scheduler builds the same way."""
     overall = Overall(lower, upper, lambda: MacroScheduler(Slos(1.0, 1.0), lambda n: 0.0))
     for n in instances:
-        overall.add(n, InstanceState(switched_at=0.0))
+        overall.add(n, InstanceState())
     return [[str(i) for i in m.ids] for m in overall.macros]
 
 

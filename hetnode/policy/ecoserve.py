@@ -6,18 +6,28 @@ pauses have "saved TPOT" (they ran faster than the TPOT SLO) to spend. The macro
 instances (rolling activation) with Algorithm 1: a request goes to the instance the previous request went to
 while Algorithm 2's three checks hold there, else to the next instance in the cycle:
 
-1. TTFT: the predicted prefill times of the requests that arrived there since its last switch to prefill, with
-   this one, add up to no more than the TTFT SLO (every one of them, a request that already finished too: the
-   check bounds how long the prefill phase lasts, and the phase's first request waits all of it for its decode
-   phase; `PhasePrompts` keeps them);
-2. TPOT: that total is no more than the mean saved TPOT of its decodes (each decode's L x SLO_TPOT less the time
-   since its first token, L its output so far);
+1. TTFT: the predicted prefill times of the requests routed to the instance since Algorithm 1 came to it (its
+   t_switch: the macro-instance scheduler switched it to prefills), with this one, add up to no more than the
+   TTFT SLO (every one of them, a request that already finished too: the check bounds the instance's prefill
+   phase, its share of the rolling activation);
+2. TPOT: that total is no more than the mean saved TPOT of the decodes it runs (each decode's L x SLO_TPOT less
+   the time since its first token, L its output so far);
 3. memory: the request's KV fits what the instance has free.
 
 Mitosis (§3.5.1) grows and shrinks the macro-instances one instance at a time between N_l and N_u instances:
 instances are added to the last macro-instance; one that would pass N_u splits off a new macro-instance of N_l;
 instances are removed from the smallest macro-instance down to N_l, then from a full one, and two
 macro-instances whose sizes add up to N_u merge once one more instance is removed.
+
+Algorithm 2 reads t_switch as "the phase switching timestamp" without saying whose. Read as the instance's own
+switch from prefill back to decode, every prefill step that runs between two decode steps ends a phase, the sum
+of check 1 restarts with each, and at light load one instance takes every arrival (a prefill every few decode
+steps, for ever, while the mean saved TPOT of its oldest decodes stays high) and its newest decodes miss the TPOT
+SLO: no rolling activation at all (docs/reproducing-ecoserve.md measures it). Read as the macro-instance
+scheduler's switch, an instance's phase is the burst Algorithm 1 sends it, and the bursts roll over the
+instances as §3.2.2 and Fig. 5 describe; the TPOT check then counts the burst's own decodes too (they pay for
+the burst's later prefills), not only those that came before it. The macro-instance scheduler keeps the bursts
+(`macro_scheduler.MacroScheduler`); instances report their decodes and free KV.
 
 Pure: instances report their state as records; every call passes `now`.
 """
@@ -40,9 +50,7 @@ class Decoding:
 class InstanceState:
     """What an instance reports to its macro-instance scheduler."""
 
-    switched_at: float  # when it last switched to prefills
-    pending_prefills: tuple[int, ...] = ()  # prompt lengths of the requests routed to it since then
-    decodes: tuple[Decoding, ...] = ()  # requests it held before then, still decoding
+    decodes: tuple[Decoding, ...] = ()  # requests it decodes (it has their first token)
     free_kv_tokens: int = 0
     routed: int = 0  # requests routed to it so far, as it counts them (a scheduler adds those sent since)
 
@@ -67,25 +75,11 @@ class Slos:
 PrefillTime = Callable[[int], float]  # seconds to prefill a prompt of n tokens (profiled)
 
 
-@dataclass(slots=True)
-class PhasePrompts:
-    """The prompts routed to an instance, kept until its next t_switch: Algorithm 2's pending prefills are those
-    routed since the last one, whether or not their requests are still held (one whose output was a single
-    token ends inside the prefill phase, and its prefill still made the phase longer)."""
-
-    routed: list[tuple[float, int]] = field(default_factory=list)  # (when, prompt tokens)
-
-    def add(self, now: float, prompt: int) -> None:
-        self.routed.append((now, prompt))
-
-    def since(self, switched_at: float) -> tuple[int, ...]:
-        self.routed = [(t, p) for t, p in self.routed if t >= switched_at]
-        return tuple(p for _, p in self.routed)
-
-
-def check(instance: InstanceState, prompt: int, kv_tokens: int, now: float, slos: Slos, prefill: PrefillTime) -> str:
-    """Algorithm 2: '' when the instance may take the request, else the constraint it would break."""
-    total = sum(prefill(n) for n in instance.pending_prefills) + prefill(prompt)
+def check(instance: InstanceState, burst: Sequence[int], prompt: int, kv_tokens: int, now: float, slos: Slos,
+          prefill: PrefillTime) -> str:
+    """Algorithm 2 for a request of `prompt` tokens on an instance whose burst so far (the prompts routed to it
+    since its t_switch) is `burst`: '' when it may take the request, else the constraint it would break."""
+    total = sum(prefill(n) for n in burst) + prefill(prompt)
     if total > slos.ttft_s:
         return f"ttft: {total:.3f} s of pending prefills > {slos.ttft_s:g} s"
     if instance.decodes:
@@ -104,15 +98,17 @@ class MacroInstance:
 
     instances: int
     previous: int = 0  # the instance the last request went to
+    moved: bool = False  # whether the last request went on to the next instance (opening its burst)
 
-    def route(self, states: Sequence[InstanceState], prompt: int, kv_tokens: int, now: float, slos: Slos,
-              prefill: PrefillTime) -> int:
+    def route(self, states: Sequence[InstanceState], bursts: Sequence[Sequence[int]], prompt: int, kv_tokens: int,
+              now: float, slos: Slos, prefill: PrefillTime) -> int:
         """The instance for the request: the previous one if it passes every check, else the next one."""
-        if len(states) != self.instances or not states:
-            raise ValueError(f"expected the states of {self.instances} instances, got {len(states)}")
-        if not check(states[self.previous], prompt, kv_tokens, now, slos, prefill):
-            return self.previous
-        self.previous = (self.previous + 1) % self.instances
+        if len(states) != self.instances or len(bursts) != self.instances or not states:
+            raise ValueError(f"expected the states and bursts of {self.instances} instances, got {len(states)} and "
+                             f"{len(bursts)}")
+        self.moved = bool(check(states[self.previous], bursts[self.previous], prompt, kv_tokens, now, slos, prefill))
+        if self.moved:
+            self.previous = (self.previous + 1) % self.instances
         return self.previous
 
 

@@ -10,9 +10,9 @@ Two batching disciplines, one object (§2.2, §4.1's baselines):
 - "hybrid" (Sarathi): decode first, every step carries all decodes and fills the rest of a token budget with
   prompt chunks (chunked prefill).
 
-The instance tracks what Algorithm 2 reads (`status`): when it last switched from prefill to decode (t_switch),
-the prompts routed to it since (this prefill phase's), the decodes it held before (with their output so far
-and first-token time, the saved-TPOT bookkeeping of §3.2), and its free KV. KV is counted in tokens: a request
+The instance tracks what Algorithm 2 reads (`status`): the requests it decodes (with their output so far and
+first-token time, the saved-TPOT bookkeeping of §3.2) and its free KV; the macro-instance scheduler keeps the
+bursts it routed (`policy.macro_scheduler`). KV is counted in tokens: a request
 holds its prompt and generated tokens; a prompt is admitted while the pool keeps `reserve` tokens per running
 request for growth (vLLM's watermark); when decode growth still overflows, the youngest decode is preempted
 and re-queued first with its generated tokens as prompt (vLLM's recompute preemption).
@@ -26,7 +26,7 @@ from collections import deque
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
-from hetnode.policy.ecoserve import Decoding, InstanceState, PhasePrompts
+from hetnode.policy.ecoserve import Decoding, InstanceState
 
 SEPARATE = "separate"
 HYBRID = "hybrid"
@@ -40,7 +40,7 @@ class InstanceConfig:
     discipline: str = SEPARATE
     max_batch_tokens: int = 8192  # prompt tokens one prefill step takes ("separate")
     token_budget: int = 512  # tokens per hybrid step, decodes included (Sarathi's chunk budget)
-    max_decodes: int = 256  # decode items per step (vLLM's max_num_seqs)
+    max_decodes: int = 256  # requests running at once, so decode items per step (vLLM's max_num_seqs)
     kv_tokens: int = 100_000  # the pool
     reserve: int = 0  # tokens of growth kept free per running request when admitting a prompt
 
@@ -69,12 +69,12 @@ class Held:
 
 @dataclass(slots=True)
 class PhaseSwitch:
-    """Temporal disaggregation's one rule ("separate"): prefill while any prompt can run, else decode; the
-    instant a prefill phase gives way to decoding is t_switch. The PaDG simulator's instances (through
+    """Temporal disaggregation's one rule ("separate"): prefill while any prompt can run, else decode;
+    `switched_at` is the instant a prefill phase last gave way to decoding. The PaDG simulator's instances (through
     `InstanceScheduler`) and a node's batch loop (`policy.temporal_batching`) both decide each step by it."""
 
     phase: str = DECODE
-    switched_at: float = 0.0  # when the last prefill phase ended (t_switch)
+    switched_at: float = 0.0  # when the last prefill phase ended (its requests' decode phase starts)
 
     def next(self, prefill: bool, decode: bool, now: float) -> str | None:
         """The phase of the next step, given whether a prompt can run and whether a decode can; None: idle."""
@@ -102,7 +102,6 @@ class InstanceScheduler:
     running: dict[int, Held] = field(default_factory=dict)  # admitted (KV held), by rid, in admission order
     phases: PhaseSwitch = field(default_factory=PhaseSwitch)
     routed: int = 0  # requests routed here so far (the macro-instance scheduler's view counts against it)
-    phase_prompts: PhasePrompts = field(default_factory=PhasePrompts)
     preempted: list[int] = field(default_factory=list)  # rids preempted since the executor last looked
 
     @property
@@ -111,7 +110,7 @@ class InstanceScheduler:
 
     @property
     def switched_at(self) -> float:
-        """When the last prefill phase ended (t_switch)."""
+        """When the last prefill phase ended."""
         return self.phases.switched_at
 
     def route(self, rid: int, prompt: int, now: float) -> None:
@@ -119,7 +118,6 @@ class InstanceScheduler:
         if prompt < 1:
             raise ValueError(f"a prompt has at least one token, not {prompt}")
         self.waiting.append(Held(rid, prompt, now))
-        self.phase_prompts.add(now, prompt)
         self.routed += 1
 
     @property
@@ -163,10 +161,13 @@ class InstanceScheduler:
 
     def _admit(self, budget: int) -> None:
         """Waiting requests into the running set, in order, while their KV fits (first come, first admitted:
-        a prompt that does not fit holds back the later ones) and their prompts fit a step's budget."""
+        a prompt that does not fit holds back the later ones), their prompts fit a step's budget, and the running
+        set stays within `max_decodes` (vLLM's max_num_seqs bounds the requests it runs, not only a step's: a
+        request admitted past it would hold KV and wait for a decode slot, its TPOT lost, where vLLM keeps it
+        queued and its wait counts in TTFT)."""
         used = self.kv_used
         unprefilled = sum(h.prompt - h.done for h in self.running.values())
-        while self.waiting and unprefilled < budget:
+        while self.waiting and unprefilled < budget and len(self.running) < self.config.max_decodes:
             h = self.waiting[0]
             need = h.prompt + h.output + self.config.reserve * (len(self.running) + 1)
             if used + need > self.config.kv_tokens and self.running:
@@ -218,9 +219,7 @@ class InstanceScheduler:
             self.preempted.append(rid)
 
     def status(self) -> InstanceState:
-        """What Algorithm 2 reads: this prefill phase's prompts, the decodes held before it, free KV."""
-        decodes = tuple(Decoding(h.output, h.first_token_at) for h in self.running.values()
-                        if h.routed_at < self.switched_at and h.first_token_at >= 0)
+        """What Algorithm 2 reads: the decodes, free KV."""
+        decodes = tuple(Decoding(h.output, h.first_token_at) for h in self.running.values() if h.first_token_at >= 0)
         free = self.config.kv_tokens - self.kv_used - sum(h.prompt for h in self.waiting)
-        return InstanceState(switched_at=self.switched_at, pending_prefills=self.phase_prompts.since(self.switched_at),
-                             decodes=decodes, free_kv_tokens=max(0, free), routed=self.routed)
+        return InstanceState(decodes=decodes, free_kv_tokens=max(0, free), routed=self.routed)

@@ -1,10 +1,12 @@
 """EcoServe's macro-instance scheduler (§3.4): Algorithm 1 over the instances' latest reported states.
 
-Instances report their state (`InstanceState`) when it changes in a way Algorithm 2 reads: a switch of phase,
-a request finished, a preemption, and periodically while decoding (its progress); never per iteration. Between
-reports the scheduler knows what it routed itself: each report carries how many requests the instance had been
-sent (`routed`), and the requests routed after that are added to the reported state's pending prefills and
-taken off its free KV, so two requests routed in one instant both count.
+Instances report their state (`InstanceState`: their decodes and free KV) when it changes in a way Algorithm 2
+reads: a switch of phase, a request finished, a preemption, and periodically while decoding (its progress);
+never per iteration. Between reports the scheduler knows what it routed itself: each report carries how many
+requests the instance had been sent (`routed`), and the requests routed after that are taken off its free KV, so
+two requests routed in one instant both count. The bursts are the scheduler's own record: the prompts it routed
+to each instance since Algorithm 1 last moved on to it (that instance's t_switch, `policy.ecoserve`), kept
+whether or not their requests have finished.
 
 Instances may join and leave (mitosis scaling, an instance added under load) without the others noticing:
 routing continues from the same cycle position.
@@ -24,13 +26,13 @@ from hetnode.policy.ecoserve import InstanceState, MacroInstance, PrefillTime, S
 class _View:
     state: InstanceState
     sent: list[tuple[int, int]] = field(default_factory=list)  # (routed count after it, prompt) since the report
+    burst: list[int] = field(default_factory=list)  # prompts routed since the cycle last moved on to it
 
     def current(self) -> InstanceState:
-        extra = [(k, p) for k, p in self.sent if k > self.state.routed]
+        extra = sum(p for k, p in self.sent if k > self.state.routed)
         if not extra:
             return self.state
-        return replace(self.state, pending_prefills=self.state.pending_prefills + tuple(p for _, p in extra),
-                       free_kv_tokens=max(0, self.state.free_kv_tokens - sum(p for _, p in extra)))
+        return replace(self.state, free_kv_tokens=max(0, self.state.free_kv_tokens - extra))
 
 
 @dataclass
@@ -77,11 +79,19 @@ class MacroScheduler:
         """Algorithm 1: the instance for a request of `prompt` tokens needing `kv_tokens` of KV."""
         if not self.ids:
             raise ValueError("the macro-instance has no instance")
-        k = self.cycle.route(self.states(), prompt, kv_tokens, now, self.slos, self.prefill)
+        k = self.cycle.route(self.states(), self.bursts(), prompt, kv_tokens, now, self.slos, self.prefill)
         instance = self.ids[k]
+        view = self.views[instance]
         self.counts[instance] += 1
-        self.views[instance].sent.append((self.counts[instance], prompt))
+        view.sent.append((self.counts[instance], prompt))
+        if self.cycle.moved:
+            view.burst.clear()
+        view.burst.append(prompt)
         return instance
+
+    def bursts(self) -> list[tuple[int, ...]]:
+        """Each instance's burst: the prompts routed to it since its t_switch."""
+        return [tuple(self.views[i].burst) for i in self.ids]
 
     def __len__(self) -> int:
         return len(self.ids)

@@ -95,11 +95,11 @@ def test_a_split_moves_a_running_instance_to_the_new_macro_instance_with_its_req
     change, _ = s.scale(1.0)  # three prompts past their TTFT SLO without a decode phase
     assert change is not None and change.sizes == (2, 2)
     assert change.moves == (Move("n02", 0, 1),) and s.macros() == [["n00", "n01"], ["n02", "n03"]]
-    # The moved instance keeps its request: its prefill is still pending in its state for the new macro-instance,
-    # and it ends there as it would have.
-    assert s.state("n02", 1.0).pending_prefills == (400,)
+    # The moved instance keeps its request: still prefilling in its state for the new macro-instance, then
+    # decoding, and it ends there as it would have.
+    assert s.pipeline_of("r2") is not None and s.state("n02", 1.0).decodes == ()
     s.prefilled("r2", 1.1)
-    assert s.state("n02", 1.1).switched_at == 1.1
+    assert [d.first_token_at for d in s.state("n02", 1.1).decodes] == [1.1]
     assert s.finish("r2", 2, 1.2) == [] and s.pipeline_of("r2") is None
 
 
@@ -120,7 +120,7 @@ def test_the_simulators_window_and_the_coordinators_scheduler_scale_the_same() -
     names = [f"n{i:02d}" for i in range(6)]
     coord = scaled(6, ["n00"], lower=1, upper=2, idle=2)
     sim = Scaler(Overall(1, 2, lambda: MacroScheduler(SLOS, PREFILL)), ScalingTrigger(0.9, 0.3, 2), list(names))
-    sim.overall.add("n00", InstanceState(switched_at=0.0))
+    sim.overall.add("n00", InstanceState())
     window = 5.0
     requests: dict[str, Request] = {}
     events: list[tuple[float, int, str]] = []  # (time, 0 arrival / 1 first token / 2 finish, request)
@@ -155,7 +155,7 @@ def test_the_simulators_window_and_the_coordinators_scheduler_scale_the_same() -
         serving = [str(i) for m in sim.overall.macros for i in m.ids]
         use = sum(busy_share(requests, where, n, start, end) for n in serving) / len(serving)
         verdict = attainment([r.meets(SLOS) for r in finished], len(late))
-        change = sim.window(end, verdict, use, lambda _: InstanceState(switched_at=0.0))
+        change = sim.window(end, verdict, use, lambda _: InstanceState())
         sim_changes.append(None if change is None else (change.action, change.instance, change.sizes))
         got, _ = coord.scale(end)
         coord_changes.append(None if got is None else (got.action, got.instance, got.sizes))

@@ -113,15 +113,14 @@ def test_requests_stay_on_an_instance_while_its_prefills_fit_the_ttft_slo_then_r
     assert scheduler_for(s.plan, "iwrr") == "ecoserve"
 
 
-def test_an_instance_switches_to_decoding_at_its_phases_last_first_token_and_saved_tpot_gates_it() -> None:
+def test_a_request_decodes_from_its_first_token_and_saved_tpot_gates_its_instance() -> None:
     s = scheduler(1)
     s.submit("a", 100, 0.0)
     s.submit("b", 100, 0.0)
     s.prefilled("a", 0.1)
-    assert s.state("n00", 0.1).switched_at == 0.0  # b's prompt is still in the phase
+    assert [d.first_token_at for d in s.state("n00", 0.1).decodes] == [0.1]  # b's prompt is still prefilling
     s.prefilled("b", 0.2)
-    st = s.state("n00", 0.2)
-    assert st.switched_at == 0.2 and st.pending_prefills == () and len(st.decodes) == 2
+    assert len(s.state("n00", 0.2).decodes) == 2
     # Decodes that have saved nothing (1 token in 0 s... 0.3 s later: 1 x 0.05 - 0.3 < 0) turn a request away
     # from this instance; with one instance Algorithm 1 comes back to it, and progress restores the saving.
     s.progress("a", 20, 0.5)
@@ -129,15 +128,16 @@ def test_an_instance_switches_to_decoding_at_its_phases_last_first_token_and_sav
     assert s.state("n00", 0.5).decodes[0].output_len == 20
 
 
-def test_a_request_that_ends_at_its_first_token_still_counts_in_its_instances_prefill_phase() -> None:
-    s = scheduler(1)
+def test_a_request_that_ends_at_its_first_token_still_counts_in_its_instances_burst() -> None:
+    s = scheduler(2)
     s.submit("a", 100, 0.0)
     s.submit("b", 300, 0.0)
     s.prefilled("a", 0.1)
     s.finish("a", 1, 0.1)  # a's one token: it ends while b still prefills
-    assert s.state("n00", 0.1).pending_prefills == (100, 300)
     s.prefilled("b", 0.4)
-    assert s.state("n00", 0.4).pending_prefills == ()
+    assert s.overall.macros[0].bursts() == [(100, 300), ()]  # until Algorithm 1 moves on
+    # 0.1 + 0.3 + 0.2 s > the 0.5 s TTFT SLO: the next request goes on, as it would had a not finished.
+    assert s.submit("c", 200, 0.4).pipeline[0].node == "n01"  # type: ignore[index]
 
 
 def test_no_kv_room_queues_and_a_finish_lets_the_head_go() -> None:

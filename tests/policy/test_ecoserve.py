@@ -16,29 +16,33 @@ def prefill(n: int) -> float:
 
 
 def test_each_constraint_can_refuse() -> None:
-    roomy = InstanceState(switched_at=0.0, free_kv_tokens=10_000)
-    assert check(roomy, 500, 700, 0.0, SLOS, prefill) == ""
-    busy = InstanceState(switched_at=0.0, pending_prefills=(400, 300), free_kv_tokens=10_000)
-    assert check(busy, 400, 600, 0.0, SLOS, prefill).startswith("ttft")  # 1.1 s of prefills
+    roomy = InstanceState(free_kv_tokens=10_000)
+    assert check(roomy, (), 500, 700, 0.0, SLOS, prefill) == ""
+    assert check(roomy, (400, 300), 400, 600, 0.0, SLOS, prefill).startswith("ttft")  # 1.1 s of prefills
     # Decodes that ran 10 tokens in 0.9 s saved 0.1 s each: a 0.5 s prefill would break their TPOT.
-    tight = InstanceState(switched_at=5.0, decodes=(Decoding(10, 4.1), Decoding(10, 4.1)), free_kv_tokens=10_000)
-    assert check(tight, 500, 700, 5.0, SLOS, prefill).startswith("tpot")
-    slack = InstanceState(switched_at=5.0, decodes=(Decoding(40, 4.1),), free_kv_tokens=10_000)
-    assert check(slack, 500, 700, 5.0, SLOS, prefill) == ""  # 40 x 0.1 - 0.9 = 3.1 s saved
-    assert check(InstanceState(switched_at=0.0, free_kv_tokens=600), 500, 700, 0.0, SLOS, prefill).startswith("memory")
+    tight = InstanceState(decodes=(Decoding(10, 4.1), Decoding(10, 4.1)), free_kv_tokens=10_000)
+    assert check(tight, (), 500, 700, 5.0, SLOS, prefill).startswith("tpot")
+    slack = InstanceState(decodes=(Decoding(40, 4.1),), free_kv_tokens=10_000)
+    assert check(slack, (), 500, 700, 5.0, SLOS, prefill) == ""  # 40 x 0.1 - 0.9 = 3.1 s saved
+    # The burst's prefills count against the saved TPOT too: 3.1 s saved, 3.2 s of prefills with this one.
+    assert check(slack, (900, 900, 900), 500, 700, 5.0, Slos(ttft_s=5.0, tpot_s=0.1), prefill).startswith("tpot")
+    assert check(InstanceState(free_kv_tokens=600), (), 500, 700, 0.0, SLOS, prefill).startswith("memory")
 
 
 def test_requests_stay_on_an_instance_while_it_passes_then_roll_to_the_next() -> None:
     macro = MacroInstance(instances=3)
-    states = [InstanceState(switched_at=0.0, free_kv_tokens=10_000) for _ in range(3)]
-    assert macro.route(states, 300, 400, 0.0, SLOS, prefill) == 0
-    states[0] = InstanceState(switched_at=0.0, pending_prefills=(400, 400), free_kv_tokens=10_000)
-    assert macro.route(states, 300, 400, 0.0, SLOS, prefill) == 1  # 1.1 s of prefills there: the next one
-    states[1] = InstanceState(switched_at=0.0, pending_prefills=(900,), free_kv_tokens=10_000)
-    assert macro.route(states, 300, 400, 0.0, SLOS, prefill) == 2
-    assert macro.route(states, 300, 400, 0.0, SLOS, prefill) == 2  # instance 2 is still fine
+    states = [InstanceState(free_kv_tokens=10_000) for _ in range(3)]
+    bursts: list[tuple[int, ...]] = [(), (), ()]
+    assert macro.route(states, bursts, 300, 400, 0.0, SLOS, prefill) == 0 and not macro.moved
+    bursts[0] = (400, 400)
+    assert macro.route(states, bursts, 300, 400, 0.0, SLOS, prefill) == 1  # 1.1 s of prefills there: the next one
+    assert macro.moved
+    bursts[1] = (900,)
+    assert macro.route(states, bursts, 300, 400, 0.0, SLOS, prefill) == 2
+    assert macro.route(states, bursts, 300, 400, 0.0, SLOS, prefill) == 2  # instance 2 is still fine
+    assert not macro.moved
     with pytest.raises(ValueError):
-        macro.route(states[:2], 1, 1, 0.0, SLOS, prefill)
+        macro.route(states[:2], bursts[:2], 1, 1, 0.0, SLOS, prefill)
 
 
 def test_mitosis_follows_figure_7() -> None:

@@ -22,41 +22,55 @@ def prefill(n: int) -> float:
 def test_requests_routed_since_a_report_count_against_the_instance() -> None:
     m = MacroScheduler(SLOS, prefill)
     for k in range(2):
-        m.add(k, InstanceState(switched_at=0.0, free_kv_tokens=10_000))
+        m.add(k, InstanceState(free_kv_tokens=10_000))
     # 0.4 s each: two fit instance 0's one second of TTFT; the third would make 1.2 s and rolls on.
     assert [m.route(400, 400, 0.0) for _ in range(3)] == [0, 0, 1]
-    # A report that has seen only the first request keeps the second one counted.
-    m.update(0, InstanceState(switched_at=0.0, pending_prefills=(400,), free_kv_tokens=9_600, routed=1))
-    assert m.states()[0].pending_prefills == (400, 400)
-    m.update(0, InstanceState(switched_at=0.5, free_kv_tokens=9_200, routed=2))  # both prefilled, decoding
-    assert m.states()[0].pending_prefills == ()
+    # A report that has seen only the first request keeps the second one's KV counted.
+    m.update(0, InstanceState(free_kv_tokens=9_600, routed=1))
+    assert m.states()[0].free_kv_tokens == 9_200
+    m.update(0, InstanceState(free_kv_tokens=9_200, routed=2))
+    assert m.states()[0].free_kv_tokens == 9_200
+
+
+def test_a_burst_lasts_from_the_cycles_arrival_to_its_departure_whatever_the_instance_reports() -> None:
+    """t_switch is the macro-instance scheduler's: an instance whose prompts were prefilled (and one that
+    finished at its first token) keeps them in its burst until the cycle has moved on and come back."""
+    m = MacroScheduler(SLOS, prefill)
+    for k in range(2):
+        m.add(k, InstanceState(free_kv_tokens=10_000))
+    assert [m.route(300, 300, 0.0) for _ in range(3)] == [0, 0, 0]
+    m.update(0, InstanceState(free_kv_tokens=10_000, routed=3))  # all prefilled, one already finished
+    assert m.bursts() == [(300, 300, 300), ()]
+    assert m.route(300, 300, 0.1) == 1  # 1.2 s with this one: on to instance 1
+    assert [m.route(600, 600, 0.2) for _ in range(2)] == [1, 0]  # back to instance 0: its burst starts again
+    assert m.bursts() == [(600,), (300, 600)]
 
 
 def test_the_macro_scheduler_decides_as_algorithm_1_on_the_same_states() -> None:
-    """Mirror: the wrapper with reports decides exactly what MacroInstance decides on those states."""
-    states = [InstanceState(0.0, (300,), (Decoding(5, 0.0),), 10_000, routed=1),
-              InstanceState(0.0, (), (Decoding(50, 0.0),), 10_000, routed=0)]
+    """Mirror: the wrapper with reports decides exactly what MacroInstance decides on those states and bursts."""
+    states = [InstanceState((Decoding(5, 0.0),), 10_000, routed=1),
+              InstanceState((Decoding(50, 0.0),), 10_000, routed=0)]
     m = MacroScheduler(SLOS, prefill)
     for k, s in enumerate(states):
         m.add(k, s)
     bare = MacroInstance(2)
-    for prompt in (100, 700, 200, 50):
-        expected = bare.route([*m.states()], prompt, prompt, 1.0, SLOS, prefill)
+    for prompt in (100, 700, 200, 50, 900, 300):
+        expected = bare.route([*m.states()], m.bursts(), prompt, prompt, 1.0, SLOS, prefill)
         assert m.route(prompt, prompt, 1.0) == expected
 
 
 def test_instances_join_and_leave_without_disturbing_the_cycle() -> None:
     m = MacroScheduler(SLOS, prefill)
     for k in "abc":
-        m.add(k, InstanceState(switched_at=0.0, free_kv_tokens=10_000))
+        m.add(k, InstanceState(free_kv_tokens=10_000))
     assert m.route(900, 900, 0.0) == "a"
     assert m.route(900, 900, 0.0) == "b"
     m.remove("a")
     assert m.route(50, 50, 0.0) == "b"
-    m.add("d", InstanceState(switched_at=0.0, free_kv_tokens=10_000))
+    m.add("d", InstanceState(free_kv_tokens=10_000))
     assert len(m) == 3 and m.route(900, 900, 0.0) == "c"
     with pytest.raises(ValueError):
-        m.add("d", InstanceState(0.0))
+        m.add("d", InstanceState())
 
 
 def test_an_instance_reports_what_the_scheduler_reads() -> None:
@@ -66,12 +80,17 @@ def test_an_instance_reports_what_the_scheduler_reads() -> None:
     assert m.route(300, 300, 0.0) == 0
     inst.route(0, 300, 0.0)
     m.update(0, inst.status())
-    assert m.states()[0].pending_prefills == (300,) and m.states()[0].free_kv_tokens == 4_700
+    assert m.bursts() == [(300,)] and m.states()[0].free_kv_tokens == 4_700 and m.states()[0].decodes == ()
+    plan = inst.next_step(0.0)
+    assert plan is not None
+    inst.step_done(plan, 0.3, ())
+    m.update(0, inst.status())
+    assert [d.output_len for d in m.states()[0].decodes] == [1]  # the burst's own request decodes: it counts
 
 
 def test_overall_dispatches_by_capability_and_moves_instances_on_split_and_merge() -> None:
     o = Overall(2, 4, lambda: MacroScheduler(SLOS, prefill))
-    moves = [o.add(k, InstanceState(0.0, free_kv_tokens=1000)) for k in range(6)]
+    moves = [o.add(k, InstanceState(free_kv_tokens=1000)) for k in range(6)]
     assert o.sizes == [4, 2] and [mv.instance for mv in moves[4]] == [3]  # the split at N_u = 4
     counts = [0, 0]
     for _ in range(60):
