@@ -79,7 +79,8 @@ class MacroScheduler:
         """Algorithm 1: the instance for a request of `prompt` tokens needing `kv_tokens` of KV."""
         if not self.ids:
             raise ValueError("the macro-instance has no instance")
-        k = self.cycle.route(self.states(), self.bursts(), prompt, kv_tokens, now, self.slos, self.prefill)
+        bursts = [self.views[i].burst for i in self.ids]  # not copied: Algorithm 1 only reads them
+        k = self.cycle.route(self.states(), bursts, prompt, kv_tokens, now, self.slos, self.prefill)
         instance = self.ids[k]
         view = self.views[instance]
         self.counts[instance] += 1
