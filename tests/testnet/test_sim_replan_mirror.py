@@ -106,29 +106,35 @@ def path(route: Route) -> str:
                       for phase in route.phases)
 
 
-def _victim(plan: PlacementPlan, role: str) -> str:
-    """A node of the replica of `role` the orchestration sends the most to."""
-    orch = plan.orchestration
-    assert orch is not None
-    if role == "prefill":
-        shares = list(orch.prefill_share)
-    else:
-        shares = [sum(x * row[j] for x, row in zip(orch.prefill_share, orch.decode_share, strict=True))
-                  for j in range(len(orch.decode_share[0]))]
+def _victim(plan: PlacementPlan, role: str, unperturbed: SimResult) -> str:
+    """The prefill replica the orchestration sends the most to, or the decode replica with the most requests on it
+    when the loss comes, in the same run without the loss (the routing spreads requests over equal decode replicas
+    in proportion to what they sustain, so the shares name no busiest one)."""
     replicas = [r for r in plan.replicas if r.role == role]
-    return replicas[shares.index(max(shares))].nodes[0]
+    if role == "prefill":
+        orch = plan.orchestration
+        assert orch is not None
+        shares = list(orch.prefill_share)
+        return replicas[shares.index(max(shares))].nodes[0]
+    firsts = [r.nodes[0] for r in replicas]
+    held = {n: sum(r.arrival < LOSS_AT < r.finish and r.path.split(" | ")[-1].startswith(f"{n}[")
+                   for r in unperturbed.requests) for n in firsts}
+    return max(firsts, key=lambda n: (held[n], n))
 
 
 def simulated(model: Path, role: str) -> tuple[SimResult, Replan, PlacementPlan, str]:
     spec = deployment(model, registry()).spec
     plan, cluster = first_plan(model)
-    lost = _victim(plan, role)
+    workload = Workload("mirror", inputs=(600,) * len(ARRIVALS), outputs=(OUTPUT,) * len(ARRIVALS),
+                        arrivals=tuple(ARRIVALS))
+    profiles = profile_table_for(cluster, spec, "roofline")
+    unperturbed = simulate(cluster, spec, profiles, plan, workload=workload, scheduler="tstp", duration_s=30.0,
+                           warmup_s=0.0)
+    lost = _victim(plan, role, unperturbed)
     loss = Loss(LOSS_AT, (lost,))
     replan = after_loss(plan, cluster, spec, loss, "lightweight", options=OPTIONS, delay_s=DELAY_S)
     assert replan is not None and replan.note == ""
-    workload = Workload("mirror", inputs=(600,) * len(ARRIVALS), outputs=(OUTPUT,) * len(ARRIVALS),
-                        arrivals=tuple(ARRIVALS))
-    result = simulate(cluster, spec, profile_table_for(cluster, spec, "roofline"), plan, workload=workload,
+    result = simulate(cluster, spec, profiles, plan, workload=workload,
                       scheduler="tstp", duration_s=30.0, warmup_s=0.0, loss=loss, replan=replan)
     return result, replan, plan, lost
 
