@@ -96,15 +96,9 @@ def orchestrate(d: Sequence[Sequence[float]], prefill_caps: Sequence[float], dec
         # One phase has no replica: nothing is served (a deployment the search moves away from).
         return Routing((1.0 / m,) * m if m else (), tuple(() for _ in range(m)), 0.0, 0.0)
     h = (solver or Solver()).fresh()
-    lp = highspy.HighsLp()
     k = m * n
-    lp.num_col_ = k
     cost = np.array([d[i][j] + EPS for i in range(m) for j in range(n)], dtype=float)
     col_upper = np.array([0.0 if math.isinf(r[i][j]) else np.inf for i in range(m) for j in range(n)])
-    lp.col_cost_ = cost
-    lp.col_lower_ = np.zeros(k)
-    lp.col_upper_ = col_upper
-    starts, index, values, lower, upper = [0], [], [], [], []
     rows: list[tuple[list[int], list[float], float]] = [(list(range(k)), [1.0] * k, 1.0)]
     rows += [([i * n + j for j in range(n)], [1.0] * n, utilization * prefill_caps[i] / rate) for i in range(m)]
     for j in range(n):
@@ -118,36 +112,19 @@ def orchestrate(d: Sequence[Sequence[float]], prefill_caps: Sequence[float], dec
         cols = sorted(c for c, v in per_pair.items() if v > 0)
         if cols:
             rows.append((cols, [per_pair[c] for c in cols], utilization))
-    for cols, coefficients, bound in rows:
-        index += cols
-        values += coefficients
-        starts.append(len(index))
-        lower.append(-np.inf)
-        upper.append(bound)
-    lp.num_row_ = len(rows)
-    lp.row_lower_ = np.array(lower)
-    lp.row_upper_ = np.array(upper)
-    lp.a_matrix_.format_ = highspy.MatrixFormat.kRowwise
-    lp.a_matrix_.start_ = np.array(starts, dtype=np.int32)
-    lp.a_matrix_.index_ = np.array(index, dtype=np.int32)
-    lp.a_matrix_.value_ = np.array(values, dtype=float)
-    lp.a_matrix_.num_col_ = k
-    lp.a_matrix_.num_row_ = len(rows)
-    lp.sense_ = highspy.ObjSense.kMaximize
-    h.passModel(lp)
-    h.run()
-    z = np.maximum(np.array(h.getSolution().col_value[:k], dtype=float), 0.0).reshape(m, n)
+    z = _solve(h, cost, col_upper, [(cols, coefficients, -np.inf, bound) for cols, coefficients, bound in rows],
+               highspy.ObjSense.kMaximize).reshape(m, n)
     if not balance:
         return routing_of(z, d)
     # The shares from the balanced routing; its attainment and routed share from the first LP's optimum, which
     # the balanced one keeps to within 1e-9 (so that a search scoring deployments by it is not moved by that).
     first = routing_of(z, d)
-    balanced = routing_of(_balanced(h, rows, cost, col_upper, float(cost @ z.reshape(k)), k).reshape(m, n), d)
+    balanced = routing_of(_balanced(h, rows, cost, col_upper, float(cost @ z.reshape(k))).reshape(m, n), d)
     return Routing(balanced.prefill_share, balanced.decode_share, first.attainment, first.routed)
 
 
 def _balanced(h: highspy.Highs, rows: list[tuple[list[int], list[float], float]], cost: np.ndarray,
-              col_upper: np.ndarray, best: float, k: int) -> np.ndarray:
+              col_upper: np.ndarray, best: float) -> np.ndarray:
     """Among the routings within a hair of the best objective, the one whose busiest replica or link is least
     loaded against its bound: min t over every capacity row's load <= t x its bound.
 
@@ -156,47 +133,53 @@ def _balanced(h: highspy.Highs, rows: list[tuple[list[int], list[float], float]]
     simplex's vertex is arbitrary: it measured filling the small decode replicas to u x capacity and leaving the
     largest idle, whose KV queues then held hand-offs for half a minute (docs/reproducing-thunderserve.md). The
     balanced routing is the one D was estimated for."""
-    h.clearModel()
-    lp = highspy.HighsLp()
-    lp.num_col_ = k + 1  # the shares, then t
-    lp.col_cost_ = np.append(np.zeros(k), 1.0)
-    lp.col_lower_ = np.zeros(k + 1)
-    lp.col_upper_ = np.append(col_upper, np.inf)
-    starts, index, values, lower, upper = [0], [], [], [], []
-
-    def row(cols: list[int], coefficients: list[float], lo: float, hi: float) -> None:
-        index.extend(cols)
-        values.extend(coefficients)
-        starts.append(len(index))
-        lower.append(lo)
-        upper.append(hi)
-
+    k = len(cost)
     total_cols, total_coefficients, total_bound = rows[0]
-    row(total_cols, total_coefficients, -np.inf, total_bound)
+    lp_rows = [(total_cols, total_coefficients, -np.inf, total_bound)]
     for cols, coefficients, bound in rows[1:]:  # capacity rows: load <= bound, and load - t bound <= 0
-        row(cols, coefficients, -np.inf, bound)
-        row([*cols, k], [*coefficients, -bound], -np.inf, 0.0)
+        lp_rows.append((cols, coefficients, -np.inf, bound))
+        lp_rows.append(([*cols, k], [*coefficients, -bound], -np.inf, 0.0))
     # The objective kept to within 1e-9 of the best, scaled to the largest cost: with every D 0 the costs are EPS
     # alone, which HiGHS's tolerances would not tell apart.
     scale = float(cost.max())
-    row(list(range(k)), list(cost / scale), best / scale - 1e-9, np.inf)
-    lp.num_row_ = len(lower)
-    lp.row_lower_ = np.array(lower)
-    lp.row_upper_ = np.array(upper)
+    lp_rows.append((list(range(k)), list(cost / scale), best / scale - 1e-9, np.inf))
+    h.clearModel()
+    shares = _solve(h, np.append(np.zeros(k), 1.0), np.append(col_upper, np.inf), lp_rows,
+                    highspy.ObjSense.kMinimize)[:k]  # the shares, then t
+    if h.getModelStatus() != highspy.HighsModelStatus.kOptimal:
+        raise RuntimeError(f"the balancing LP did not solve: {h.modelStatusToString(h.getModelStatus())}")
+    total = float(shares.sum())
+    return shares / total if total > 1.0 else shares  # (HiGHS's tolerance can route 1 + 1e-8 of the requests)
+
+
+def _solve(h: highspy.Highs, cost: np.ndarray, col_upper: np.ndarray,
+           rows: list[tuple[list[int], list[float], float, float]], sense: highspy.ObjSense) -> np.ndarray:
+    """One LP over columns >= 0 (bounded above by `col_upper`) with rows lo <= sum coefficients x cols <= hi;
+    the solution, clipped at 0."""
+    lp = highspy.HighsLp()
+    lp.num_col_ = len(cost)
+    lp.col_cost_ = cost
+    lp.col_lower_ = np.zeros(len(cost))
+    lp.col_upper_ = col_upper
+    starts, index, values = [0], [], []
+    for cols, coefficients, _, _ in rows:
+        index += cols
+        values += coefficients
+        starts.append(len(index))
+    lp.num_row_ = len(rows)
+    lp.row_lower_ = np.array([lo for _, _, lo, _ in rows], dtype=float)
+    lp.row_upper_ = np.array([hi for _, _, _, hi in rows], dtype=float)
     lp.a_matrix_.format_ = highspy.MatrixFormat.kRowwise
     lp.a_matrix_.start_ = np.array(starts, dtype=np.int32)
     lp.a_matrix_.index_ = np.array(index, dtype=np.int32)
     lp.a_matrix_.value_ = np.array(values, dtype=float)
-    lp.a_matrix_.num_col_ = k + 1
-    lp.a_matrix_.num_row_ = len(lower)
-    lp.sense_ = highspy.ObjSense.kMinimize
+    lp.a_matrix_.num_col_ = len(cost)
+    lp.a_matrix_.num_row_ = len(rows)
+    lp.sense_ = sense
     h.passModel(lp)
     h.run()
-    if h.getModelStatus() != highspy.HighsModelStatus.kOptimal:
-        raise RuntimeError(f"the balancing LP did not solve: {h.modelStatusToString(h.getModelStatus())}")
-    shares: np.ndarray = np.maximum(np.array(h.getSolution().col_value[:k], dtype=float), 0.0)
-    total = float(shares.sum())
-    return shares / total if total > 1.0 else shares  # (HiGHS's tolerance can route 1 + 1e-8 of the requests)
+    solution: np.ndarray = np.maximum(np.array(h.getSolution().col_value[:len(cost)], dtype=float), 0.0)
+    return solution
 
 
 def routing_of(z: np.ndarray, d: Sequence[Sequence[float]]) -> Routing:
