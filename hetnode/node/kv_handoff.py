@@ -30,11 +30,12 @@ from hetnode.errors import ProtocolError
 from hetnode.ids import NodeId, SessionId
 from hetnode.kv.codecs import CODECS
 from hetnode.kv.stream import LayerStream, StreamPart
+from hetnode.models.config import ModelConfig
 from hetnode.node.batcher import Work
 from hetnode.node.engine import Engine, EngineError, LayerDone, TorchEngine
 from hetnode.node.hop_session import HopSession
 from hetnode.node.metrics import NodeMetrics
-from hetnode.policy import KVTransferPolicy
+from hetnode.policy import KVTransferChoice, KVTransferPolicy
 from hetnode.protocol.messages import (
     KV,
     ErrorReply,
@@ -103,15 +104,11 @@ class KVHandoffs:
             if end <= start:
                 continue
             engine = session.loop.engine
-            cfg = engine.config
             for t in session.kv_to:
-                codec = CODECS.get(t.codec)
-                if codec is None:
+                if t.codec not in CODECS:
                     continue  # the whole hand-off after the step reports it
-                layers, tokens = t.last_layer - t.first_layer, end - start
-                per = codec.packed_size(layers, tokens, cfg.num_kv_heads, cfg.head_dim) / (layers * tokens)
                 try:
-                    choice = self.kv_transfer.choose(tokens, layers, per, self.link_mbps(NodeId(t.peer)))
+                    choice = self._transfer_choice(t, end - start, engine.config)
                 except ValueError as exc:  # a measured bandwidth the policy cannot use: the hand-off goes whole
                     log.warning("KV to %s goes whole after the step: %s", t.peer, exc)
                     continue
@@ -137,6 +134,13 @@ class KVHandoffs:
             return True
 
         return LayerStream(parts, export, send)
+
+    def _transfer_choice(self, t: KVPeer, tokens: int, cfg: ModelConfig) -> KVTransferChoice:
+        """How the transfer policy sends `tokens` positions of target `t`'s layers over its link (whole or layer
+        group by layer group), at its codec's packed size; ValueError for a bandwidth it cannot use."""
+        layers = t.last_layer - t.first_layer
+        per = CODECS[t.codec].packed_size(layers, tokens, cfg.num_kv_heads, cfg.head_dim) / (layers * tokens)
+        return self.kv_transfer.choose(tokens, layers, per, self.link_mbps(NodeId(t.peer)))
 
     def _send_streamed(self, part: StreamPart, first: int, last: int, data: memoryview) -> None:
         """In the event loop: post one group streamed from inside a step (never raises: trio runs it as a
@@ -292,16 +296,12 @@ class KVHandoffs:
         assert session.span_end is not None
         start, end = session.kv_sent, session.span_end
         loop = session.loop
-        cfg = loop.engine.config
         parts: list[tuple[KVPeer, int, int]] = []
         for t in session.kv_to:
-            layers = t.last_layer - t.first_layer
-            per = CODECS[t.codec].packed_size(layers, end - start, cfg.num_kv_heads, cfg.head_dim) / (
-                layers * (end - start))
             try:
-                group = self.kv_transfer.choose(end - start, layers, per, self.link_mbps(NodeId(t.peer))).group_layers
+                group = self._transfer_choice(t, end - start, loop.engine.config).group_layers
             except ValueError:
-                group = layers  # a measured bandwidth the policy cannot use: one group
+                group = t.last_layer - t.first_layer  # a measured bandwidth the policy cannot use: one group
             parts += [(t, lo, min(lo + group, t.last_layer)) for lo in range(t.first_layer, t.last_layer, group)]
 
         def export(engine: Engine) -> list[tuple[KVPeer, int, int, int, int, memoryview]]:
