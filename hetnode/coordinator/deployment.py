@@ -36,7 +36,7 @@ from hetnode.coordinator.pool_scheduler import PoolScheduler
 from hetnode.coordinator.registry import NodeRecord, Registry
 from hetnode.coordinator.routing import Scheduler, make_scheduler, policy_names, scheduler_for
 from hetnode.coordinator.scheduler import Decision
-from hetnode.coordinator.split_scheduler import ADMISSION, DECODE_BOOKINGS, HANDOFF, SplitScheduler
+from hetnode.coordinator.split_scheduler import SplitScheduler
 from hetnode.errors import ConfigError
 from hetnode.ids import NodeId
 from hetnode.models.config import ModelConfig
@@ -52,6 +52,7 @@ from hetnode.planner.split import split_placement
 from hetnode.planner.thunderserve.reschedule import replan
 from hetnode.planner.thunderserve.settings import ThunderServeOptions, Traffic
 from hetnode.policy.cronus_refit import REFIT_WINDOW
+from hetnode.policy.decode_booking import ADMISSION, DECODE_BOOKINGS, HANDOFF
 from hetnode.policy.ecoserve import Slos
 from hetnode.policy.ecoserve_overall import ScalingTrigger
 from hetnode.policy.role_batching import prompt_tokens_for
@@ -84,6 +85,14 @@ _UNSENT = "could not send the assignment"
 # Between tries of an assignment that could not be sent: a control stream stalls for seconds on a loaded host.
 _RESEND_FIRST_S = 0.5
 _RESEND_MAX_S = 8.0
+
+
+def _check_booking(booking: str, scheduler: str) -> None:
+    """Splitwise's pools lend replicas across roles and book at admission: another booking is not theirs."""
+    if booking != ADMISSION and scheduler == PoolScheduler.name:
+        raise ConfigError(f"--decode-booking {booking} is a setting of the phase-split schedulers cls, tstp and "
+                          f"random-pairs, not of {scheduler!r}: Splitwise's pools book at admission",
+                          key="decode_booking")
 
 
 def _books_at_handoff(scheduler: Scheduler | None) -> bool:
@@ -159,9 +168,7 @@ class PlanningConfig:
         if self.decode_booking not in DECODE_BOOKINGS:
             raise ConfigError(f"decode booking must be one of {', '.join(DECODE_BOOKINGS)}, not "
                               f"{self.decode_booking!r}", key="decode_booking")
-        if self.decode_booking != ADMISSION and self.scheduler == PoolScheduler.name:
-            raise ConfigError(f"--decode-booking {self.decode_booking} is a setting of the phase-split schedulers "
-                              "cls, tstp and random-pairs: Splitwise's pools book at admission", key="decode_booking")
+        _check_booking(self.decode_booking, self.scheduler)
         if not self.reschedule_shift >= 0 or not self.workload_window_s > 0:
             raise ConfigError(f"the reschedule shift must be >= 0 ({self.reschedule_shift}) and the workload "
                               f"window > 0 ({self.workload_window_s})", key="reschedule_shift")
@@ -491,11 +498,7 @@ class Deployment:
         if placement.replicas:
             inputs: dict[str, object] = {"regions": {str(r.peer_id): r.region for r in self.registry.nodes.values()}}
             if self.planning.decode_booking != ADMISSION:
-                name = scheduler_for(placement, self.planning.scheduler)
-                if name == PoolScheduler.name:  # its pools lend replicas across roles; it books at admission
-                    raise ConfigError(f"--decode-booking {self.planning.decode_booking} is a setting of the "
-                                      f"phase-split schedulers cls, tstp and random-pairs, not of {name!r}",
-                                      key="decode_booking")
+                _check_booking(self.planning.decode_booking, scheduler_for(placement, self.planning.scheduler))
                 inputs["decode_booking"] = self.planning.decode_booking
             return inputs
 
