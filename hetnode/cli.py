@@ -25,6 +25,7 @@ from hetnode.argtypes import non_negative as _non_negative
 from hetnode.argtypes import positive as _positive
 from hetnode.argtypes import positive_int as _positive_int
 from hetnode.errors import ConfigError, HetnodeError, PeerUnreachable, Refused
+from hetnode.policy.decode_booking import ADMISSION, DECODE_BOOKINGS
 from hetnode.policy.kv_codec import OPERATOR_CHOICES
 from hetnode.policy.kv_transfer import TRANSFER_CHOICES, transfer_policy
 from hetnode.policy.machine_batching import BATCHINGS, batch_policy_for
@@ -99,7 +100,7 @@ def _planning_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--route-wait", type=_positive, default=30.0, metavar="S",
                    help="how long a request waits for a pipeline of live nodes (at start, or to move to after a "
                         "node fails) before it is answered 503 (default: 30)")
-    p.add_argument("--decode-booking", default="admission", choices=["admission", "handoff"],
+    p.add_argument("--decode-booking", default=ADMISSION, choices=list(DECODE_BOOKINGS),
                    help="when a phase-split plan's scheduler books the decode replica's KV for a request: admission "
                         "(the default, Splitwise's: when it is admitted; the decode hops reserve before the prefill "
                         "starts) or handoff (ThunderServe's KV queues: admission is limited by the prefill side, "

@@ -92,7 +92,6 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from hetnode.coordinator.split_scheduler import DECODE_BOOKINGS, HANDOFF
 from hetnode.errors import ConfigError
 from hetnode.planner.cluster import ClusterSpec, NodeSpec, load_cluster
 from hetnode.planner.model import ModelSpec, model_spec
@@ -108,6 +107,7 @@ from hetnode.planner.thunderserve.parallel import Configured, lay_out, performan
 from hetnode.planner.thunderserve.reschedule import reschedule, sustained_rate
 from hetnode.planner.thunderserve.settings import ThunderServeOptions, Traffic
 from hetnode.planner.thunderserve.slo import slo_for
+from hetnode.policy.decode_booking import DECODE_BOOKINGS, HANDOFF
 from hetnode.policy.role_batching import PREFILL_TOKENS
 from hetnode.testnet.sim import SimOptions, SimResult, load_trace, offline, poisson, simulate
 from hetnode.testnet.sim.replan import Loss, Replan, after_loss

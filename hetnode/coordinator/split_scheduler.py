@@ -43,16 +43,12 @@ import math
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import ClassVar
 
 from hetnode.coordinator.scheduler import Decision, NodeDown, NodeKV, PipelineHop, QueuedScheduler
 from hetnode.errors import ConfigError
 from hetnode.planner.plan import PlacementPlan
-
-DecodeBooking = Literal["admission", "handoff"]
-ADMISSION: DecodeBooking = "admission"
-HANDOFF: DecodeBooking = "handoff"
-DECODE_BOOKINGS: tuple[DecodeBooking, ...] = (ADMISSION, HANDOFF)
+from hetnode.policy.decode_booking import ADMISSION, DECODE_BOOKINGS, HANDOFF
 
 
 @dataclass(slots=True)

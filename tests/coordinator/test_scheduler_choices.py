@@ -10,8 +10,8 @@ import pytest
 from hetnode.cli import build_parser
 from hetnode.coordinator.deployment import PlanningConfig
 from hetnode.coordinator.routing import SCHEDULERS, SPLIT_SCHEDULERS
-from hetnode.coordinator.split_scheduler import ADMISSION, DECODE_BOOKINGS
 from hetnode.errors import ConfigError
+from hetnode.policy.decode_booking import ADMISSION, DECODE_BOOKINGS
 
 
 def _choices(parser: argparse.ArgumentParser, *path: str, dest: str = "scheduler") -> set[str]:

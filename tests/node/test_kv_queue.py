@@ -32,7 +32,7 @@ from hetnode.coordinator.generation import GenerationParams
 from hetnode.coordinator.local import LocalGenerator
 from hetnode.coordinator.registry import Registry
 from hetnode.coordinator.sessions import PipelineGenerator
-from hetnode.coordinator.split_scheduler import HANDOFF, SplitScheduler
+from hetnode.coordinator.split_scheduler import SplitScheduler
 from hetnode.ids import NodeId
 from hetnode.models.resolve import load_config
 from hetnode.models.tiny import write_tiny_model
@@ -40,6 +40,7 @@ from hetnode.models.tokenizer import load_tokenizer
 from hetnode.node.engine import EngineConfig, SamplingParams
 from hetnode.node.hops import HopServer
 from hetnode.planner.plan import NodePlacement, PlacementPlan, Replica
+from hetnode.policy.decode_booking import HANDOFF
 from hetnode.protocol.framing import FramedStream
 from hetnode.protocol.memory import MemoryNetwork
 from hetnode.protocol.messages import (

@@ -325,8 +325,8 @@ def test_a_long_prefill_cuts_its_decode_replicas_rate_by_the_residency() -> None
 
 
 def test_the_planners_decode_bookings_are_the_schedulers() -> None:
-    from hetnode.coordinator.split_scheduler import DECODE_BOOKINGS
     from hetnode.planner.thunderserve.settings import DECODE_BOOKINGS as PLANNED
+    from hetnode.policy.decode_booking import DECODE_BOOKINGS
 
     assert PLANNED == DECODE_BOOKINGS
     with pytest.raises(ConfigError, match="decode_booking"):

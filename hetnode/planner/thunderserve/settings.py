@@ -16,6 +16,7 @@ import math
 from dataclasses import dataclass
 
 from hetnode.errors import ConfigError
+from hetnode.policy.decode_booking import ADMISSION, DECODE_BOOKINGS
 from hetnode.policy.kv_codec import OPERATOR_CHOICES
 
 
@@ -34,9 +35,6 @@ class Traffic:
 
 
 OBJECTIVES = ("e2e", "all")
-# When the deployment books a decode replica's KV for a request (the phase-split schedulers' decode_booking, whose
-# names these are; the planner does not import the coordinator): at admission, or when its hand-off starts.
-DECODE_BOOKINGS = ("admission", "handoff")
 
 CODING = Traffic(input_len=2048.0, output_len=28.0)  # Azure code trace, 2023
 CONVERSATION = Traffic(input_len=1155.0, output_len=211.0)  # Azure conversation trace, 2023
@@ -71,7 +69,7 @@ class ThunderServeOptions:
     # When the scheduler that runs the plan books a decode replica's KV: "admission" (the runtime's, Splitwise's
     # rule: the KV is held through the prefill and the hand-off too) or "handoff" (ThunderServe's KV queues on the
     # prefill replicas, Appendix E: held from the hand-off to the last token). `slo.decode_residency` prices it.
-    decode_booking: str = "admission"
+    decode_booking: str = ADMISSION
 
     def __post_init__(self) -> None:
         problems = []

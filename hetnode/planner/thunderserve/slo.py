@@ -33,6 +33,7 @@ from hetnode.planner.model import ModelSpec
 from hetnode.planner.thunderserve.gpus import GpuPool
 from hetnode.planner.thunderserve.parallel import Layout, Performance
 from hetnode.planner.thunderserve.settings import ThunderServeOptions
+from hetnode.policy.decode_booking import ADMISSION, HANDOFF
 from hetnode.policy.kv_codec import AUTO_CODECS, CodecOption, KVCodecPolicy, LinkEstimate
 from hetnode.protocol.kv_wire import packed_size
 
@@ -113,7 +114,7 @@ def decode_tpot(perf: Performance, rate: float, output_len: float) -> float:
 
 
 def decode_residency(prefill: Performance, handoff_s: float, decode: Performance, output_len: float,
-                     booking: str = "admission") -> float:
+                     booking: str = ADMISSION) -> float:
     """r_ij: how many times its decode alone a request through this pair holds the decode replica's KV.
 
     Booked at admission (the scheduler's default, CLS in coordinator/split_scheduler.py), the KV is held through
@@ -125,7 +126,7 @@ def decode_residency(prefill: Performance, handoff_s: float, decode: Performance
     decode_s = output_len * decode.tpot[-1][1]
     if not math.isfinite(handoff_s):
         return math.inf
-    before = handoff_s if booking == "handoff" else prefill.prefill_s + handoff_s
+    before = handoff_s if booking == HANDOFF else prefill.prefill_s + handoff_s
     return (before + decode_s) / decode_s if decode_s > 0 else 1.0
 
 

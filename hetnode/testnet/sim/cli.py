@@ -21,8 +21,8 @@ from typing import Any
 
 from hetnode.argtypes import auto_or_count
 from hetnode.argtypes import positive as _positive
-from hetnode.coordinator.split_scheduler import ADMISSION, DECODE_BOOKINGS
 from hetnode.errors import ConfigError
+from hetnode.policy.decode_booking import ADMISSION, DECODE_BOOKINGS
 from hetnode.policy.kv_codec import OPERATOR_CHOICES
 from hetnode.policy.role_batching import prefill_tokens_of
 from hetnode.testnet.sim.padg_cli import PLACEMENTS as PADG_PLACEMENTS

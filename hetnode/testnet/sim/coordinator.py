@@ -42,9 +42,9 @@ import math
 from collections.abc import Callable, Collection, Sequence
 from typing import Any, NamedTuple, Protocol
 
-from hetnode.coordinator.split_scheduler import HANDOFF
 from hetnode.errors import HetnodeError
 from hetnode.policy import Cause, Lifecycle
+from hetnode.policy.decode_booking import HANDOFF
 from hetnode.protocol.messages import Route
 from hetnode.protocol.routes import describe, kv_targets, phase_span, pipeline_route, route_problem
 from hetnode.testnet.sim.events import grouped

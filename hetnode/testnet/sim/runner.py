@@ -24,7 +24,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from hetnode.coordinator.split_scheduler import ADMISSION, DECODE_BOOKINGS
 from hetnode.errors import ConfigError
 from hetnode.planner.cluster import ClusterSpec, NodeSpec
 from hetnode.planner.costmodel import MEMORY_EFFICIENCY
@@ -36,6 +35,7 @@ from hetnode.planner.plan import PlacementPlan
 from hetnode.planner.profile import ProfileTable, node_kv_tokens
 from hetnode.policy import MIN_CHUNK
 from hetnode.policy.cronus_refit import REFIT_WINDOW
+from hetnode.policy.decode_booking import ADMISSION, DECODE_BOOKINGS
 from hetnode.policy.kv_codec import AUTO, OPERATOR_CHOICES
 from hetnode.policy.machine_batching import BATCHINGS, PROMPT_TOKENS, batch_policy_for
 from hetnode.policy.role_batching import prompt_tokens_for
