@@ -83,7 +83,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hetnode.planner.cluster import ClusterSpec, load_cluster
 from hetnode.planner.model import ModelSpec, model_spec
-from hetnode.planner.plan import NodePlacement, PlacementPlan
+from hetnode.planner.plan import SINK, SOURCE, NodePlacement, PlacementPlan
 from hetnode.planner.profile import ProfileTable, Workload
 from hetnode.planner.profile_sources import profile_table_for
 from hetnode.planner.validate import validate_plan
@@ -406,9 +406,9 @@ def separate_pipelines(plan: PlacementPlan) -> list[PlacementPlan]:
     for members in groups.values():
         names = {p.node for p in members}
         flows = {(a, b): f for (a, b), f in plan.flows.items()
-                 if (a in names or b in names) and a in names | {"source"} and b in names | {"sink"}}
+                 if (a in names or b in names) and a in names | {SOURCE} and b in names | {SINK}}
         out.append(replace(plan, placements=tuple(members), flows=flows, upper_bound=math.inf,
-                           max_flow=sum(f for (a, _), f in flows.items() if a == "source"),
+                           max_flow=sum(f for (a, _), f in flows.items() if a == SOURCE),
                            connections=tuple((a, b) for a, b in plan.connections if a in names and b in names),
                            notes=(*plan.notes, f"one of its {len(groups)} separate pipelines")))
     return out
