@@ -234,6 +234,15 @@ def test_balancing_never_costs_attainment() -> None:
         assert balanced.attainment >= first.attainment - 1e-7
 
 
+def test_a_balancing_lp_without_an_optimum_leaves_the_first_routing(monkeypatch: pytest.MonkeyPatch) -> None:
+    import hetnode.planner.thunderserve.orchestration as orchestration
+
+    monkeypatch.setattr(orchestration, "_balanced", lambda *args: None)
+    fallen = orchestrate([[1.0, 1.0]], [10.0], [1.0, 9.0], 2.0, 0.9)
+    monkeypatch.undo()
+    assert fallen == orchestrate([[1.0, 1.0]], [10.0], [1.0, 9.0], 2.0, 0.9, balance=False)
+
+
 def test_a_slack_link_changes_nothing() -> None:
     rng = np.random.default_rng(1)
     for _ in range(20):

@@ -119,12 +119,15 @@ def orchestrate(d: Sequence[Sequence[float]], prefill_caps: Sequence[float], dec
     # The shares from the balanced routing; its attainment and routed share from the first LP's optimum, which
     # the balanced one keeps to within 1e-9 (so that a search scoring deployments by it is not moved by that).
     first = routing_of(z, d)
-    balanced = routing_of(_balanced(h, rows, cost, col_upper, float(cost @ z.reshape(k))).reshape(m, n), d)
+    shares = _balanced(h, rows, cost, col_upper, float(cost @ z.reshape(k)))
+    if shares is None:
+        return first  # (numerically infeasible at HiGHS's tolerances: the first LP's routing, unbalanced)
+    balanced = routing_of(shares.reshape(m, n), d)
     return Routing(balanced.prefill_share, balanced.decode_share, first.attainment, first.routed)
 
 
 def _balanced(h: highspy.Highs, rows: list[tuple[list[int], list[float], float]], cost: np.ndarray,
-              col_upper: np.ndarray, best: float) -> np.ndarray:
+              col_upper: np.ndarray, best: float) -> np.ndarray | None:
     """Among the routings within a hair of the best objective, the one whose busiest replica or link is least
     loaded against its bound: min t over every capacity row's load <= t x its bound.
 
@@ -132,7 +135,8 @@ def _balanced(h: highspy.Highs, rows: list[tuple[list[int], list[float], float]]
     the same (D is 1 for every pair of a deployment with room to spare, the common case below saturation), the
     simplex's vertex is arbitrary: it measured filling the small decode replicas to u x capacity and leaving the
     largest idle, whose KV queues then held hand-offs for half a minute (docs/reproducing-thunderserve.md). The
-    balanced routing is the one D was estimated for."""
+    balanced routing is the one D was estimated for. None when HiGHS finds no optimum (a tie-break is not worth
+    failing a plan for)."""
     k = len(cost)
     total_cols, total_coefficients, total_bound = rows[0]
     lp_rows = [(total_cols, total_coefficients, -np.inf, total_bound)]
@@ -147,7 +151,7 @@ def _balanced(h: highspy.Highs, rows: list[tuple[list[int], list[float], float]]
     shares = _solve(h, np.append(np.zeros(k), 1.0), np.append(col_upper, np.inf), lp_rows,
                     highspy.ObjSense.kMinimize)[:k]  # the shares, then t
     if h.getModelStatus() != highspy.HighsModelStatus.kOptimal:
-        raise RuntimeError(f"the balancing LP did not solve: {h.modelStatusToString(h.getModelStatus())}")
+        return None
     total = float(shares.sum())
     return shares / total if total > 1.0 else shares  # (HiGHS's tolerance can route 1 + 1e-8 of the requests)
 
