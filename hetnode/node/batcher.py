@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -34,6 +34,7 @@ from hetnode.kv import KVUsage
 from hetnode.kv.blocks import KVCacheFull
 from hetnode.node.engine.base import Engine, EngineError, ItemResult, LayerDone, StepItem
 from hetnode.policy import MIN_CHUNK, PREEMPTED, BatchConfig, BatchPolicy, Cause, KVLedger, StepRate
+from hetnode.policy.reservation_queue import ReservationQueue
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -89,14 +90,12 @@ LayerHook = Callable[[Sequence[Work]], LayerDone | None]
 
 
 class _Waiter:
-    """A reservation waiting for KV room (`BatchLoop.reserve_queued`): granted in the ledger when it reaches the
-    head of the queue and fits, or given up (released, the loop stopping)."""
+    """A reservation waiting for KV room (`BatchLoop.reserve_queued`): set when the queue grants it, or gives it
+    up (released, the loop stopping)."""
 
-    __slots__ = ("done", "granted", "session", "tokens")
+    __slots__ = ("done", "granted")
 
-    def __init__(self, session: SessionId, tokens: int) -> None:
-        self.session = session
-        self.tokens = tokens
+    def __init__(self) -> None:
         self.granted = False
         self.done = trio.Event()
 
@@ -141,8 +140,10 @@ class BatchLoop:
         self._busy = False
         self._stopping: str | None = None
         self._stopped = trio.Event()
-        # Reservations that wait for KV room, first come first granted (`reserve_queued`).
-        self._waiters: deque[_Waiter] = deque()
+        # Reservations that wait for KV room, first come first granted (`reserve_queued`; the simulator's decode
+        # hops run the same queue), by session.
+        self._reservations: ReservationQueue[SessionId] = ReservationQueue()
+        self._waiters: dict[SessionId, _Waiter] = {}
 
     async def wait_idle(self) -> None:
         """Until nothing is queued, deferred or waiting to be released (tests and graceful shutdown)."""
@@ -213,33 +214,28 @@ class BatchLoop:
         released while it waits, the loop stops, or the pool could never hold `tokens`."""
         if self._stopping is not None or self.ledger.blocks_for(tokens) > self.ledger.capacity:
             return False
-        waiter = _Waiter(session, tokens)
-        self._waiters.append(waiter)
-        self._grant()
-        await waiter.done.wait()
-        if not waiter.granted or session in self._released:
-            return False  # (released after its grant: the release frees the grant in the ledger)
+        if not self._reservations.request(self.ledger, session, session, tokens):
+            waiter = self._waiters[session] = _Waiter()
+            await waiter.done.wait()
+            if not waiter.granted or session in self._released:
+                return False  # (released after its grant: the release frees the grant in the ledger)
         return await self._reserve_engine(session, tokens)
 
     @property
     def waiting_reservations(self) -> int:
-        return len(self._waiters)
+        return len(self._reservations)
 
     def _grant(self) -> None:
         """Let in the waiting reservations at the head of the queue while the ledger has room for them (after
         every release, and before the next step's batch takes any of the room freed)."""
-        while self._waiters:
-            head = self._waiters[0]
-            if not self.ledger.reserve(head.session, head.tokens):
-                return
-            self._waiters.popleft()
-            head.granted = True
-            head.done.set()
+        for session in self._reservations.grant(self.ledger):
+            waiter = self._waiters.pop(session)
+            waiter.granted = True
+            waiter.done.set()
 
     def _drop_waiter(self, session: SessionId) -> None:
-        for waiter in [w for w in self._waiters if w.session == session]:
-            self._waiters.remove(waiter)
-            waiter.done.set()
+        if self._reservations.drop(session):
+            self._waiters.pop(session).done.set()
 
     def _reserve_sync(self, releases: list[SessionId], session: SessionId, tokens: int) -> None:
         self._release_sync(releases)
@@ -316,8 +312,9 @@ class BatchLoop:
                     self._busy = False
             await self._fail_pending(self._stopping or "the batch loop stopped")
         finally:
-            waiters, self._waiters = self._waiters, deque()
-            for waiter in waiters:
+            self._reservations.clear()
+            waiters, self._waiters = self._waiters, {}
+            for waiter in waiters.values():
                 waiter.done.set()
             self._stopped.set()
             self._idle.set()

@@ -57,7 +57,6 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, get_args
@@ -65,6 +64,7 @@ from typing import TYPE_CHECKING, Any, get_args
 from hetnode.planner.model import ModelSpec
 from hetnode.policy.kv_codec import AUTO, HandoffLink, KVCodecPolicy, LinkEstimate, choose_handoff, reprefill_seconds
 from hetnode.policy.kv_transfer import KVTransferPolicy
+from hetnode.policy.reservation_queue import ReservationQueue
 from hetnode.protocol.kv_wire import packed_size
 from hetnode.protocol.messages import CodecName, Route
 from hetnode.protocol.routes import kv_targets
@@ -196,10 +196,9 @@ class SimHandoff:
         self.messages = 0
         self.installs = 0
         self.full = 0  # installs refused for want of KV memory
-        # Booked at the hand-off: per decode hop, the sessions waiting for KV room to reserve (FIFO), and how
-        # many reservations had to wait.
-        self.waiting: dict[int, deque[tuple[Any, int]]] = {}
-        self.waited = 0
+        # Booked at the hand-off: per decode hop, the sessions waiting for KV room to reserve (the queue a node's
+        # batch loop runs too).
+        self.waiting: dict[int, ReservationQueue[tuple[Any, int]]] = {}
         self.pulls = 0
         self.INSTALL = sim.register(self._install)
         self.READY = sim.register(self._ready)
@@ -300,10 +299,9 @@ class SimHandoff:
         heap, seq = self.sim.events.heap, self.sim.events.seq
         self.installs += 1
         tokens = r.handoff_end  # the next phase's start: what the hop reserves before the prefill starts
-        if r.pull and (self.waiting.get(index) or not node.ledger.reserve(session, tokens)):
-            self.waited += 1  # booked at the hand-off: it waits for room, behind any that wait already
-            self.waiting.setdefault(index, deque()).append((r, session))
-            return
+        queue = self.waiting.setdefault(index, ReservationQueue()) if r.pull else None
+        if queue is not None and not queue.request(node.ledger, (r, session), session, tokens):
+            return  # booked at the hand-off: it waits for room, behind any that wait already
         if not r.pull and not node.ledger.reserve(session, tokens):
             self.full += 1
             why = f"no KV memory free on {node.name} for the {tokens} tokens handed over"
@@ -344,17 +342,16 @@ class SimHandoff:
     def freed(self, index: int, now: float) -> None:
         """KV was released at a decode hop: the sessions waiting there reserve, in order, while they fit."""
         queue = self.waiting.get(index)
-        node = self.nodes[index]
+        if queue is None:
+            return
         back = now + self.sim.delay(index, self.sim.network.coordinator)
-        while queue:
-            r, session = queue[0]
-            if r.session != session or r.done >= 0 or r.rejected:
-                queue.popleft()  # ended or moved while it waited
-                continue
-            if not node.ledger.reserve(session, r.handoff_end):
-                break
-            queue.popleft()
-            node.kv_note(now)
+
+        def gone(key: tuple[Any, int]) -> bool:
+            r, session = key
+            return bool(r.session != session or r.done >= 0 or r.rejected)  # ended or moved while it waited
+
+        for r, session in queue.grant(self.nodes[index].ledger, gone):
+            self.nodes[index].kv_note(now)
             heapq.heappush(self.sim.events.heap, (back, next(self.sim.events.seq), self.READY, None, (r, session)))
 
     def push(self, r: Any, now: float) -> None:
@@ -587,7 +584,7 @@ class SimHandoff:
 
     def summary(self) -> dict[str, Any]:
         return {"installs": self.installs, "refused_full": self.full, "messages": self.messages,
-                "handoffs_booked": self.pulls, "reservations_waited": self.waited,
+                "handoffs_booked": self.pulls, "reservations_waited": sum(q.waited for q in self.waiting.values()),
                 "bytes_by_codec": dict(sorted(self.wire_bytes.items())),
                 "fp16_bytes_by_codec": dict(sorted(self.fp16_bytes.items())),
                 "transfers_by_codec": dict(sorted(self.transfers.items())),
