@@ -82,7 +82,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 import sys
 import time
 from dataclasses import dataclass, field, replace
@@ -160,8 +159,8 @@ def vllm_server(a100: ClusterSpec) -> ClusterSpec:
 
 
 def trace_traffic(trace: Trace, rate: float) -> Traffic:
-    """The traffic a planner plans for: the trace's mean lengths at `rate` requests/s."""
-    return Traffic(input_len=statistics.fmean(trace.inputs), output_len=statistics.fmean(trace.outputs), rate=rate)
+    """The traffic a planner plans for: the trace's mean lengths and their spread, at `rate` requests/s."""
+    return Traffic.of(trace.inputs, trace.outputs, rate)
 
 
 class Lab:

@@ -569,9 +569,12 @@ class Deployment:
         reschedule of the plan in use instead (§3.4: surviving groups keep their layers, phases may flip), unless
         no group of it survives or a node it does not know has joined."""
         prompt, output = self.planning.split_workload
-        rate = self.workload.mix(trio.current_time()).rate or _RATE_UNSEEN
-        options = ThunderServeOptions(traffic=Traffic(input_len=prompt, output_len=max(1, output), rate=rate),
-                                      slo_s=self.planning.slo_s)
+        mix = self.workload.mix(trio.current_time())
+        rate = mix.rate or _RATE_UNSEEN
+        # The lengths' spread as the window has seen it (none seen: every request of the configured lengths)
+        traffic = Traffic(input_len=prompt, output_len=max(1, output), rate=rate, input_cv=mix.input_cv,
+                          output_cv=mix.output_cv)
+        options = ThunderServeOptions(traffic=traffic, slo_s=self.planning.slo_s)
         self.workload.planned_at(rate)  # a shift of the arrival rate is judged against this one from now on
         current = self.plan.placement if self.plan is not None else None
         # The plan's own cluster (its nodes, gone ones included), to read its layouts back from.

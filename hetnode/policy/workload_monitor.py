@@ -18,6 +18,7 @@ Pure: every call passes `now`.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass
 
@@ -30,6 +31,10 @@ class WorkloadMix:
     mean_input: float
     mean_output: float
     window_s: float
+    # standard deviation over mean of the window's prompt and output lengths (0 with fewer than two): what the
+    # ThunderServe planner's D sees of the spread (planner/thunderserve/first_token.py)
+    input_cv: float = 0.0
+    output_cv: float = 0.0
 
 
 class WorkloadMonitor:
@@ -72,7 +77,8 @@ class WorkloadMonitor:
         return WorkloadMix(arrivals=len(inputs), finished=len(outputs),
                            rate=len(inputs) / span if span > 0 else 0.0,
                            mean_input=sum(inputs) / len(inputs) if inputs else 0.0,
-                           mean_output=sum(outputs) / len(outputs) if outputs else 0.0, window_s=self.window_s)
+                           mean_output=sum(outputs) / len(outputs) if outputs else 0.0, window_s=self.window_s,
+                           input_cv=_cv(inputs), output_cv=_cv(outputs))
 
     def shifted(self, now: float) -> str:
         """Why the window's mix is no longer the baseline's ('' while it is, or while the window holds too few
@@ -114,3 +120,10 @@ class WorkloadMonitor:
         for q in (self._inputs, self._outputs):
             while q and q[0][0] < cutoff:
                 q.popleft()
+
+
+def _cv(values: list[int]) -> float:
+    if len(values) < 2:
+        return 0.0
+    mean = sum(values) / len(values)
+    return math.sqrt(sum((v - mean) ** 2 for v in values) / len(values)) / mean if mean > 0 else 0.0

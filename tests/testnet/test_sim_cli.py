@@ -257,7 +257,7 @@ def test_sim_plans_thunderserve_for_the_decode_booking_it_runs() -> None:
 
     from hetnode.testnet.sim.cli import _thunderserve_options
 
-    trace = SimpleNamespace(mean_input=1155.0, mean_output=211.0)
+    trace = SimpleNamespace(inputs=[1155], outputs=[211])
     for booking in ("admission", "handoff"):
         args = argparse.Namespace(rate=None, seed=0, decode_booking=booking)
         assert _thunderserve_options(args, trace, 0.1).decode_booking == booking

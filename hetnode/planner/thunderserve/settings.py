@@ -7,12 +7,15 @@ attainment"; §5.1 scores each SLO type apart, and §5.2's claims are E2E deadli
 end-to-end time is within the E2E SLO, whatever its TTFT and TPOT (`objective`).
 
 The two workloads of the paper's evaluation are the Azure LLM inference traces of 2023 (Patel et al.), whose
-means are in CODING and CONVERSATION (measured on ../shared/data: 8,819 and 19,366 requests).
+means and coefficients of variation are in CODING and CONVERSATION (measured on ../shared/data: 8,819 and 19,366
+requests).
 """
 
 from __future__ import annotations
 
 import math
+import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from hetnode.errors import ConfigError
@@ -22,22 +25,42 @@ from hetnode.policy.kv_codec import OPERATOR_CHOICES
 
 @dataclass(frozen=True)
 class Traffic:
-    """The workload the plan serves: mean prompt and output lengths and the arrival rate."""
+    """The workload the plan serves: mean prompt and output lengths, how much they vary, and the arrival rate."""
 
     input_len: float = 1155.0  # mean prompt tokens
     output_len: float = 211.0  # mean generated tokens
     rate: float = 4.0  # requests per second (Poisson)
+    # Coefficients of variation (standard deviation over mean) of the prompt and output lengths, each taken as
+    # lognormal (`first_token.LengthSample`); 0: every request has the mean lengths. The spread is what makes a
+    # deep prefill pipeline slow for everyone: a short prompt cannot overtake a long one at any stage.
+    input_cv: float = 0.0
+    output_cv: float = 0.0
 
     def __post_init__(self) -> None:
-        if not (self.input_len >= 1 and self.output_len >= 1 and self.rate > 0
-                and all(math.isfinite(x) for x in (self.input_len, self.output_len, self.rate))):
-            raise ConfigError(f"bad traffic {self}: input_len >= 1, output_len >= 1 and rate > 0, all finite")
+        numbers = (self.input_len, self.output_len, self.rate, self.input_cv, self.output_cv)
+        if not (self.input_len >= 1 and self.output_len >= 1 and self.rate > 0 and self.input_cv >= 0
+                and self.output_cv >= 0 and all(math.isfinite(x) for x in numbers)):
+            raise ConfigError(f"bad traffic {self}: input_len >= 1, output_len >= 1, rate > 0, input_cv >= 0 and "
+                              "output_cv >= 0, all finite")
+
+
+    @classmethod
+    def of(cls, inputs: Sequence[int], outputs: Sequence[int], rate: float) -> Traffic:
+        """The traffic of these requests' lengths (their means and spreads) at `rate` requests/s."""
+        if not inputs or not outputs:
+            raise ConfigError("traffic from lengths needs at least one request")
+
+        def cv(values: Sequence[int]) -> float:
+            return statistics.pstdev(values) / statistics.fmean(values) if statistics.fmean(values) > 0 else 0.0
+
+        return cls(input_len=max(1.0, statistics.fmean(inputs)), output_len=max(1.0, statistics.fmean(outputs)),
+                   rate=rate, input_cv=cv(inputs), output_cv=cv(outputs))
 
 
 OBJECTIVES = ("e2e", "all")
 
-CODING = Traffic(input_len=2048.0, output_len=28.0)  # Azure code trace, 2023
-CONVERSATION = Traffic(input_len=1155.0, output_len=211.0)  # Azure conversation trace, 2023
+CODING = Traffic(input_len=2048.0, output_len=28.0, input_cv=0.96, output_cv=2.15)  # Azure code trace, 2023
+CONVERSATION = Traffic(input_len=1155.0, output_len=211.0, input_cv=0.96, output_cv=0.77)  # Azure conversation
 TRAFFIC_PRESETS = {"code": CODING, "conv": CONVERSATION}
 
 

@@ -363,14 +363,14 @@ def _replan(args: argparse.Namespace, cluster: Any, model: Any, plan: Any, loss:
 
 
 def _thunderserve_options(args: argparse.Namespace, trace: Any, kv_share: float) -> Any:
-    """ThunderServe's options for the trace's mean lengths, at --rate (else its default rate)."""
+    """ThunderServe's options for the trace's lengths (their means and spreads), at --rate (else its default
+    rate)."""
     import dataclasses
 
     from hetnode.planner.thunderserve.settings import ThunderServeOptions, Traffic
 
     defaults = ThunderServeOptions()
-    traffic = Traffic(input_len=max(1.0, trace.mean_input), output_len=max(1.0, trace.mean_output),
-                      rate=args.rate or defaults.traffic.rate)
+    traffic = Traffic.of(trace.inputs, trace.outputs, args.rate or defaults.traffic.rate)
     # The planner prices a decode replica's KV over the time the run's booking holds it (`slo.decode_residency`).
     return dataclasses.replace(defaults, traffic=traffic, seed=args.seed, kv_reserve=kv_share,
                                decode_booking=args.decode_booking)
