@@ -1,42 +1,41 @@
 """scripts/reproduce_thunderserve.py --deployment (issue 14): the Results rows on Appendix F's own deployment, and
-our planner's search scoring its own plan at least as high as the paper's (so the paper's 12 small replicas are
-not a deployment the search fails to reach but one our model prices lower)."""
+our planner's plan attaining more than the paper's in the simulator (so the paper's 12 small replicas are not a
+deployment the search fails to reach to its cost)."""
 
 from __future__ import annotations
 
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
-from reproduce_thunderserve import APPENDIX_F, Lab, cluster, thunderserve_plan
+from reproduce_thunderserve import APPENDIX_F, Lab, cluster, e2e_attainment, thunderserve_plan
 from test_reproduce_thunderserve import run_quick
 
-from hetnode.planner.thunderserve.reschedule import reschedule, sustained_rate
+from hetnode.planner.thunderserve.slo import slo_for
 
 CLOUD = cluster("thunderserve-cloud-gpus")
-LAB = Lab(duration_s=10.0, warmup_s=1.0, seed=0)  # the options the script plans with
 
 
 @pytest.mark.parametrize("traffic", ["code", "conv"])
-def test_the_search_scores_its_plan_at_least_as_high_as_appendix_f(traffic: str) -> None:
-    opts = LAB.ts_options(traffic)
-    ours = thunderserve_plan(LAB, CLOUD, opts, traffic)
-    paper = thunderserve_plan(LAB, CLOUD, opts, traffic, "appendix-f")
+def test_the_searchs_plan_attains_more_than_appendix_fs_in_the_simulator(traffic: str) -> None:
+    # Both deployments routed by their TSTP at the planned rate, the same Poisson arrivals of the whole trace: the
+    # search's plan attains the E2E SLO for more requests (code 0.60 against 0.35, conversation 0.71 against 0.39,
+    # 150 simulated seconds). Our estimator rates Appendix F's higher than the simulator does (0.66 and 0.67): its
+    # eight prefill replicas hand their KV to few decode replicas over 5 Gb/s links, whose KV the transfers hold
+    # (docs/reproducing-thunderserve.md, fifteenth part).
+    lab = Lab(duration_s=150.0, warmup_s=30.0, seed=0)
+    opts = lab.ts_options(traffic)
+    ours = thunderserve_plan(lab, CLOUD, opts, traffic)
+    paper = thunderserve_plan(lab, CLOUD, opts, traffic, "appendix-f")
     assert len(paper.replicas) == len(APPENDIX_F[traffic]) == 12
-    assert ours.orchestration is not None and paper.orchestration is not None
-    # The search's score: estimated attainment at the planned rate, then the weaker phase's rate (`LowerLevel`).
-    score = {"ours": (ours.orchestration.slo_attainment, sustained_rate(ours, CLOUD, LAB.model, opts)),
-             "paper": (paper.orchestration.slo_attainment, sustained_rate(paper, CLOUD, LAB.model, opts))}
-    assert score["ours"] >= score["paper"]
-    # And the same order at the rate Appendix F's deployment is expected to sustain, not only at the planned one.
-    at = replace(opts, traffic=replace(opts.traffic, rate=score["paper"][1]))
-    solved = [reschedule(p, CLOUD, LAB.model, at, steps=0).orchestration for p in (ours, paper)]
-    assert solved[0] is not None and solved[1] is not None
-    assert solved[0].slo_attainment >= solved[1].slo_attainment
+    bound = slo_for(lab.model, opts).e2e_s
+    rate = opts.traffic.rate
+    attained = {name: e2e_attainment(lab.run(name, CLOUD, plan, traffic, rate, opts.kv_reserve, tstp=opts), bound)
+                for name, plan in (("ours", ours), ("paper", paper))}
+    assert attained["ours"] > attained["paper"] + 0.1
 
 
 @pytest.mark.slow

@@ -30,9 +30,10 @@ u (`utilization`, below 1) keeps every queue stable, links' included. A share th
 left unrouted and counts as missing its SLO, so the LP is always feasible and sum_ij D_ij Z_ij is the expected
 attainment of all requests. eps (far below any D) makes the LP route what it can even where no pair attains
 anything, so that X and Y are defined. X_i = sum_j Z_ij / sum Z and Y_ij = Z_ij / sum_j Z_ij; a prefill replica the
-LP leaves idle sends to its best pair. D is estimated once, at loads proportional to capacity (in all the rate, or u
-x capacity where that is less: what the LP can route; slo.py), which is what keeps this a linear program; Z is
-bilinear in X and Y, and any Z gives back X and Y, so the LP over Z is the TSTP with capacities added.
+LP leaves idle sends to its best pair. D is given, estimated at fixed loads (slo.py; the caller, `lower.LowerLevel`,
+estimates it at loads proportional to capacity and again at the loads of the routing this returns), which is
+what keeps this a linear program; Z is bilinear in X and Y, and any Z gives back X and Y, so the LP over Z is the
+TSTP with capacities added.
 Solved with HiGHS (the simplex, a few milliseconds).
 """
 
@@ -116,40 +117,56 @@ def orchestrate(d: Sequence[Sequence[float]], prefill_caps: Sequence[float], dec
                highspy.ObjSense.kMaximize).reshape(m, n)
     if not balance:
         return routing_of(z, d)
-    # The shares from the balanced routing; its attainment and routed share from the first LP's optimum, which
-    # the balanced one keeps to within 1e-9 (so that a search scoring deployments by it is not moved by that).
-    first = routing_of(z, d)
-    shares = _balanced(h, rows, cost, col_upper, float(cost @ z.reshape(k)))
+    kinds = [PREFILL_ROW] * m + [DECODE_ROW] * n + [LINK_ROW] * (len(rows) - 1 - m - n)
+    shares = _balanced(h, rows, kinds, cost, col_upper, float(cost @ z.reshape(k)), float(z.sum()))
     if shares is None:
-        return first  # (numerically infeasible at HiGHS's tolerances: the first LP's routing, unbalanced)
-    balanced = routing_of(shares.reshape(m, n), d)
-    return Routing(balanced.prefill_share, balanced.decode_share, first.attainment, first.routed)
+        # (numerically infeasible at HiGHS's tolerances: the first LP's routing, unbalanced)
+        return routing_of(z, d)
+    return routing_of(shares.reshape(m, n), d)
 
 
-def _balanced(h: highspy.Highs, rows: list[tuple[list[int], list[float], float]], cost: np.ndarray,
-              col_upper: np.ndarray, best: float) -> np.ndarray | None:
-    """Among the routings within a hair of the best objective, the one whose busiest replica or link is least
-    loaded against its bound: min t over every capacity row's load <= t x its bound.
+# How much estimated attainment (a share of all requests) the balanced routing may give up against the best:
+# D is a mean over `first_token.SAMPLE` requests, good to about this much, and it is estimated at loads in
+# proportion to capacity. Closer to the best, the routing goes back to the vertex that fills the pairs D happens
+# to rate highest to u x capacity, where queues D never saw form (measured on coding, issue 14: two one-stage
+# prefill replicas at 0.9 of their rate and four others idle, TTFT 5 s at a load the planner scored 73%).
+BALANCE_SLACK = 0.02
+PREFILL_ROW, DECODE_ROW, LINK_ROW = ROW_KINDS = (0, 1, 2)  # the kinds of capacity row `_balanced` balances apart
+TIE_WEIGHT = 1e-3  # the balanced LP's weight on attainment beside the busiest row's load (far below 1: t first)
+
+
+def _balanced(h: highspy.Highs, rows: list[tuple[list[int], list[float], float]], kinds: list[int],
+              cost: np.ndarray, col_upper: np.ndarray, best: float, routed: float) -> np.ndarray | None:
+    """Among the routings within BALANCE_SLACK of the best objective that route as many requests (`routed`), the
+    one whose busiest prefill replica, busiest decode replica and busiest link are least loaded against their
+    bounds: min t_prefill + t_decode + t_link over every capacity row's load <= t_(its kind) x its bound. (One t
+    for all rows left the decode replicas' split arbitrary wherever a prefill replica was the busiest row: measured
+    sending 97% of the requests to one of two equal decode replicas.)
 
     D is estimated at loads in proportion to capacity (the module docstring), so wherever several routings attain
-    the same (D is 1 for every pair of a deployment with room to spare, the common case below saturation), the
-    simplex's vertex is arbitrary: it measured filling the small decode replicas to u x capacity and leaving the
-    largest idle, whose KV queues then held hand-offs for half a minute (docs/reproducing-thunderserve.md). The
-    balanced routing is the one D was estimated for. None when HiGHS finds no optimum (a tie-break is not worth
-    failing a plan for)."""
+    the same or nearly (D is 1 for every pair of a deployment with room to spare, the common case below
+    saturation), the simplex's vertex is arbitrary: it measured filling the small decode replicas to u x capacity
+    and leaving the largest idle, whose KV queues then held hand-offs for half a minute
+    (docs/reproducing-thunderserve.md). The balanced routing is the one D was estimated for. None when HiGHS finds
+    no optimum (a tie-break is not worth failing a plan for)."""
     k = len(cost)
     total_cols, total_coefficients, total_bound = rows[0]
     lp_rows = [(total_cols, total_coefficients, -np.inf, total_bound)]
-    for cols, coefficients, bound in rows[1:]:  # capacity rows: load <= bound, and load - t bound <= 0
+    for (cols, coefficients, bound), kind in zip(rows[1:], kinds, strict=True):
+        # capacity rows: load <= bound, and load - t_kind bound <= 0
         lp_rows.append((cols, coefficients, -np.inf, bound))
-        lp_rows.append(([*cols, k], [*coefficients, -bound], -np.inf, 0.0))
-    # The objective kept to within 1e-9 of the best, scaled to the largest cost: with every D 0 the costs are EPS
-    # alone, which HiGHS's tolerances would not tell apart.
+        lp_rows.append(([*cols, k + kind], [*coefficients, -bound], -np.inf, 0.0))
+    # The objective kept to within the slack of the best, scaled to the largest cost: with every D 0 the costs are
+    # EPS alone, which HiGHS's tolerances would not tell apart.
     scale = float(cost.max())
-    lp_rows.append((list(range(k)), list(cost / scale), best / scale - 1e-9, np.inf))
+    lp_rows.append((list(range(k)), list(cost / scale), (best - BALANCE_SLACK) / scale - 1e-9, np.inf))
+    lp_rows.append((list(range(k)), [1.0] * k, routed - 1e-9, np.inf))
     h.clearModel()
-    shares = _solve(h, np.append(np.zeros(k), 1.0), np.append(col_upper, np.inf), lp_rows,
-                    highspy.ObjSense.kMinimize)[:k]  # the shares, then t
+    # min the t's, and among the routings as balanced the one that attains most (a tie is common: a kind's busiest
+    # row may be one no share can relieve, so that many routings reach it)
+    objective = np.append(-TIE_WEIGHT * cost / scale, np.ones(len(ROW_KINDS)))
+    shares = _solve(h, objective, np.append(col_upper, np.full(len(ROW_KINDS), np.inf)), lp_rows,
+                    highspy.ObjSense.kMinimize)[:k]
     if h.getModelStatus() != highspy.HighsModelStatus.kOptimal:
         return None
     total = float(shares.sum())
@@ -184,6 +201,12 @@ def _solve(h: highspy.Highs, cost: np.ndarray, col_upper: np.ndarray,
     h.run()
     solution: np.ndarray = np.maximum(np.array(h.getSolution().col_value[:len(cost)], dtype=float), 0.0)
     return solution
+
+
+def pair_shares(routing: Routing) -> np.ndarray:
+    """Z back from a routing: the share of all requests through each pair (X_i Y_ij of what it routes)."""
+    return np.array([[routing.routed * x * y for y in row]
+                     for x, row in zip(routing.prefill_share, routing.decode_share, strict=True)], dtype=float)
 
 
 def routing_of(z: np.ndarray, d: Sequence[Sequence[float]]) -> Routing:

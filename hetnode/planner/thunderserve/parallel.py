@@ -29,7 +29,7 @@ import math
 from dataclasses import dataclass
 
 from hetnode.planner.all_reduce import tp_layer_s
-from hetnode.planner.costmodel import step_time
+from hetnode.planner.costmodel import LayerShape, step_time
 from hetnode.planner.devices import DeviceSpec
 from hetnode.planner.model import ModelSpec
 from hetnode.planner.thunderserve.gpus import GpuPool
@@ -71,6 +71,7 @@ class Performance:
     max_batch: int  # sequences its KV holds at the mean context (0: it cannot decode)
     tpot: tuple[tuple[int, float], ...]  # (batch, seconds per decode step of every sequence), rising batch
     decode_rate: float  # requests per second at max_batch
+    kv_tokens: float = math.inf  # tokens of KV its tightest stage holds beside its layers (`decode_queue`)
 
     def tpot_at(self, batch: float) -> float:
         """Seconds per output token at a decode batch, linear between the points."""
@@ -182,26 +183,24 @@ def partition(total: int, weights: list[float], caps: list[int]) -> list[int] | 
 def performance(pool: GpuPool, layout: Layout, model: ModelSpec, options: ThunderServeOptions) -> Performance:
     traffic = options.traffic
     s_in = max(1, round(traffic.input_len))
-    context = traffic.input_len + traffic.output_len / 2
+    # The context a decoding request holds on average over its time in the batch (Little's law: a request holds
+    # L + t tokens for each of its O steps, so the KV in use is lambda E[L O + O^2 / 2] steps' worth): long outputs
+    # stay longer, so with lengths that vary it is more than the mean prompt plus half the mean output.
+    context = traffic.input_len + traffic.output_len * (1 + traffic.output_cv ** 2) / 2
     stages = layout.stages
     hops = list(itertools.pairwise(stages))
     shape = model.shape  # a property that builds a new object: built once, not per step
-    bpe = round(model.bytes_per_param)
     devices = {s: _device(pool, s.gpus[0], len(s.gpus)) for s in stages}
 
     def stage_s(stage: Stage, tokens: float, ctx: float, pairs: float) -> float:
-        device = devices[stage]
-        compute = step_time(device, shape, stage.layers, max(1, round(tokens)), round(ctx),
-                            attended_pairs=round(pairs), bytes_per_elem=bpe)
-        return compute + _all_reduce_layer_s(pool, stage, tokens, model.activation_bytes) * stage.layers
+        return _stage_s(pool, stage, devices[stage], shape, model, tokens, ctx, pairs)
 
     def hop_s(a: Stage, b: Stage, tokens: float) -> float:
         return pool.hop_seconds(a.gpus[0], b.gpus[0], tokens * model.activation_bytes)
 
-    prefill = [stage_s(s, s_in, s_in, s_in * (s_in + 1) / 2) for s in stages]
-    prefill_hops = [hop_s(a, b, s_in) for a, b in hops]
-    prefill_s = sum(prefill) + sum(prefill_hops)
-    slowest = max(prefill + prefill_hops)
+    stations = prefill_stations(pool, layout, model, s_in)
+    prefill_s = sum(stations)
+    slowest = max(stations)
     prefill_rate = 1 / slowest if slowest > 0 else math.inf
 
     kv_per_token = model.kv_bytes_per_token_layer
@@ -222,7 +221,29 @@ def performance(pool: GpuPool, layout: Layout, model: ModelSpec, options: Thunde
     tpot = tuple((b, cycle(b)) for b in points)
     decode_rate = max_batch / tpot[-1][1] / traffic.output_len if max_batch >= 1 else 0.0
     return Performance(prefill_s=prefill_s, prefill_rate=prefill_rate, max_batch=max_batch, tpot=tpot,
+                       kv_tokens=max(0.0, min(holds)),
                        decode_rate=decode_rate)
+
+
+def prefill_stations(pool: GpuPool, layout: Layout, model: ModelSpec, tokens: int) -> list[float]:
+    """Seconds one prompt of `tokens` spends at each station of the pipeline, in the order it visits them: stage
+    0, the hop to stage 1, stage 1, ... (`first_token` queues prompts at each)."""
+    shape = model.shape
+    out: list[float] = []
+    for k, stage in enumerate(layout.stages):
+        if k:
+            out.append(pool.hop_seconds(layout.stages[k - 1].gpus[0], stage.gpus[0], tokens * model.activation_bytes))
+        out.append(_stage_s(pool, stage, _device(pool, stage.gpus[0], len(stage.gpus)), shape, model, tokens, tokens,
+                            tokens * (tokens + 1) / 2))
+    return out
+
+
+def _stage_s(pool: GpuPool, stage: Stage, device: DeviceSpec, shape: LayerShape, model: ModelSpec, tokens: float,
+             ctx: float, pairs: float) -> float:
+    """One step of a stage: its layers' roofline time and their all-reduces."""
+    compute = step_time(device, shape, stage.layers, max(1, round(tokens)), round(ctx), attended_pairs=round(pairs),
+                        bytes_per_elem=round(model.bytes_per_param))
+    return compute + _all_reduce_layer_s(pool, stage, tokens, model.activation_bytes) * stage.layers
 
 
 def _cells(pool: GpuPool, gpus: tuple[int, ...]) -> dict[tuple[str, str], list[int]]:

@@ -1,25 +1,23 @@
-"""The SLO attainment of one pair of replicas, D_ij of §3.3: a fast analytical estimate, no simulation.
+"""The SLO attainment of one pair of replicas, D_ij of §3.3: a fast estimate.
 
-ThunderServe estimates D with DistServe's simulator; this is its closed-form stand-in, fast enough to run for
-every pair of every deployment the tabu search looks at:
+ThunderServe estimates D with DistServe's simulator; this is its stand-in, fast enough to run for every pair of
+every deployment the tabu search looks at:
 
-- Prefill replica i serves prompts first come first served at `prefill_rate` (its slowest stage), each in
-  `prefill_s`; at arrival rate lambda_i its queue is taken as M/M/1, so a request waits longer than t with
-  probability rho exp(-(mu - lambda_i) t).
+- Prefill replica i serves prompts first come first served at each station of its pipeline: a sample of
+  requests of the traffic's length mix arrives at rate lambda_i (`first_token`, DistServe's simulator in the
+  small: a prompt waits behind every longer one ahead of it at every stage).
 - The KV of the prompt then moves to decode replica j: every prefill stage sends the layers it shares with a
   decode stage over the link between them, all stages at once, each at the codec that link would use
   (KVCodecPolicy.choose on the exact packed sizes of hetnode.protocol.kv_wire: one policy for the runtime,
-  the simulator and the planner), alpha + bytes / beta (Eq. 1).
+  the simulator and the planner), alpha + bytes / beta (Eq. 1), at the mean prompt and in proportion for others.
 - Replica j decodes at the batch its load keeps in flight (Little: lambda_j x output_len x TPOT), and its TPOT
   at that batch is the layout's decode cycle. Its KV holds each request longer than that, from admission to the
   last token (`decode_residency`), which bounds the rate it sustains.
 
-A request attains the SLO when its end-to-end time, wait + prefill_s + KV + output_len x TPOT, is within the
+A request attains the SLO when its end-to-end time, first token + KV + its output length x TPOT, is within the
 E2E SLO (the paper's objective, `ThunderServeOptions.objective` "e2e"); with objective "all" it must also have
-TTFT = wait + prefill_s within the TTFT SLO and TPOT within the TPOT SLO. With TPOT deterministic here, D_ij is
-the probability that the wait is within the slack (the tighter of the two under "all"). A replica loaded at or
-past its capacity attains nothing. Lengths are the traffic's means: the variance of real lengths is not
-modelled.
+its first token within the TTFT SLO and TPOT within the TPOT SLO. D_ij is the share of the sample that attains.
+A replica loaded at or past its capacity attains nothing.
 """
 
 from __future__ import annotations
@@ -27,9 +25,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
+import numpy.typing as npt
+
 from hetnode.planner.costmodel import step_time
 from hetnode.planner.devices import parse_device
 from hetnode.planner.model import ModelSpec
+from hetnode.planner.thunderserve.first_token import Array, LengthSample
 from hetnode.planner.thunderserve.gpus import GpuPool
 from hetnode.planner.thunderserve.parallel import Layout, Performance
 from hetnode.planner.thunderserve.settings import ThunderServeOptions
@@ -72,6 +74,9 @@ class Handoff:
     # (from GPU, to GPU, bytes on the wire at that link's codec) of each stage pair whose KV crosses a link: what
     # the orchestration's link-capacity rows charge one request for
     transfers: tuple[tuple[int, int, float], ...] = ()
+    # the seconds each of `transfers` takes for a prompt of the mean length, in the same order: each is a FIFO
+    # queue of its own (the simulator's links), so a pair's hand-offs wait on the busiest of them
+    link_seconds: tuple[float, ...] = ()
 
 
 def kv_handoff(pool: GpuPool, prefill: Layout, decode: Layout, model: ModelSpec,
@@ -83,6 +88,7 @@ def kv_handoff(pool: GpuPool, prefill: Layout, decode: Layout, model: ModelSpec,
     slowest = 0.0
     codecs: list[str] = []
     transfers: list[tuple[int, int, float]] = []
+    link_seconds: list[float] = []
     for p in prefill.stages:
         for d in decode.stages:
             shared = min(p.last_layer, d.last_layer) - max(p.first_layer, d.first_layer)
@@ -100,8 +106,9 @@ def kv_handoff(pool: GpuPool, prefill: Layout, decode: Layout, model: ModelSpec,
             choice = policy.choose(sizes["fp16"], options_, LinkEstimate(bw, pool.latency[a][b]))
             codecs.append(choice.codec)
             transfers.append((a, b, float(choice.wire_bytes)))
+            link_seconds.append(choice.seconds)
             slowest = max(slowest, choice.seconds)
-    return Handoff(slowest, tuple(codecs), tuple(transfers))
+    return Handoff(slowest, tuple(codecs), tuple(transfers), tuple(link_seconds))
 
 
 def decode_tpot(perf: Performance, rate: float, output_len: float) -> float:
@@ -130,29 +137,59 @@ def decode_residency(prefill: Performance, handoff_s: float, decode: Performance
     return (before + decode_s) / decode_s if decode_s > 0 else 1.0
 
 
-def attainment(prefill: Performance, prefill_load: float, decode: Performance, decode_load: float,
-               handoff_s: float, slo: Slo, output_len: float, decode_capacity: float | None = None,
+@dataclass(frozen=True, eq=False)
+class Moved:
+    """The requests a pair takes (`LengthSample.picked`) and, for each of them, the seconds from its first token
+    to its KV's arrival on the decode replica, the queues on the pair's links included."""
+
+    picked: npt.NDArray[np.bool_]
+    seconds: Array
+
+
+def moved(first_token: Array, sample: LengthSample, share: float, prefill_load: float, handoff: Handoff) -> Moved:
+    """The hand-offs of the `share` of the sample's requests a pair takes from a prefill replica loaded at
+    `prefill_load` requests/s, whose first tokens are `first_token` (`first_token.first_token_s`)."""
+    picked = sample.picked(share)
+    if not (picked.any() and prefill_load > 0 and math.isfinite(handoff.seconds)):
+        return Moved(picked, np.full(int(picked.sum()), math.inf))
+    ready = first_token[picked] + sample.arrivals[picked] / prefill_load  # when each prompt's KV is ready to leave
+    return Moved(picked, link_queues(ready, sample.input_ratio[picked], handoff) - ready)
+
+
+def attainment(prefill_rate: float, prefill_load: float, decode: Performance, decode_load: float, handoff: Handoff,
+               slo: Slo, output_len: float, first_token: Array, sample: LengthSample, move: Moved,
+               decode_wait: Array | None = None, decode_capacity: float | None = None,
                objective: str = "e2e") -> float:
     """D_ij: the share of requests through this pair that attain, at these loads (requests/s): within the E2E SLO
-    (objective "e2e"), or within the TTFT, TPOT and E2E SLOs all three ("all").
+    (objective "e2e"), or within the TTFT, TPOT and E2E SLOs all three ("all"). The requests are `sample`'s, with
+    `first_token` their times to the prefill replica's last stage at `prefill_load` (`first_token.first_token_s`);
+    `move` says which the pair takes and how long their hand-offs take (`moved`), and they then wait `decode_wait`
+    for room on the decode replica (`decode_queue.room_at`; None: none).
     decode_capacity: the requests/s the decode replica's KV sustains at the mix it serves (`decode_rate` divided by
     the mix's residency ratio); None: its decode_rate."""
-    mu = prefill.prefill_rate
     nu = decode.decode_rate if decode_capacity is None else decode_capacity
-    if prefill_load >= mu or decode_load >= nu or not math.isfinite(handoff_s):
+    if prefill_load >= prefill_rate or decode_load >= nu or not math.isfinite(handoff.seconds):
         return 0.0
     tpot = decode_tpot(decode, decode_load, output_len)
-    slack = slo.e2e_s - prefill.prefill_s - handoff_s - output_len * tpot
-    if objective == "all":
-        if tpot > slo.tpot_s:
-            return 0.0
-        slack = min(slack, slo.ttft_s - prefill.prefill_s)
-    return waits_within(mu, prefill_load, slack)
-
-
-def waits_within(rate: float, load: float, slack: float) -> float:
-    """The share of prompts whose wait at a prefill replica serving `rate` requests/s, offered `load`, is at most
-    `slack` seconds (an M/M/1 queue's waiting time); 0 when the replica cannot keep up or there is no slack."""
-    if load >= rate or slack < 0:
+    if objective == "all" and tpot > slo.tpot_s:
         return 0.0
-    return 1.0 - load / rate * math.exp(-(rate - load) * slack)
+    picked = move.picked
+    if not picked.any():
+        return 0.0
+    ttft = first_token[picked]
+    after = move.seconds if decode_wait is None else move.seconds + decode_wait[picked]
+    met = ttft + after + sample.outputs[picked] * tpot <= slo.e2e_s
+    if objective == "all":
+        met &= ttft <= slo.ttft_s
+    return float(met.mean())
+
+
+def link_queues(ready: Array, ratio: Array, handoff: Handoff) -> Array:
+    """When each hand-off, its KV ready at `ready` (rising: prompts leave a pipeline in the order they came) and
+    `ratio` times the mean prompt long, has crossed every link of the pair, each link first come first served."""
+    done = ready.copy()
+    for seconds in handoff.link_seconds:
+        service = seconds * ratio
+        before = np.concatenate(([0.0], np.cumsum(service)[:-1]))
+        done = np.maximum(done, before + service + np.maximum.accumulate(ready - before))
+    return done
