@@ -27,6 +27,7 @@ from hetnode.planner.thunderserve.parallel import (
     DECODE,
     PREFILL,
     Configured,
+    Stage,
     configure,
     lay_out,
     partition,
@@ -556,3 +557,30 @@ def test_the_tabu_list_starts_empty_so_the_walk_may_return_through_the_first_dep
     best, log = tabu.tabu_search(s, POOL, MODEL, Lower(), random.Random(0),  # type: ignore[arg-type]
                                  steps=3, neighbours=2, memory=5, moves=("flip",))
     assert best.deployment == c and log.best_step == 3
+
+
+def test_a_decode_pipeline_runs_one_micro_batch_more_than_stages() -> None:
+    # The batch loop starts a step whenever its stage is idle, so a pipeline of S stages settles at S + 1
+    # micro-batches in flight (measured in the simulator; parallel.performance): a token waits for S + 1 steps of
+    # the busiest stage, each of batch / (S + 1) sequences. A one-stage replica runs the whole batch at once.
+    from hetnode.planner.thunderserve.parallel import _device, _stage_s
+
+    traffic = QUICK.traffic
+    context = traffic.input_len + traffic.output_len * (1 + traffic.output_cv ** 2) / 2
+    names = {g.name: i for i, g in enumerate(POOL.gpus)}
+    a6000 = tuple(names[f"4xa6000-{h}-gpu{k}"] for h in range(2) for k in range(4))
+
+    def step(stage: Stage, batch: float) -> float:
+        device = _device(POOL, stage.gpus[0], len(stage.gpus))
+        return _stage_s(POOL, stage, device, MODEL.shape, MODEL, batch, batch * context, batch * context)
+
+    two = lay_out(POOL, a6000, 4, DECODE, MODEL, QUICK)
+    assert two is not None and len(two.stages) == 2
+    tpot = dict(performance(POOL, two, MODEL, QUICK).tpot)
+    micro = 16 / 3
+    times = [step(s, micro) for s in two.stages]
+    hop = POOL.hop_seconds(two.stages[0].gpus[0], two.stages[1].gpus[0], micro * MODEL.activation_bytes)
+    assert tpot[16] == pytest.approx(max(sum(times) + hop, 3 * max([*times, hop])))
+    one = lay_out(POOL, a6000[:4], 4, DECODE, MODEL, QUICK)
+    assert one is not None and len(one.stages) == 1
+    assert dict(performance(POOL, one, MODEL, QUICK).tpot)[16] == pytest.approx(step(one.stages[0], 16))
