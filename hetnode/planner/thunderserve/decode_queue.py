@@ -6,9 +6,11 @@ A request holds tokens of KV from the moment it gets room until its last token: 
 that time, half its output (`need`), for as long as its decode takes, and its hand-off where the KV is booked
 before it (`hold`). Room is given first come first served and a request that does not fit waits, with everyone
 behind it (as the simulator's and the runtime's KV queues do, Appendix E): so a long prompt that waits for room
-idles the room that shorter ones could use. That is what an estimate at the mean context misses. Measured on our
-coding plan (issue 14): a 4x3090 Ti replica whose KV holds eleven requests of the mean context sustained about
-half the 8.8 requests/s the mean gives, with prompts up to 7,437 tokens (a third of its KV) in the mix.
+idles the room that shorter ones could use. An estimate at the mean context sees neither that nor the wait near
+capacity. Measured (issue 14): on one coding plan the simulator's hand-offs waited 4.7 s (median) for decode
+replicas the mean-context estimate gave room to spare, the KV held through hand-offs queued on 5 Gb/s links; the
+packing itself costs little on a 4x3090 Ti replica (8.7 requests/s sustained for the coding trace's lengths
+against 8.8 at the mean).
 
 The replica batches at most `slots` requests at once (ThunderServeOptions.max_batch, vLLM's max_num_seqs).
 Event by event over the sample, a few milliseconds; the planner remembers each layout's results.
