@@ -106,7 +106,15 @@ def first_token_s(curve: StationCurve, sample: LengthSample, load: float) -> Arr
     arrivals = sample.arrivals / load
     reach = arrivals
     for service in curve.at(sample.inputs):
-        before = np.concatenate(([0.0], np.cumsum(service)[:-1]))  # S_k(n - 1)
-        reach = before + service + np.maximum.accumulate(reach - before)
+        reach = fifo_departures(reach, service)
     out: Array = reach - arrivals
+    return out
+
+
+def fifo_departures(reach: Array, service: Array) -> Array:
+    """When each job leaves a first-come-first-served server it reaches at `reach` (in job order) and that serves
+    it in `service`: S(n) + max over m <= n of (reach(m) - S(m - 1)), S the prefix sums of `service` (module
+    docstring). The prefill stations here and the hand-off links (`slo.link_queues`) are such servers."""
+    before = np.concatenate(([0.0], np.cumsum(service)[:-1]))  # S(n - 1)
+    out: Array = before + service + np.maximum.accumulate(reach - before)
     return out

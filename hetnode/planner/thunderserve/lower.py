@@ -90,10 +90,13 @@ class LowerLevel:
     _waits: dict[tuple[tuple[int, ...], float, float], Array] = field(default_factory=dict)
     slo: Slo = field(init=False)
     sample: LengthSample = field(init=False)
+    # the KV each sampled request holds on average while it decodes: its prompt and half its output
+    need: Array = field(init=False)
 
     def __post_init__(self) -> None:
         self.slo = slo_for(self.model, self.options)
         self.sample = length_sample(self.options.traffic, self.options.seed)
+        self.need = self.sample.inputs + self.sample.outputs / 2
 
     def configured(self, group: Group) -> Configured | None:
         key = (group.gpus, group.role)
@@ -199,7 +202,7 @@ class LowerLevel:
         gpus = decode.layout.gpus
         if gpus not in self._sustained:
             perf, sample = decode.performance, self.sample
-            self._sustained[gpus] = sustained(self._need(), sample.outputs * perf.tpot[-1][1], perf.kv_tokens,
+            self._sustained[gpus] = sustained(self.need, sample.outputs * perf.tpot[-1][1], perf.kv_tokens,
                                               self.options.max_batch)
         return self._sustained[gpus]
 
@@ -215,13 +218,9 @@ class LowerLevel:
             else:
                 arrivals = sample.arrivals / load
                 hold = sample.outputs * decode_tpot(perf, load, self.options.traffic.output_len) * residency
-                self._waits[key] = room_at(arrivals, self._need(), hold, perf.kv_tokens,
+                self._waits[key] = room_at(arrivals, self.need, hold, perf.kv_tokens,
                                            self.options.max_batch) - arrivals
         return self._waits[key]
-
-    def _need(self) -> Array:
-        """The KV each sampled request holds on average while it decodes: its prompt and half its output."""
-        return self.sample.inputs + self.sample.outputs / 2
 
     def first_token(self, prefill: Configured, load: float) -> Array:
         """The sample's times to first token on this prefill replica at `load` requests/s (`first_token`)."""

@@ -31,7 +31,7 @@ import numpy.typing as npt
 from hetnode.planner.costmodel import step_time
 from hetnode.planner.devices import parse_device
 from hetnode.planner.model import ModelSpec
-from hetnode.planner.thunderserve.first_token import Array, LengthSample
+from hetnode.planner.thunderserve.first_token import Array, LengthSample, fifo_departures
 from hetnode.planner.thunderserve.gpus import GpuPool
 from hetnode.planner.thunderserve.parallel import Layout, Performance
 from hetnode.planner.thunderserve.settings import ThunderServeOptions
@@ -189,7 +189,5 @@ def link_queues(ready: Array, ratio: Array, handoff: Handoff) -> Array:
     `ratio` times the mean prompt long, has crossed every link of the pair, each link first come first served."""
     done = ready.copy()
     for seconds in handoff.link_seconds:
-        service = seconds * ratio
-        before = np.concatenate(([0.0], np.cumsum(service)[:-1]))
-        done = np.maximum(done, before + service + np.maximum.accumulate(ready - before))
+        done = np.maximum(done, fifo_departures(ready, seconds * ratio))
     return done
