@@ -864,4 +864,5 @@ class Deployment:
                 "history": self.history, "scaling": self.scaling,
                 "workload": {"window_s": mix.window_s, "arrivals": mix.arrivals, "finished": mix.finished,
                              "rate": mix.rate, "mean_input": mix.mean_input, "mean_output": mix.mean_output,
+                             "input_cv": mix.input_cv, "output_cv": mix.output_cv,
                              "planned_for": list(self.workload.baseline), "planned_rate": self.workload.rate}}

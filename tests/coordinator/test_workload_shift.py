@@ -57,6 +57,7 @@ def test_a_shift_of_the_mix_replans_a_split_deployment_for_it(tiny_model: Path, 
         await feed(d, 70, 3000, 40)  # a window later, again for the new mix alone
         shown = d.to_json()["workload"]
         assert shown["mean_input"] == pytest.approx(3000) and shown["rate"] == pytest.approx(1.0, rel=0.1)  # type: ignore[index]
+        assert shown["input_cv"] == 0.0  # type: ignore[index]  # every prompt the same length here
         if shift:
             assert d.planning.split_workload == (3000, 40)
             assert shown["planned_for"] == [3000, 40]  # type: ignore[index]
