@@ -569,11 +569,12 @@ class Deployment:
         reschedule of the plan in use instead (§3.4: surviving groups keep their layers, phases may flip), unless
         no group of it survives or a node it does not know has joined."""
         prompt, output = self.planning.split_workload
-        mix = self.workload.mix(trio.current_time())
-        rate = mix.rate or _RATE_UNSEEN
+        now = trio.current_time()
+        rate = self.workload.mix(now).rate or _RATE_UNSEEN
         # The lengths' spread as the window has seen it (none seen: every request of the configured lengths)
-        traffic = Traffic(input_len=prompt, output_len=max(1, output), rate=rate, input_cv=mix.input_cv,
-                          output_cv=mix.output_cv)
+        input_cv, output_cv = self.workload.spread(now)
+        traffic = Traffic(input_len=prompt, output_len=max(1, output), rate=rate, input_cv=input_cv,
+                          output_cv=output_cv)
         options = ThunderServeOptions(traffic=traffic, slo_s=self.planning.slo_s)
         self.workload.planned_at(rate)  # a shift of the arrival rate is judged against this one from now on
         current = self.plan.placement if self.plan is not None else None
@@ -858,11 +859,13 @@ class Deployment:
         return f"plan {self.plan.version} waits for {', '.join(waiting)}" + (f" ({failed})" if failed else "")
 
     def to_json(self) -> dict[str, object]:
-        mix = self.workload.mix(trio.current_time())
+        now = trio.current_time()
+        mix = self.workload.mix(now)
+        input_cv, output_cv = self.workload.spread(now)
         return {"model": self.model, "num_layers": self.model_config.num_layers,
                 "plan": self.plan.to_json() if self.plan else None, "problem": self.problem,
                 "history": self.history, "scaling": self.scaling,
                 "workload": {"window_s": mix.window_s, "arrivals": mix.arrivals, "finished": mix.finished,
                              "rate": mix.rate, "mean_input": mix.mean_input, "mean_output": mix.mean_output,
-                             "input_cv": mix.input_cv, "output_cv": mix.output_cv,
+                             "input_cv": input_cv, "output_cv": output_cv,
                              "planned_for": list(self.workload.baseline), "planned_rate": self.workload.rate}}

@@ -18,7 +18,7 @@ Pure: every call passes `now`.
 
 from __future__ import annotations
 
-import math
+import statistics
 from collections import deque
 from dataclasses import dataclass
 
@@ -31,10 +31,6 @@ class WorkloadMix:
     mean_input: float
     mean_output: float
     window_s: float
-    # standard deviation over mean of the window's prompt and output lengths (0 with fewer than two): what the
-    # ThunderServe planner's D sees of the spread (planner/thunderserve/first_token.py)
-    input_cv: float = 0.0
-    output_cv: float = 0.0
 
 
 class WorkloadMonitor:
@@ -77,8 +73,14 @@ class WorkloadMonitor:
         return WorkloadMix(arrivals=len(inputs), finished=len(outputs),
                            rate=len(inputs) / span if span > 0 else 0.0,
                            mean_input=sum(inputs) / len(inputs) if inputs else 0.0,
-                           mean_output=sum(outputs) / len(outputs) if outputs else 0.0, window_s=self.window_s,
-                           input_cv=_cv(inputs), output_cv=_cv(outputs))
+                           mean_output=sum(outputs) / len(outputs) if outputs else 0.0, window_s=self.window_s)
+
+    def spread(self, now: float) -> tuple[float, float]:
+        """The standard deviation over the mean of the window's prompt and of its output lengths (0 with fewer
+        than two): what the ThunderServe planner's D sees of the spread (planner/thunderserve/first_token.py).
+        Apart from `mix`, which every arrival's shift check reads: only a plan and a report need it."""
+        self._trim(now)
+        return _cv([n for _, n in self._inputs]), _cv([n for _, n in self._outputs])
 
     def shifted(self, now: float) -> str:
         """Why the window's mix is no longer the baseline's ('' while it is, or while the window holds too few
@@ -125,5 +127,5 @@ class WorkloadMonitor:
 def _cv(values: list[int]) -> float:
     if len(values) < 2:
         return 0.0
-    mean = sum(values) / len(values)
-    return math.sqrt(sum((v - mean) ** 2 for v in values) / len(values)) / mean if mean > 0 else 0.0
+    mean = statistics.fmean(values)
+    return statistics.pstdev(values, mean) / mean if mean > 0 else 0.0

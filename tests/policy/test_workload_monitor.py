@@ -26,16 +26,16 @@ def test_the_window_reports_its_mix_and_forgets_what_is_older() -> None:
     mix = m.mix(t)
     assert mix.mean_input == pytest.approx(2000) and mix.mean_output == pytest.approx(50)
     assert mix.rate == pytest.approx(2.0, rel=0.05)
-    assert (mix.input_cv, mix.output_cv) == (0.0, 0.0)  # every length the same
+    assert m.spread(t) == (0.0, 0.0)  # every length the same
 
 
 def test_the_window_reports_how_much_lengths_spread() -> None:
     m = WorkloadMonitor((750, 240), window_s=60, min_requests=10)
-    assert m.mix(0.0).input_cv == 0.0
+    assert m.spread(0.0) == (0.0, 0.0)
     t = feed(m, 0.0, 20, 1.0, 100, 10)
     t = feed(m, t, 20, 1.0, 300, 30)
-    mix = m.mix(t)
-    assert mix.input_cv == pytest.approx(0.5) and mix.output_cv == pytest.approx(0.5)  # sd 100 over mean 200
+    assert m.spread(t) == pytest.approx((0.5, 0.5))  # sd 100 over mean 200
+    assert m.spread(t + 200) == (0.0, 0.0)  # the window forgets
 
 
 def test_a_shift_is_reported_against_the_baseline_until_rebased() -> None:
